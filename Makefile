@@ -1,0 +1,45 @@
+# Two commands for a fresh machine (Python 3.11, gcc, pip's registry):
+#   make demo   — the seeds' configuration end to end, with shapes recorded from the run
+#   make test   — the whole test suite
+# Both create .venv when missing and install what they need (torch pinned to the CPU build).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_PIN := torch==2.13.0
+EXTRAS := dev,viz,hf
+STAMP  := $(VENV)/.mha-installed
+
+.PHONY: demo test lint bench build install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mha demo
+
+test: $(STAMP)
+	$(VENV)/bin/mha build
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+build: $(STAMP)
+	$(VENV)/bin/mha build
+
+# Benchmarks run with the environment's OpenBLAS overrides removed (numpy's AVX-512 kernels).
+bench: $(STAMP)
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,26 @@
+"""mha — multi-head attention, exact to the seeds' math, fast on the CPU, easy to look inside.
+
+Shape legend used throughout: B batch, h query heads, h_kv key/value heads, Tq/Tk query/key
+lengths, d_k query/key head dim, d_v value head dim, d_model model width.
+
+Public API:
+    attention(q, k, v, *, mask, causal, key_lengths, scale, dropout_p, return_weights, backend)
+    explain(q, k, v, **kwargs)           every backend's verdict, in words
+    MultiHeadAttention(d_model, num_heads, ...)
+    trace(module, x)                     shapes recorded from a real run
+    reference                            the seeds' per-head loop (the test oracle)
+"""
+
+from __future__ import annotations
+
+from mha import reference
+from mha.dispatch import BackendError
+from mha.functional import attention, explain
+from mha.masks import MaskSpec, causal_mask
+from mha.module import MultiHeadAttention
+from mha.trace import trace
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "explain", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
+           "reference", "BackendError", "__version__"]

@@ -1,0 +1,33 @@
+"""The backends, one file each, in dispatch order (first capable backend wins).
+
+Each module exposes ``BACKEND`` (a :class:`mha.backends.base.Backend`). ``flash_cpu`` is the
+native kernel (``mha/csrc``); it is listed first and rejects calls it cannot serve, with reasons.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from mha.backends.base import AttentionCall, Backend, Capabilities
+
+# Dispatch order. Modules are imported lazily so a broken optional backend cannot break import.
+ORDER = ("flash_cpu", "sdpa", "math", "reference")
+
+_loaded: dict[str, Backend] = {}
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name`` (ValueError naming the known backends otherwise)."""
+    if name not in ORDER:
+        raise ValueError(f"backend: unknown backend {name!r}; known backends: {', '.join(ORDER)}")
+    if name not in _loaded:
+        _loaded[name] = importlib.import_module(f"mha.backends.{name}").BACKEND
+    return _loaded[name]
+
+
+def all_backends() -> list[Backend]:
+    """Every backend, in dispatch order."""
+    return [get(n) for n in ORDER]
+
+
+__all__ = ["AttentionCall", "Backend", "Capabilities", "ORDER", "get", "all_backends"]

@@ -1,0 +1,146 @@
+"""What a backend is: its capabilities as data, and the one call it serves.
+
+Shape legend: B batch, h query heads, h_kv key/value heads (h_kv divides h), Tq query length,
+Tk key length, d_k query/key head dim, d_v value head dim.
+
+Dispatch derives every rejection reason from :class:`Capabilities` (plus an optional
+backend-specific check), so the same table drives ``mha.explain``, forced backends and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mha.masks import MaskSpec
+
+ALL_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated attention call. q ``(B, h, Tq, d_k)``, k ``(B, h_kv, Tk, d_k)``,
+    v ``(B, h_kv, Tk, d_v)``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    masks: MaskSpec
+    scale: float
+    dropout_p: float = 0.0
+    return_weights: bool = False
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def h_kv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def Tq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def Tk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def d_k(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def d_v(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+    def describe(self) -> str:
+        """One line naming the inputs, for error messages."""
+        kinds = ",".join(sorted(self.masks.kinds)) or "none"
+        return (f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
+                f"{self.dtype}, {self.device.type}, masks={kinds}, dropout_p={self.dropout_p}, "
+                f"return_weights={self.return_weights}, grad={self.needs_grad}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve, as data. ``None`` on a limit means "no limit"."""
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    mask_kinds: frozenset[str] = ALL_MASK_KINDS
+    min_head_dim: int | None = None
+    max_head_dim: int | None = None
+    gqa: bool = True  # h_kv < h without the caller repeating K/V
+    different_v_dim: bool = True  # d_v != d_k
+    dropout: bool = False
+    weights: bool = False  # can return the (B, h, Tq, Tk) attention weights
+    grad: bool = True
+
+
+@dataclass
+class Backend:
+    """A backend: a name, its capabilities, and a forward function.
+
+    ``forward(call) -> (out (B, h, Tq, d_v), weights (B, h, Tq, Tk) or None)``.
+    ``unavailable`` returns a reason when the backend cannot run at all here (e.g. its native
+    build failed); ``extra_reasons`` adds checks that the capability table cannot express.
+    """
+
+    name: str
+    caps: Capabilities
+    forward: Callable[[AttentionCall], tuple[torch.Tensor, torch.Tensor | None]]
+    summary: str = ""
+    unavailable: Callable[[], str | None] = field(default=lambda: None)
+    extra_reasons: Callable[[AttentionCall], list[str]] = field(default=lambda call: [])
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Every reason, in words, why this backend cannot serve ``call`` (empty: it can)."""
+        c = self.caps
+        reasons: list[str] = []
+        why = self.unavailable()
+        if why:
+            return [why]
+        if call.device.type not in c.devices:
+            reasons.append(f"device {call.device.type} not supported (supports {sorted(c.devices)})")
+        if call.dtype not in c.dtypes:
+            names = sorted(str(d).replace("torch.", "") for d in c.dtypes)
+            reasons.append(f"dtype {str(call.dtype).replace('torch.', '')} not supported "
+                           f"(supports {names})")
+        for kind in sorted(call.masks.kinds - c.mask_kinds):
+            reasons.append(f"mask kind '{kind}' not supported")
+        hd = max(call.d_k, call.d_v)
+        if c.max_head_dim is not None and hd > c.max_head_dim:
+            reasons.append(f"head dim {hd} > {c.max_head_dim}")
+        if c.min_head_dim is not None and min(call.d_k, call.d_v) < c.min_head_dim:
+            reasons.append(f"head dim {min(call.d_k, call.d_v)} < {c.min_head_dim}")
+        if not c.gqa and call.h_kv != call.h:
+            reasons.append(f"grouped K/V heads (h={call.h}, h_kv={call.h_kv}) not supported")
+        if not c.different_v_dim and call.d_v != call.d_k:
+            reasons.append(f"d_v={call.d_v} != d_k={call.d_k} not supported")
+        if not c.dropout and call.dropout_p > 0:
+            reasons.append("dropout not supported")
+        if not c.weights and call.return_weights:
+            reasons.append("cannot return attention weights")
+        if not c.grad and call.needs_grad:
+            reasons.append("no backward pass (inputs require grad)")
+        reasons.extend(self.extra_reasons(call))
+        return reasons

@@ -1,0 +1,46 @@
+"""Backend ``math``: all heads at once with batched matmuls (seed 004, Steps 4–5).
+
+Shape legend: B batch, h heads, h_kv K/V heads, g = h // h_kv, Tq/Tk lengths, d_k/d_v dims.
+GQA is served without repeating K/V: the query heads of a group are folded into the query
+length, so each K/V head is read by one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.masks import open_empty_rows
+
+
+def _forward(call: AttentionCall):
+    q, k, v = call.q, call.k, call.v
+    B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
+    g = h // h_kv
+    qg = q.reshape(B, h_kv, g * Tq, call.d_k)  # (B, h, Tq, d_k) -> (B, h_kv, g*Tq, d_k)
+    scores = (qg @ k.transpose(-2, -1)) * call.scale  # (B, h_kv, g*Tq, Tk)
+    scores = scores.view(B, h, Tq, Tk)  # (B, h_kv, g*Tq, Tk) -> (B, h, Tq, Tk)
+    allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
+    row_has_key = None
+    if allowed is not None:
+        allowed, row_has_key = open_empty_rows(allowed)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (B, h, Tq, Tk)
+    if row_has_key is not None:
+        weights = weights * row_has_key  # fully masked query rows: zero weights, zero output
+    used = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
+    used = used.reshape(B, h_kv, g * Tq, Tk)  # (B, h, Tq, Tk) -> (B, h_kv, g*Tq, Tk)
+    out = (used @ v).view(B, h, Tq, call.d_v)  # (B, h_kv, g*Tq, d_v) -> (B, h, Tq, d_v)
+    return out, (weights if call.return_weights else None)
+
+
+BACKEND = Backend(
+    name="math",
+    summary="batched matmul + softmax (seed 004); returns weights; materializes (Tq, Tk)",
+    caps=Capabilities(
+        devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+        dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        dropout=True, weights=True, grad=True,
+    ),
+    forward=_forward,
+)

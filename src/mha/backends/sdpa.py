@@ -1,0 +1,44 @@
+"""Backend ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``.
+
+Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
+Pure causal calls use SDPA's own ``is_causal`` when Tq == Tk (its alignment is top-left, which
+equals ours only then); everything else passes the materialized bool mask (True = may attend,
+SDPA's polarity too). Fully masked query rows are opened before SDPA and zeroed after, so the
+output is zero and the gradients finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.masks import open_empty_rows
+
+
+def _forward(call: AttentionCall):
+    B, h, Tq, Tk = call.B, call.h, call.Tq, call.Tk
+    kwargs = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.h_kv != call.h)
+    if call.masks.kinds == {"causal"} and Tq == Tk:
+        return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=True,
+                                              **kwargs), None
+    allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
+    row_has_key = None
+    if allowed is not None:
+        allowed, row_has_key = open_empty_rows(allowed)
+    out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=allowed, **kwargs)
+    if row_has_key is not None:
+        out = out * row_has_key  # (B|1, h|1, Tq, 1): fully masked rows -> zeros
+    return out, None  # (B, h, Tq, d_v)
+
+
+BACKEND = Backend(
+    name="sdpa",
+    summary="torch.nn.functional.scaled_dot_product_attention",
+    caps=Capabilities(
+        devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+        dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        dropout=True, weights=False, grad=True,
+    ),
+    forward=_forward,
+)

@@ -1,0 +1,109 @@
+"""Validation at the boundary: small ``check_*`` helpers whose errors name the argument, the
+expected shape in the seeds' notation and what was received.
+
+Shape legend: B batch, h query heads, h_kv key/value heads, Tq/Tk lengths, d_k/d_v head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tensor(name: str, t, ndim: int, expected: str) -> None:
+    """``t`` is a floating tensor of ``ndim`` dims (TypeError / ValueError otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, "
+                        f"got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), "
+                        f"got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {expected} ({ndim} dims), "
+                         f"got {tuple(t.shape)} ({t.dim()} dims)")
+
+
+def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """All tensors share one dtype and one device."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        got = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors, strict=True))
+        raise TypeError(f"{', '.join(names)} must share one dtype, got {got}")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
+        raise ValueError(f"{', '.join(names)} must be on one device, got {got}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q ``(B, h, Tq, d_k)``, k ``(B, h_kv, Tk, d_k)``, v ``(B, h_kv, Tk, d_v)``, h_kv | h."""
+    check_tensor("q", q, 4, "(B, h, Tq, d_k)")
+    check_tensor("k", k, 4, "(B, h_kv, Tk, d_k)")
+    check_tensor("v", v, 4, "(B, h_kv, Tk, d_v)")
+    check_same(("q", "k", "v"), (q, k, v))
+    B, h, _, d_k = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"q, k, v must share the batch size B: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[3] != d_k:
+        raise ValueError(f"k must have shape (B, h_kv, Tk, d_k) with d_k={d_k} as in q "
+                         f"(B, h, Tq, d_k) = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must have the same heads and length: k (B, h_kv, Tk, d_k) = "
+                         f"{tuple(k.shape)}, v (B, h_kv, Tk, d_v) = {tuple(v.shape)}")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
+                         f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+
+
+def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
+    """A bool mask broadcastable to ``(B, h, Tq, Tk)``; returned as a 4-D view."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a bool torch.Tensor broadcastable to (B, h, Tq, Tk) = "
+                        f"{(B, h, Tq, Tk)}, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}; "
+                        "convert an additive float mask with `mask = bias == 0`")
+    if mask.device != device:
+        raise ValueError(f"mask must be on {device} like q, got {mask.device}")
+    if mask.dim() > 4:
+        raise ValueError(f"mask must be broadcastable to (B, h, Tq, Tk) = {(B, h, Tq, Tk)}, "
+                         f"got {tuple(mask.shape)}")
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    for got, want in zip(m.shape, (B, h, Tq, Tk), strict=True):
+        if got not in (1, want):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} is not broadcastable to "
+                             f"(B, h, Tq, Tk) = {(B, h, Tq, Tk)}")
+    return m
+
+
+def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> torch.Tensor:
+    """An integer tensor ``(B,)`` with ``0 <= key_lengths[b] <= Tk``; returned as int64."""
+    if not isinstance(key_lengths, torch.Tensor):
+        key_lengths = torch.as_tensor(key_lengths, device=device)
+    if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool:
+        raise TypeError(f"key_lengths must be an integer tensor (B,) = ({B},), "
+                        f"got {key_lengths.dtype}")
+    if key_lengths.shape != (B,):
+        raise ValueError(f"key_lengths must have shape (B,) = ({B},), got {tuple(key_lengths.shape)}")
+    if key_lengths.device != device:
+        raise ValueError(f"key_lengths must be on {device} like q, got {key_lengths.device}")
+    if B and (int(key_lengths.min()) < 0 or int(key_lengths.max()) > Tk):
+        raise ValueError(f"key_lengths must lie in [0, Tk={Tk}], got {key_lengths.tolist()}")
+    return key_lengths.to(torch.int64)
+
+
+def check_scalar(name: str, value, *, low: float, high: float | None = None,
+                 high_open: bool = False) -> float:
+    """A real number in ``[low, high]`` (``[low, high)`` when ``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if not value >= low or too_high:
+        bound = "" if high is None else (f", {high})" if high_open else f", {high}]")
+        raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'}, got {value}")
+    return value

@@ -1,0 +1,91 @@
+"""``mha.attention``: scaled dot-product attention over heads, validated, then dispatched.
+
+Shape legend: B batch, h query heads, h_kv key/value heads (h_kv divides h: GQA/MQA),
+Tq query length, Tk key length, d_k query/key head dim, d_v value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mha import dispatch, trace
+from mha.backends.base import AttentionCall
+from mha.checks import check_key_lengths, check_mask, check_qkv, check_scalar
+from mha.masks import MaskSpec
+
+
+def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
+              causal: bool = False, key_lengths=None, scale: float | None = None,
+              dropout_p: float = 0.0, return_weights: bool = False) -> AttentionCall:
+    """Validate the arguments of :func:`attention` and bundle them into one call."""
+    check_qkv(q, k, v)
+    B, h, Tq, d_k = q.shape
+    Tk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
+    kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
+    scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
+    dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
+    return AttentionCall(q, k, v, MaskSpec(causal, kl, m), scale, dropout_p, bool(return_weights))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
+              causal: bool = False, key_lengths=None, scale: float | None = None,
+              dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None):
+    """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
+
+    Args:
+        q: ``(B, h, Tq, d_k)`` queries.
+        k: ``(B, h_kv, Tk, d_k)`` keys; ``h_kv`` divides ``h`` (query head ``i`` reads K/V
+            head ``i // (h // h_kv)``; h_kv = 1 is multi-query attention). K/V are not repeated.
+        v: ``(B, h_kv, Tk, d_v)`` values; ``d_v`` may differ from ``d_k``.
+        mask: bool, broadcastable to ``(B, h, Tq, Tk)``, **True = may attend**.
+        causal: query ``i`` sees keys ``j <= i + Tk - Tq`` — aligned to the bottom right, so
+            the last query sees every key. For Tq=2, Tk=5 (rows are queries)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+        key_lengths: ``(B,)`` integers, the number of real keys per batch row (padding last).
+        scale: multiplies the scores; None means ``1 / sqrt(d_k)``.
+        dropout_p: dropout on the attention weights (training); 0 means none.
+        return_weights: also return the softmax weights ``(B, h, Tq, Tk)`` (before dropout).
+        backend: force one of ``mha.backends.ORDER``; None picks the first capable one.
+
+    All masks combine with AND. Query rows that may attend no key return zeros (and zero
+    weights), with finite gradients.
+
+    Returns:
+        ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
+    """
+    call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
+                     dropout_p=dropout_p, return_weights=return_weights)
+    if call.Tq == 0 or call.Tk == 0 or call.B == 0:
+        out, weights = _empty(call)
+    else:
+        chosen = dispatch.choose(call, backend)
+        trace.set_backend(chosen.name)
+        out, weights = chosen.forward(call)
+    return (out, weights) if return_weights else out
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dispatch.Explanation:
+    """Every backend's verdict on ``attention(q, k, v, **kwargs)``, with reasons in words.
+
+    ``print(mha.explain(q, k, v, causal=True))`` shows which backend would run and why the
+    others would not.
+    """
+    kwargs.pop("backend", None)
+    return dispatch.verdicts(make_call(q, k, v, **kwargs))
+
+
+def _empty(call: AttentionCall):
+    """Empty sequences or batch: correctly shaped zeros, still attached to the graph."""
+    out = call.q.new_zeros(call.B, call.h, call.Tq, call.d_v)  # (B, h, Tq, d_v)
+    if call.needs_grad:
+        out = out + 0.0 * (call.q.sum() + call.k.sum() + call.v.sum())
+    weights = call.q.new_zeros(call.B, call.h, call.Tq, call.Tk) if call.return_weights else None
+    return out, weights

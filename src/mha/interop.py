@@ -1,0 +1,68 @@
+"""Conversion to and from ``torch.nn.MultiheadAttention`` (both of its weight layouts).
+
+torch packs ``[W^Q; W^K; W^V]`` into ``in_proj_weight`` when kdim == vdim == embed_dim, and
+keeps ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` otherwise. Both store weights in
+nn.Linear layout ``(out_features, in_features)``, like mha. torch's masks use the opposite
+polarity (True = masked); mha's are True = may attend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mha.module import MultiHeadAttention
+
+
+def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
+    """An mha module with the weights of ``m`` (which may be batch_first or not)."""
+    if not isinstance(m, nn.MultiheadAttention):
+        raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
+    if m.bias_k is not None or m.add_zero_attn:
+        raise ValueError("from_torch: add_bias_kv and add_zero_attn have no mha equivalent")
+    ref = m.out_proj.weight
+    out = MultiHeadAttention(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
+                             bias=m.in_proj_bias is not None, dropout=m.dropout,
+                             device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:
+            W = m.in_proj_weight
+        else:
+            W = torch.cat([m.q_proj_weight, m.k_proj_weight, m.v_proj_weight], dim=0)
+        cuts = (0, out.q_width, out.q_width + out.k_width, W.shape[0])
+        for (w, b), lo, hi in zip(out.projection_weights(), cuts[:-1], cuts[1:], strict=True):
+            w.copy_(W[lo:hi])  # (width, in)
+            if b is not None:
+                b.copy_(m.in_proj_bias[lo:hi])
+        out.out_proj.weight.copy_(m.out_proj.weight)
+        if out.out_proj.bias is not None:
+            out.out_proj.bias.copy_(m.out_proj.bias)
+    return out.train(m.training)
+
+
+def to_torch(m: MultiHeadAttention) -> nn.MultiheadAttention:
+    """A ``nn.MultiheadAttention(batch_first=True)`` with the weights of ``m``."""
+    if (m.num_kv_heads != m.num_heads or m.head_dim * m.num_heads != m.d_model
+            or m.v_head_dim != m.head_dim):
+        raise ValueError("to_torch: torch.nn.MultiheadAttention needs num_kv_heads == num_heads "
+                         "and head_dim == v_head_dim == d_model / num_heads; got "
+                         f"num_heads={m.num_heads}, num_kv_heads={m.num_kv_heads}, "
+                         f"head_dim={m.head_dim}, v_head_dim={m.v_head_dim}, d_model={m.d_model}")
+    ref = m.out_proj.weight
+    t = nn.MultiheadAttention(m.d_model, m.num_heads, dropout=m.dropout,
+                              bias=m.out_proj.bias is not None, kdim=m.kdim, vdim=m.vdim,
+                              batch_first=True, device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        (wq, bq), (wk, bk), (wv, bv) = m.projection_weights()
+        if t._qkv_same_embed_dim:
+            t.in_proj_weight.copy_(torch.cat([wq, wk, wv], dim=0))  # (3*d_model, d_model)
+        else:
+            t.q_proj_weight.copy_(wq)
+            t.k_proj_weight.copy_(wk)
+            t.v_proj_weight.copy_(wv)
+        if t.in_proj_bias is not None:
+            t.in_proj_bias.copy_(torch.cat([bq, bk, bv]))
+        t.out_proj.weight.copy_(m.out_proj.weight)
+        if t.out_proj.bias is not None:
+            t.out_proj.bias.copy_(m.out_proj.bias)
+    return t.train(m.training)

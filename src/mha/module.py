@@ -1,0 +1,254 @@
+"""``mha.MultiHeadAttention``: the seeds' module, (B, T, d_model) in and out.
+
+Shape legend: B batch, Tq/Tk query/key lengths, d_model model width, h query heads,
+h_kv key/value heads (h_kv divides h), d_k query/key head dim, d_v value head dim,
+kdim/vdim the widths of the key/value inputs (d_model unless cross-attending other widths).
+
+The fast path projects Q, K and V with one GEMM (packed weight) for self-attention, splits the
+heads, calls :func:`mha.attention`, merges the heads and applies W_O. The seed-000 view — one
+independent ``W_i^Q, W_i^K, W_i^V`` of shape ``(d_model, d_k)`` per head — is available through
+:meth:`MultiHeadAttention.per_head_weights` and :func:`mha.reference.multi_head_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mha import trace
+from mha.checks import check_same, check_tensor
+from mha.functional import attention
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: ``Concat(head_1..head_h) W_O`` with
+    ``head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i``.
+
+    Args:
+        d_model: model width (input and output).
+        num_heads: h, the number of query heads.
+        num_kv_heads: h_kv, key/value heads (GQA; 1 = MQA). Default h.
+        head_dim: d_k. Default ``d_model // num_heads`` (then d_model must divide evenly).
+        v_head_dim: d_v. Default d_k.
+        kdim, vdim: widths of the key and value inputs. Default d_model.
+        bias: biases on the four projections.
+        dropout: dropout on the attention weights while training.
+
+    Parameters: ``in_proj`` (packed ``[W^Q; W^K; W^V]``, when kdim == vdim == d_model) or
+    ``q_proj``/``k_proj``/``v_proj``; and ``out_proj`` (W_O). Like ``nn.Linear``, weights are
+    stored ``(out_features, in_features)``; the seeds' ``W`` of ``X W`` is their transpose.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, v_head_dim: int | None = None,
+                 kdim: int | None = None, vdim: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, device=None, dtype=None) -> None:
+        super().__init__()
+        _check_positive_int("d_model", d_model)
+        _check_positive_int("num_heads", num_heads)
+        if head_dim is None and d_model % num_heads != 0:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads} "
+                             f"(d_k = d_model / h, seed 000), or pass head_dim explicitly")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads} (each K/V head serves h/h_kv query heads)")
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim = d_model // num_heads if head_dim is None else head_dim
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
+        _check_positive_int("head_dim", self.head_dim)
+        _check_positive_int("v_head_dim", self.v_head_dim)
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
+        _check_positive_int("kdim", self.kdim)
+        _check_positive_int("vdim", self.vdim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        q_w, k_w, v_w = self.q_width, self.k_width, self.v_width
+        self.packed = self.kdim == d_model and self.vdim == d_model
+        if self.packed:
+            self.in_proj = nn.Linear(d_model, q_w + k_w + v_w, **kw)  # [W^Q; W^K; W^V]
+        else:
+            self.q_proj = nn.Linear(d_model, q_w, **kw)
+            self.k_proj = nn.Linear(self.kdim, k_w, **kw)
+            self.v_proj = nn.Linear(self.vdim, v_w, **kw)
+        self.out_proj = nn.Linear(num_heads * self.v_head_dim, d_model, **kw)  # W_O
+
+    # Widths of the projected Q, K, V (derived, not stored).
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim  # h * d_k
+
+    @property
+    def k_width(self) -> int:
+        return self.num_kv_heads * self.head_dim  # h_kv * d_k
+
+    @property
+    def v_width(self) -> int:
+        return self.num_kv_heads * self.v_head_dim  # h_kv * d_v
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"v_head_dim={self.v_head_dim}, kdim={self.kdim}, vdim={self.vdim}, "
+                f"dropout={self.dropout}")
+
+    # ----------------------------------------------------------------------------- projections
+    def projection_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """``((W^Q, b^Q), (W^K, b^K), (W^V, b^V))`` in nn.Linear layout (views, no copies)."""
+        if not self.packed:
+            return tuple((p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
+        W, b = self.in_proj.weight, self.in_proj.bias
+        cuts = (0, self.q_width, self.q_width + self.k_width,
+                self.q_width + self.k_width + self.v_width)
+        return tuple((W[lo:hi], None if b is None else b[lo:hi])
+                     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True))
+
+    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                self_attention: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V before the head split: ``(B, Tq, h*d_k)``, ``(B, Tk, h_kv*d_k)``,
+        ``(B, Tk, h_kv*d_v)``. Self-attention with the packed weight is one GEMM."""
+        if self.packed and self_attention:
+            qkv = self.in_proj(query)  # (B, T, d_model) -> (B, T, h*d_k + h_kv*d_k + h_kv*d_v)
+            return qkv.split((self.q_width, self.k_width, self.v_width), dim=-1)
+        (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``(B, T, heads*d) -> (B, heads, T, d)`` (seed 004, Step 3)."""
+        B, T, width = x.shape
+        return x.view(B, T, heads, width // heads).transpose(1, 2)  # (B, T, heads, d) -> (B, heads, T, d)
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, h, T, d_v) -> (B, T, h*d_v)``: the concat of seed 004, Step 5."""
+        B, h, T, d_v = x.shape
+        return x.transpose(1, 2).reshape(B, T, h * d_v)  # (B, h, T, d_v) -> (B, T, h*d_v)
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
+                key_lengths=None, need_weights: bool = False, backend: str | None = None):
+        """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
+        to query (self-attention). ``mask``/``causal``/``key_lengths`` as in
+        :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
+        ``(output, weights (B, h, Tq, Tk))`` when ``need_weights``."""
+        self_attention = key is None and value is None
+        if key is None:
+            key = query
+        if value is None:
+            value = key
+        self._check_inputs(query, key, value)
+        rec = trace.active()
+        if rec:
+            trace.record("input", "X", query, "(B, Tq, d_model)")
+        q, k, v = self.project(query, key, value, self_attention)
+        if rec:
+            trace.record("project Q", "Q = X W^Q", q, "(B, Tq, h*d_k)")
+            trace.record("project K", "K = X W^K", k, "(B, Tk, h_kv*d_k)")
+            trace.record("project V", "V = X W^V", v, "(B, Tk, h_kv*d_v)")
+        q = self.split_heads(q, self.num_heads)  # (B, Tq, h*d_k) -> (B, h, Tq, d_k)
+        k = self.split_heads(k, self.num_kv_heads)  # (B, Tk, h_kv*d_k) -> (B, h_kv, Tk, d_k)
+        v = self.split_heads(v, self.num_kv_heads)  # (B, Tk, h_kv*d_v) -> (B, h_kv, Tk, d_v)
+        if rec:
+            trace.record("split heads Q", "reshape + transpose", q, "(B, h, Tq, d_k)")
+            trace.record("split heads K", "reshape + transpose", k, "(B, h_kv, Tk, d_k)")
+            trace.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
+        dropout_p = self.dropout if self.training else 0.0
+        want_weights = need_weights or rec
+        result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
+                           dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+        out, weights = result if want_weights else (result, None)  # (B, h, Tq, d_v)
+        if rec:
+            trace.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
+                         "(B, h, Tq, Tk)")
+            trace.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
+        concat = self.merge_heads(out)  # (B, h, Tq, d_v) -> (B, Tq, h*d_v)
+        y = self.out_proj(concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
+        if rec:
+            trace.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
+            trace.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
+        return (y, weights) if need_weights else y
+
+    def _check_inputs(self, query, key, value) -> None:
+        check_tensor("query", query, 3, "(B, Tq, d_model)")
+        check_tensor("key", key, 3, "(B, Tk, kdim)")
+        check_tensor("value", value, 3, "(B, Tk, vdim)")
+        w = self.out_proj.weight
+        check_same(("query", "key", "value", "module weights"), (query, key, value, w))
+        if query.shape[-1] != self.d_model:
+            raise ValueError(f"query must have shape (B, Tq, d_model) with d_model={self.d_model},"
+                             f" got {tuple(query.shape)}")
+        if key.shape[-1] != self.kdim:
+            raise ValueError(f"key must have shape (B, Tk, kdim) with kdim={self.kdim}, "
+                             f"got {tuple(key.shape)}")
+        if value.shape[-1] != self.vdim:
+            raise ValueError(f"value must have shape (B, Tk, vdim) with vdim={self.vdim}, "
+                             f"got {tuple(value.shape)}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"query (B, Tq, d_model), key (B, Tk, kdim) and value (B, Tk, vdim) "
+                             f"must agree on B and Tk: query {tuple(query.shape)}, "
+                             f"key {tuple(key.shape)}, value {tuple(value.shape)}")
+
+    # ----------------------------------------------------------------------------- seed 000 view
+    def per_head_weights(self) -> dict:
+        """The seed-000 view: independent per-head matrices in the seeds' ``X W`` convention.
+
+        Returns a dict with ``W_q`` (h tensors ``(d_model, d_k)``), ``W_k`` (h_kv tensors
+        ``(kdim, d_k)``), ``W_v`` (h_kv tensors ``(vdim, d_v)``), ``W_o`` ``(h*d_v, d_model)``,
+        and the matching biases ``b_q``, ``b_k``, ``b_v`` (lists) and ``b_o`` (or None).
+        These are copies; load changes with :meth:`load_per_head_weights`.
+        """
+        (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
+        d_k, d_v = self.head_dim, self.v_head_dim
+
+        def heads(W, b, d):  # nn.Linear (heads*d, in) -> heads x (in, d)
+            Ws = [W[i * d:(i + 1) * d].t().detach().clone() for i in range(W.shape[0] // d)]
+            bs = None if b is None else [b[i * d:(i + 1) * d].detach().clone()
+                                         for i in range(W.shape[0] // d)]
+            return Ws, bs
+
+        (W_q, b_q), (W_k, b_k), (W_v, b_v) = heads(wq, bq, d_k), heads(wk, bk, d_k), heads(wv, bv, d_v)
+        b_o = self.out_proj.bias
+        return dict(W_q=W_q, W_k=W_k, W_v=W_v, W_o=self.out_proj.weight.t().detach().clone(),
+                    b_q=b_q, b_k=b_k, b_v=b_v, b_o=None if b_o is None else b_o.detach().clone())
+
+    @torch.no_grad()
+    def load_per_head_weights(self, weights: dict) -> None:
+        """Load the seed-000 per-head matrices (the format of :meth:`per_head_weights`)."""
+        (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
+        for W, b, key in ((wq, bq, "q"), (wk, bk, "k"), (wv, bv, "v")):
+            mats = weights[f"W_{key}"]
+            stacked = torch.cat([m.t() for m in mats], dim=0)  # heads x (in, d) -> (heads*d, in)
+            if stacked.shape != W.shape:
+                raise ValueError(f"W_{key}: expected {W.shape[0] // mats[0].shape[1]} matrices "
+                                 f"making {tuple(W.shape)} in nn.Linear layout, got "
+                                 f"{len(mats)} of {tuple(mats[0].shape)}")
+            W.copy_(stacked)
+            if b is not None:
+                b.copy_(torch.cat(weights[f"b_{key}"]))
+        self.out_proj.weight.copy_(weights["W_o"].t())
+        if self.out_proj.bias is not None:
+            self.out_proj.bias.copy_(weights["b_o"])
+
+    # ----------------------------------------------------------------------------- interop
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`mha.interop`)."""
+        from mha.interop import from_torch
+
+        return from_torch(module)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function."""
+        from mha.interop import to_torch
+
+        return to_torch(self)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
