@@ -1,0 +1,6 @@
+"""Bridges from mha to other libraries. Each lives in its own module and imports its library
+only when used, so ``import mha`` never imports them:
+
+* :mod:`mha.integrations.transformers` — ``attn_implementation="mha"`` in Hugging Face
+  transformers (``register()``), plus the shipped MiniLM encoder (``load_minilm``, ``encode``).
+"""
