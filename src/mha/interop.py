@@ -26,14 +26,15 @@ def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
                              device=ref.device, dtype=ref.dtype)
     with torch.no_grad():
         if m._qkv_same_embed_dim:
-            W = m.in_proj_weight
+            E = m.embed_dim
+            sources = [m.in_proj_weight[i * E:(i + 1) * E] for i in range(3)]  # 3 x (E, E)
         else:
-            W = torch.cat([m.q_proj_weight, m.k_proj_weight, m.v_proj_weight], dim=0)
-        cuts = (0, out.q_width, out.q_width + out.k_width, W.shape[0])
-        for (w, b), lo, hi in zip(out.projection_weights(), cuts[:-1], cuts[1:], strict=True):
-            w.copy_(W[lo:hi])  # (width, in)
+            sources = [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]  # (E, E|kdim|vdim)
+        E = m.embed_dim
+        for i, ((w, b), src) in enumerate(zip(out.projection_weights(), sources, strict=True)):
+            w.copy_(src)
             if b is not None:
-                b.copy_(m.in_proj_bias[lo:hi])
+                b.copy_(m.in_proj_bias[i * E:(i + 1) * E])
         out.out_proj.weight.copy_(m.out_proj.weight)
         if out.out_proj.bias is not None:
             out.out_proj.bias.copy_(m.out_proj.bias)

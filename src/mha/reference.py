@@ -57,6 +57,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     dtype = q.dtype
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
+    if allowed is not None:  # any shape broadcastable to (B, h, Tq, Tk) -> 4-D
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
     h, h_kv = q.shape[1], k.shape[1]
     group = h // h_kv
     outs, weights = [], []
@@ -91,6 +93,8 @@ def multi_head_attention(x_q: torch.Tensor, x_kv: torch.Tensor, *,
         return None if t is None else (t.double() if upcast else t)
 
     x_q, x_kv, W_o, b_o = up(x_q), up(x_kv), up(W_o), up(b_o)
+    if allowed is not None:  # any shape broadcastable to (B, h, Tq, Tk) -> 4-D
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
     h, h_kv = len(W_q), len(W_k)
     group = h // h_kv
     heads, weights = [], []

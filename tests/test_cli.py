@@ -1,0 +1,28 @@
+"""The mha command: demo and shapes run for real and report recorded shapes."""
+
+from __future__ import annotations
+
+import json
+
+from mha.cli import main
+
+
+def test_demo_runs_and_agrees(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps tables to the terminal width
+    assert main(["demo", "--batch", "4", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all paths agree" in out
+    assert "[4, 8, 20, 64]" in out  # (B, h, T, d_k) recorded from the run
+
+
+def test_shapes_json_gqa_dv_cross(capsys):
+    assert main(["shapes", "--batch", "2", "--seq", "3", "--kv-seq", "5", "--d-model", "32",
+                 "--heads", "4", "--kv-heads", "2", "--d-v", "6", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    shapes = {s["step"]: s["shape"] for s in data["steps"]}
+    assert shapes["split heads Q"] == [2, 4, 3, 8]
+    assert shapes["split heads K"] == [2, 2, 5, 8]
+    assert shapes["split heads V"] == [2, 2, 5, 6]
+    assert shapes["attention weights"] == [2, 4, 3, 5]
+    assert shapes["concat heads"] == [2, 3, 24]
+    assert shapes["output"] == [2, 3, 32]
