@@ -14,6 +14,7 @@ Public API:
 from __future__ import annotations
 
 from mha import io, reference
+from mha.cache import KVCache
 from mha.dispatch import BackendError
 from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
@@ -23,4 +24,4 @@ from mha.trace import trace
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
-           "reference", "io", "BackendError", "__version__"]
+           "reference", "io", "BackendError", "KVCache", "__version__"]

@@ -131,11 +131,20 @@ class MultiHeadAttention(nn.Module):
     # ----------------------------------------------------------------------------- forward
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
-                key_lengths=None, need_weights: bool = False, backend: str | None = None):
+                key_lengths=None, need_weights: bool = False, backend: str | None = None,
+                cache=None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
         to query (self-attention). ``mask``/``causal``/``key_lengths`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
-        ``(output, weights (B, h, Tq, Tk))`` when ``need_weights``."""
+        ``(output, weights (B, h, Tq, Tk))`` when ``need_weights``.
+
+        ``cache`` (a :class:`mha.KVCache` from :meth:`new_cache`): incremental decoding. Only
+        the new tokens ``query (B, Tn, d_model)`` are projected; their K/V are appended to the
+        cache in place, and they attend causally (bottom-right per row) to everything cached.
+        Prefill (Tn = prompt length) and single-token steps are the same call. Self-attention
+        only; the cache supplies the masking, so ``mask``/``key_lengths`` must be None."""
+        if cache is not None:
+            _check_cache_call(key, value, mask, key_lengths)
         self_attention = key is None and value is None
         if key is None:
             key = query
@@ -159,8 +168,13 @@ class MultiHeadAttention(nn.Module):
             trace.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
         dropout_p = self.dropout if self.training else 0.0
         want_weights = need_weights or rec
-        result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
-                           dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+        if cache is None:
+            result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
+                               dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+        else:  # append the new K/V in place; undone if attention raises
+            with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
+                result = attention(q, k_all, v_all, dropout_p=dropout_p,
+                                   return_weights=want_weights, backend=backend, **masks)
         out, weights = result if want_weights else (result, None)  # (B, h, Tq, d_v)
         if rec:
             trace.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
@@ -172,6 +186,15 @@ class MultiHeadAttention(nn.Module):
             trace.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
             trace.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
         return (y, weights) if need_weights else y
+
+    def new_cache(self, batch_size: int, max_len: int):
+        """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``
+        keys and ``(.., d_v)`` values, in the dtype and on the device of the weights."""
+        from mha.cache import KVCache
+
+        w = self.out_proj.weight
+        return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, self.v_head_dim,
+                       dtype=w.dtype, device=w.device)
 
     def _check_inputs(self, query, key, value) -> None:
         check_tensor("query", query, 3, "(B, Tq, d_model)")
@@ -247,6 +270,17 @@ class MultiHeadAttention(nn.Module):
         from mha.interop import to_torch
 
         return to_torch(self)
+
+
+def _check_cache_call(key, value, mask, key_lengths) -> None:
+    """With a cache: self-attention, and the cache defines the masking."""
+    if key is not None or value is not None:
+        raise ValueError("cache: a KV cache serves self-attention only (key and value must be "
+                         "None; the cache holds the keys and values)")
+    if mask is not None or key_lengths is not None:
+        raise ValueError("cache: mask and key_lengths must be None with a cache — it attends "
+                         "causally per row over its own lengths (see KVCache.truncate and "
+                         "KVCache.mark_left_padding for padded rows)")
 
 
 def _check_positive_int(name: str, value) -> None:

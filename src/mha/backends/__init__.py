@@ -11,7 +11,7 @@ import importlib
 from mha.backends.base import AttentionCall, Backend, Capabilities
 
 # Dispatch order. Modules are imported lazily so a broken optional backend cannot break import.
-ORDER = ("flash_cpu", "sdpa", "math", "reference")
+ORDER = ("flash_decode", "flash_cpu", "sdpa", "math", "reference")
 
 _loaded: dict[str, Backend] = {}
 

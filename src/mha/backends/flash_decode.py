@@ -1,0 +1,44 @@
+"""Backend ``flash_decode``: the native decode kernel (:mod:`mha.decode`), for Tq <= 16.
+
+Shape legend: B batch, h query heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
+Listed first in dispatch: it serves inference calls with few queries (decoding steps against
+a :class:`mha.KVCache`, small verification windows of speculative decoding) and rejects
+everything else with reasons, so prefill and training go to the next backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha import decode
+from mha.backends.base import AttentionCall, Backend, Capabilities
+
+
+def _forward(call: AttentionCall):
+    m = call.masks
+    out = decode.call_op(call.q, call.k, call.v, key_lengths=m.key_lengths, mask=m.mask,
+                         causal=m.causal, scale=call.scale)
+    return out, None  # (B, h, Tq, d_v)
+
+
+def _extra_reasons(call: AttentionCall) -> list[str]:
+    reasons = []
+    if call.Tq > decode.MAX_TQ:
+        reasons.append(f"query length Tq={call.Tq} > {decode.MAX_TQ} (a decode kernel; "
+                       "prefill goes to the next backend)")
+    return reasons
+
+
+BACKEND = Backend(
+    name="flash_decode",
+    summary="native flash-decoding kernel: Tq <= 16 against long K/V, KV split across threads",
+    caps=Capabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32, torch.bfloat16}),
+        mask_kinds=frozenset({"causal", "key_lengths", "mask"}),
+        gqa=True, different_v_dim=True, dropout=False, weights=False, grad=False,
+    ),
+    forward=_forward,
+    unavailable=decode.unavailable,
+    extra_reasons=_extra_reasons,
+)

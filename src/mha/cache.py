@@ -1,0 +1,253 @@
+"""K/V caches for incremental decoding (seed 002: token t attends tokens 1..t).
+
+Shape legend: B batch, h_kv key/value heads, T_max capacity, Tn new tokens in one call,
+Tk the cached length seen by attention (the longest row), Tq the queries of one call (= Tn),
+d_k / d_v head dims.
+
+:class:`KVCache` is preallocated and written in place: a decoding step copies only the new
+tokens' K/V (``O(Tn * d)``), never the history. :class:`ConcatKVCache` is the textbook
+``torch.cat`` baseline (the whole history copied every step), kept for tests and benchmarks.
+Both serve :meth:`mha.MultiHeadAttention.forward` through the same small protocol::
+
+    with cache.appending(k_new, v_new) as (k_all, v_all, masks):
+        out = mha.attention(q, k_all, v_all, **masks)
+
+Per-row alignment (the choice documented in docs/decoding.md): mha's ``causal`` is bottom-right
+w.r.t. the tensor lengths (Tq, Tk), which is right only when every row holds Tk keys. When rows
+differ (ragged lengths, left padding) the cache passes ``key_lengths`` (keys past a row's end
+are never read by the decode kernel) and, when Tq > 1 or rows start late, a bool mask
+``(B, 1, Tq, Tk)`` (True = may attend) built from its lengths: query ``i`` of row ``b`` sees
+keys ``starts[b] <= j <= lengths[b] - Tq + i``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from mha.checks import check_tensor
+
+
+def _as_rows(name: str, n, B: int, device: torch.device) -> torch.Tensor:
+    """An int or ``(B,)`` integer tensor/sequence -> ``(B,)`` int64 on ``device``."""
+    t = torch.as_tensor(n, device=device)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an int or integers (B,) = ({B},), got {t.dtype}")
+    if t.dim() == 0:
+        t = t.expand(B)
+    if t.shape != (B,):
+        raise ValueError(f"{name} must be an int or have shape (B,) = ({B},), got {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+class KVCache:
+    """Preallocated K/V storage for ``B`` rows, written in place; lengths tracked per row.
+
+    Attributes (the only state):
+        k: ``(B, h_kv, T_max, d_k)`` key storage.
+        v: ``(B, h_kv, T_max, d_v)`` value storage.
+        lengths: ``(B,)`` int64, positions written in each row (the next token goes there).
+        starts: ``(B,)`` int64, the first real position of each row (0 unless left padding
+            was declared with :meth:`mark_left_padding`); earlier positions are never attended.
+
+    Updated in place, and nothing else: :meth:`append` (and the module call, which uses it)
+    writes ``k[b, :, lengths[b]:lengths[b]+Tn]``, ``v[b, :, lengths[b]:lengths[b]+Tn]`` and
+    adds Tn to ``lengths``; :meth:`truncate`, :meth:`reset` and :meth:`mark_left_padding`
+    change only ``lengths`` / ``starts`` (the storage is never copied or reallocated, so
+    ``k.data_ptr()`` is fixed for the cache's life). Everything else (capacity, the views
+    attention reads, the masks) is derived on demand.
+
+    An append that does not fit raises ValueError naming the capacity and changes nothing.
+    Decoding is inference: appending K/V that require grad raises (use ``torch.no_grad()``).
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                          ("max_len", max_len), ("head_dim", head_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        kw = dict(dtype=dtype, device=device)
+        # zeros, not empty: positions past a row's end are inside the (B, h_kv, Tk, d) views
+        # that masked backends multiply by zero weights, and 0 * NaN garbage would be NaN.
+        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, **kw)
+        self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, **kw)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
+        self.starts = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """T_max, the positions each row can hold."""
+        return self.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def max_length(self) -> int:
+        """Tk: the longest row (the length of the views attention reads)."""
+        return int(self.lengths.max()) if self.batch_size else 0
+
+    def __repr__(self) -> str:
+        B, h_kv, T, d_k = self.k.shape
+        return (f"KVCache(B={B}, h_kv={h_kv}, T_max={T}, d_k={d_k}, d_v={self.v.shape[3]}, "
+                f"{str(self.dtype).replace('torch.', '')}, lengths={self.lengths.tolist()})")
+
+    def keys(self) -> torch.Tensor:
+        """``(B, h_kv, Tk, d_k)``: a view of the storage (no copy)."""
+        return self.k[:, :, : self.max_length]
+
+    def values(self) -> torch.Tensor:
+        """``(B, h_kv, Tk, d_v)``: a view of the storage (no copy)."""
+        return self.v[:, :, : self.max_length]
+
+    def positions(self, Tn: int) -> torch.Tensor:
+        """``(B, Tn)`` int64: the positions (counted from each row's start) that the next
+        ``Tn`` appended tokens will take — what a model needs for its position embeddings."""
+        return (self.lengths - self.starts).unsqueeze(1) + torch.arange(Tn, device=self.device)
+
+    def masks(self, Tq: int) -> dict:
+        """The ``mha.attention`` keyword arguments that make the last Tq cached tokens of each
+        row attend causally to that row's own keys (see the module docstring)."""
+        L, S = self.lengths, self.starts
+        uniform = bool((L == L[0]).all()) and not bool(S.any())
+        if uniform:
+            return {"causal": True} if Tq > 1 else {}
+        out: dict = {"key_lengths": L}
+        if Tq > 1 or bool(S.any()):
+            Tk = self.max_length
+            j = torch.arange(Tk, device=self.device)  # (Tk,)
+            i = torch.arange(Tq, device=self.device)  # (Tq,)
+            last = (L - Tq).view(-1, 1, 1) + i.view(1, -1, 1)  # (B, Tq, 1)
+            seen = (j.view(1, 1, -1) <= last) & (j.view(1, 1, -1) >= S.view(-1, 1, 1))  # (B, Tq, Tk)
+            out["mask"] = seen.unsqueeze(1)  # (B, Tq, Tk) -> (B, 1, Tq, Tk)
+        return out
+
+    # ------------------------------------------------------------------ in place
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write ``k_new (B, h_kv, Tn, d_k)`` / ``v_new (B, h_kv, Tn, d_v)`` at each row's end.
+
+        Raises (changing nothing) when they do not fit, or their shape/dtype/device differs.
+        """
+        self._check_new(k_new, v_new)
+        Tn = k_new.shape[2]
+        end = self.lengths + Tn
+        if self.batch_size and int(end.max()) > self.capacity:
+            raise ValueError(f"KVCache is full: appending {Tn} token(s) to rows of lengths "
+                             f"{self.lengths.tolist()} exceeds the capacity T_max={self.capacity}; "
+                             "the cache is unchanged (make it larger with new_cache(batch_size, "
+                             "max_len), or truncate/reset it)")
+        if Tn == 0:
+            return
+        L0 = int(self.lengths[0])
+        if bool((self.lengths == L0).all()):
+            self.k[:, :, L0:L0 + Tn].copy_(k_new)  # (B, h_kv, Tn, d_k) into the storage
+            self.v[:, :, L0:L0 + Tn].copy_(v_new)  # (B, h_kv, Tn, d_v)
+        else:  # ragged rows: one scatter per tensor, still only the new tokens are written
+            pos = self.lengths.view(-1, 1, 1, 1) + torch.arange(Tn, device=self.device).view(
+                1, 1, -1, 1)  # (B, 1, Tn, 1)
+            self.k.scatter_(2, pos.expand_as(k_new), k_new)  # (B, h_kv, Tn, d_k)
+            self.v.scatter_(2, pos.expand_as(v_new), v_new)  # (B, h_kv, Tn, d_v)
+        self.lengths += Tn
+
+    @contextlib.contextmanager
+    def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Append, then yield ``(k_all (B, h_kv, Tk, d_k), v_all, masks)`` for attention over
+        everything cached; if the body raises, the append is undone (lengths restored)."""
+        before = self.lengths.clone()
+        self.append(k_new, v_new)
+        try:
+            yield self.keys(), self.values(), self.masks(k_new.shape[2])
+        except BaseException:
+            self.lengths.copy_(before)
+            raise
+
+    def truncate(self, n) -> None:
+        """Keep the first ``n`` positions (an int, or ``(B,)`` per row) — speculative-decoding
+        rollback, beam pruning, or cutting right padding after a batched prefill. Only
+        ``lengths`` changes; ``n`` may not exceed a row's current length."""
+        n = _as_rows("n", n, self.batch_size, self.device)
+        if bool((n < 0).any()) or bool((n > self.lengths).any()):
+            raise ValueError(f"truncate: n must lie in [0, current length] per row; lengths are "
+                             f"{self.lengths.tolist()}, got n={n.tolist()}")
+        self.lengths.copy_(n)
+
+    def reset(self) -> None:
+        """Forget everything (lengths and starts to 0); the storage is kept, not cleared."""
+        self.lengths.zero_()
+        self.starts.zero_()
+
+    def mark_left_padding(self, n) -> None:
+        """Declare that the first ``n`` positions (int or ``(B,)``) of each row are padding
+        (left-padded prompts): no query attends them, and :meth:`positions` counts from there."""
+        n = _as_rows("n", n, self.batch_size, self.device)
+        if bool((n < 0).any()) or bool((n > self.capacity).any()):
+            raise ValueError(f"mark_left_padding: n must lie in [0, T_max={self.capacity}], "
+                             f"got {n.tolist()}")
+        self.starts.copy_(n)
+
+    def _check_new(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        B, h_kv, _, d_k = self.k.shape
+        d_v = self.v.shape[3]
+        check_tensor("k_new", k_new, 4, f"(B, h_kv, Tn, d_k) = ({B}, {h_kv}, Tn, {d_k})")
+        check_tensor("v_new", v_new, 4, f"(B, h_kv, Tn, d_v) = ({B}, {h_kv}, Tn, {d_v})")
+        if (k_new.shape[:2], k_new.shape[3]) != ((B, h_kv), d_k) or \
+                v_new.shape != (B, h_kv, k_new.shape[2], d_v):
+            raise ValueError(f"KVCache expects k_new (B, h_kv, Tn, d_k) = ({B}, {h_kv}, Tn, {d_k}) "
+                             f"and v_new (B, h_kv, Tn, d_v) = ({B}, {h_kv}, Tn, {d_v}), got "
+                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dtype != self.dtype or t.device != self.device:
+                raise TypeError(f"{name} must be {self.dtype} on {self.device} like the cache, "
+                                f"got {t.dtype} on {t.device}")
+        if torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
+            raise RuntimeError("KVCache is for inference: K/V that require grad cannot be "
+                               "cached in place; decode under torch.no_grad() or "
+                               "torch.inference_mode()")
+
+
+class ConcatKVCache:
+    """The textbook baseline: K/V grown with ``torch.cat`` every step (copies the whole history,
+    ``O(N^2 d)`` bytes over N steps). Same protocol and same math as :class:`KVCache` for
+    equal-length rows; for tests and benchmarks. State: ``k``, ``v`` ``(B, h_kv, T, d)`` or None.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def max_length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def positions(self, Tn: int) -> torch.Tensor:
+        """``(1, Tn)``: the positions the next Tn tokens take (rows are equally long)."""
+        return self.max_length + torch.arange(Tn).unsqueeze(0)
+
+    @contextlib.contextmanager
+    def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Grow by concatenation and yield ``(k_all, v_all, masks)``; undone if the body raises."""
+        before = (self.k, self.v)
+        if self.k is None:
+            self.k, self.v = k_new, v_new
+        else:
+            self.k = torch.cat([self.k, k_new], dim=2)  # (B, h_kv, T + Tn, d_k): copies all
+            self.v = torch.cat([self.v, v_new], dim=2)  # (B, h_kv, T + Tn, d_v)
+        try:
+            yield self.k, self.v, ({"causal": True} if k_new.shape[2] > 1 else {})
+        except BaseException:
+            self.k, self.v = before
+            raise
