@@ -34,12 +34,23 @@ def record(args):
 
 
 def run(args) -> int:
+    import sys
+
     from rich.console import Console
 
-    tr = record(args)
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--kv-seq", args.kv_seq)):
+        if value is not None and value < 1:
+            print(f"mha shapes: {flag} must be a positive int, got {value}", file=sys.stderr)
+            return 2
+    try:
+        tr = record(args)
+    except ValueError as e:  # an impossible configuration: the module's message says why
+        print(f"mha shapes: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(tr.to_json())
     else:
         Console().print(tr.table())
-        print(f"attention backend used for the trace: {tr.backend}")
+        print(f"attention backend used for the trace: {tr.backend} (a trace records the "
+              f"weights, so only backends that return them qualify)")
     return 0
