@@ -1,20 +1,51 @@
-"""Backend ``flash_cpu``: the native CPU kernel (``mha/csrc``). Being written (issue 3)."""
+"""Backend ``flash_cpu``: the native CPU flash-attention kernel (``mha/csrc/flash_attn.cpp``).
+
+Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
+A thin adapter: the capability table says what it serves; the kernel is built on first use
+(:func:`mha.native.load`). When the build fails, one warning gives the reason, the backend
+rejects every call with that reason (``mha.explain`` shows it) and dispatch falls back.
+"""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
-from mha.backends.base import Backend, Capabilities
+from mha.backends.base import AttentionCall, Backend, Capabilities
 
 
-def _forward(call):
-    raise RuntimeError("flash_cpu is not available")
+@functools.cache
+def _unavailable() -> str | None:
+    from mha import _build, native
+
+    try:
+        native.load()
+    except _build.BuildError as e:
+        reason = f"native kernel unavailable ({e})"
+        warnings.warn(f"mha: flash_cpu disabled, falling back to other backends: {reason}",
+                      RuntimeWarning, stacklevel=2)
+        return reason
+    return None
+
+
+def _forward(call: AttentionCall):
+    from mha import native
+
+    m = call.masks
+    out, _ = native.flash_attention(call.q, call.k, call.v, causal=m.causal,
+                                    key_lengths=m.key_lengths, mask=m.mask, scale=call.scale)
+    return out, None  # (B, h, Tq, d_v)
 
 
 BACKEND = Backend(
     name="flash_cpu",
-    summary="native flash-attention kernel for the CPU (AVX-512 / AVX512_BF16)",
-    caps=Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16})),
+    summary="native flash-attention kernel for the CPU (AVX-512 / AVX512_BF16), O(T d) memory",
+    caps=Capabilities(devices=frozenset({"cpu"}),
+                      dtypes=frozenset({torch.float32, torch.bfloat16}),
+                      min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
+                      dropout=False, weights=False, grad=True),
     forward=_forward,
-    unavailable=lambda: "native kernel not built in this version",
+    unavailable=_unavailable,
 )

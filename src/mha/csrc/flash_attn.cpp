@@ -1,0 +1,485 @@
+// CPU flash-attention forward: online softmax over key blocks, O(T d) memory, fp32 and bf16.
+//
+// Shape legend: B batch, h query heads, h_kv key/value heads (g = h / h_kv query heads share
+// one K/V head), Tq/Tk query/key lengths, d_k/d_v head dims. q (B, h, Tq, d_k),
+// k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v), any strides; out (B, h, Tq, d_v) with the memory
+// layout of (B, Tq, h, d_v); lse (B, h, Tq) fp32 natural-log log-sum-exp (-inf: no key).
+//
+// Masks (True = may attend, all combined with AND): causal aligned bottom-right (query i sees
+// keys j <= i + Tk - Tq), key_lengths (B,) (keys j >= key_lengths[b] are padding), and a bool
+// mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims).
+//
+// Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
+// group. The item packs its head's K (transposed) and V once into thread-local buffers, then
+// walks 64-row query blocks; each block streams key blocks of Nb <= 64 keys through
+// S = Q K^T (register tiles), the online-softmax update, and O = alpha O + P V. Key blocks past
+// the last visible key (causal, key_lengths) are never touched. Items are handed out from an
+// atomic counter, costliest first; each item is computed by one thread in a fixed order, so the
+// result does not depend on the thread count or the schedule (bitwise deterministic).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flash_attn_kernels.h"
+
+namespace mha_flash {
+namespace {
+
+constexpr int64_t kRowsPerBlock = 64;  // query rows per block (S, P, O scratch rows)
+constexpr int64_t kMaxKeysPerBlock = 64;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+struct Problem {
+  const T *q, *k, *v;
+  T* out;
+  float* lse;
+  int64_t qs[4], ks[4], vs[4], os[4], ms[4];  // strides; ms is 0 on broadcast mask dims
+  const bool* mask;                            // or nullptr
+  const int64_t* key_lengths;                  // (B,) or nullptr
+  int64_t B, h, hkv, Tq, Tk, dk, dv;
+  float scale;
+  bool causal;
+
+  // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
+  int64_t key_limit(int64_t b, int64_t i) const {
+    int64_t lim = key_lengths ? key_lengths[b] : Tk;
+    if (causal) lim = std::min(lim, i + Tk - Tq + 1);
+    return std::max<int64_t>(lim, 0);
+  }
+};
+
+template <typename E>
+struct Buffer {  // grow-only, 64-byte aligned scratch
+  E* ptr = nullptr;
+  size_t cap = 0;
+  E* get(size_t n) {
+    if (n > cap) {
+      std::free(ptr);
+      ptr = static_cast<E*>(std::aligned_alloc(64, round_up(std::max<size_t>(n, 1) * sizeof(E), 64)));
+      TORCH_CHECK(ptr != nullptr, "flash_attention: out of memory for scratch");
+      cap = n;
+    }
+    return ptr;
+  }
+  ~Buffer() { std::free(ptr); }
+};
+
+template <typename P, typename T>
+inline P pack_elem(T x) {
+  if constexpr (std::is_same_v<P, uint16_t>) return x.x;  // bf16 bits as they are
+  else return static_cast<float>(x);
+}
+
+// Calls f.template run<R>(r0) over `rows` rows in tiles of RMAX rows, then the remainder.
+template <int R, class F>
+struct Remainder {
+  static void go(int rem, int r0, const F& f) {
+    if (rem == R) f.template run<R>(r0);
+    else Remainder<R - 1, F>::go(rem, r0, f);
+  }
+};
+template <class F>
+struct Remainder<0, F> {
+  static void go(int, int, const F&) {}
+};
+template <int RMAX, class F>
+inline void for_row_tiles(int rows, const F& f) {
+  int r0 = 0;
+  for (; r0 + RMAX <= rows; r0 += RMAX) f.template run<RMAX>(r0);
+  if (rows > r0) Remainder<RMAX - 1, F>::go(rows - r0, r0, f);
+}
+
+template <class K, int NV>
+struct QkTile {
+  const typename K::packed_t *q, *kt;
+  int64_t ldq, ldk;
+  int dkp;
+  float* s;
+  int64_t lds;
+  template <int R>
+  void run(int r0) const {
+    K::template qk<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, s + r0 * lds, lds);
+  }
+};
+
+template <class K, int CV>
+struct PvTile {
+  const typename K::p_t* p;
+  int64_t ldp;
+  const typename K::packed_t* v;
+  int64_t dvp;
+  int n;
+  float* o;
+  int64_t ldo;
+  const float* alpha;
+  template <int R>
+  void run(int r0) const {
+    K::template pv<R, CV>(p + r0 * ldp, ldp, v, dvp, n, o + r0 * ldo, ldo, alpha + r0);
+  }
+};
+
+// Bits of the bool mask for one row and one key block: bit `lane` of word v is key
+// j0 + 16 v + lane. Keys at or past Tk read as masked.
+inline void mask_bits(const bool* row, int64_t stride, int64_t j0, int64_t Tk, int nv,
+                      uint16_t* bits) {
+  for (int v = 0; v < nv; ++v) {
+    const int64_t jb = j0 + v * kLanes;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (stride == 1 && jb + kLanes <= Tk) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb));
+      bits[v] = _mm_test_epi8_mask(x, x);
+      continue;
+    }
+#endif
+    uint16_t w = 0;
+    for (int l = 0; l < kLanes && jb + l < Tk; ++l) w |= uint16_t(row[(jb + l) * stride] ? 1u << l : 0u);
+    bits[v] = w;
+  }
+}
+
+struct Item {
+  int64_t b, kh, i0, i1;
+  double cost;
+};
+
+template <class K, typename T>
+struct Worker {
+  using packed_t = typename K::packed_t;
+  using p_t = typename K::p_t;
+  const Problem<T>& P;
+  int64_t Nb, dkp, dvp, g;
+  Buffer<packed_t> kt_buf, v_buf, q_buf;
+  Buffer<float> s_buf, o_buf, m_buf, alpha_buf, lsum_buf;
+  Buffer<p_t> p_buf;
+  Buffer<uint16_t> bits_buf;
+
+  explicit Worker(const Problem<T>& p) : P(p) {
+    Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), kLanes));
+    dkp = K::kPairs ? round_up(P.dk, 2) : P.dk;
+    dvp = round_up(P.dv, kLanes);
+    g = P.h / P.hkv;
+  }
+
+  // K transposed per key block: [dkp][Nb] (fp32) or [dkp/2][Nb][2] (bf16 pairs of d_k).
+  // V: [keys][dvp] (fp32) or [keys/2][dvp][2] (bf16 pairs of keys). Zeros past kend / d.
+  void pack_kv(int64_t b, int64_t kh, int64_t kend, packed_t* kt, packed_t* vp) const {
+    const int64_t nkeys = round_up(kend, Nb);
+    const T* kbase = P.k + b * P.ks[0] + kh * P.ks[1];
+    const T* vbase = P.v + b * P.vs[0] + kh * P.vs[1];
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const bool real = j < kend;
+      packed_t* kblk = kt + (j / Nb) * dkp * Nb;
+      const int64_t n = j % Nb;
+      const T* krow = kbase + j * P.ks[2];
+      for (int64_t kk = 0; kk < dkp; ++kk) {
+        const packed_t x = (real && kk < P.dk) ? pack_elem<packed_t>(krow[kk * P.ks[3]]) : packed_t(0);
+        if constexpr (K::kPairs) kblk[(kk / 2) * Nb * 2 + n * 2 + (kk & 1)] = x;
+        else kblk[kk * Nb + n] = x;
+      }
+      const T* vrow = vbase + j * P.vs[2];
+      for (int64_t c = 0; c < dvp; ++c) {
+        const packed_t x = (real && c < P.dv) ? pack_elem<packed_t>(vrow[c * P.vs[3]]) : packed_t(0);
+        if constexpr (K::kPairs) vp[(j / 2) * dvp * 2 + c * 2 + (j & 1)] = x;
+        else vp[j * dvp + c] = x;
+      }
+    }
+  }
+
+  void zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i1) const {
+    for (int64_t i = i0; i < i1; ++i) {
+      T* orow = P.out + b * P.os[0] + hq * P.os[1] + i * P.os[2];
+      for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(0);
+      P.lse[(b * P.h + hq) * P.Tq + i] = kNegInf;
+    }
+  }
+
+  void run_item(const Item& it) {
+    const int64_t kend = P.key_limit(it.b, it.i1 - 1);
+    const int64_t h0 = it.kh * g;
+    if (kend == 0) {
+      for (int64_t hq = h0; hq < h0 + g; ++hq) zero_rows(it.b, hq, it.i0, it.i1);
+      return;
+    }
+    const int64_t nkeys = round_up(kend, Nb);
+    packed_t* kt = kt_buf.get(nkeys * dkp);
+    packed_t* vp = v_buf.get(nkeys * dvp);
+    pack_kv(it.b, it.kh, kend, kt, vp);
+    for (int64_t hq = h0; hq < h0 + g; ++hq)
+      for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock)
+        query_block(it.b, hq, i0, std::min(it.i1, i0 + kRowsPerBlock), kt, vp);
+  }
+
+  void query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, const packed_t* kt,
+                   const packed_t* vp) {
+    const int rows = int(i1 - i0);
+    const int64_t kend = P.key_limit(b, i1 - 1), first_lim = P.key_limit(b, i0);
+    if (kend == 0) return zero_rows(b, hq, i0, i1);
+    packed_t* q = q_buf.get(rows * dkp);
+    float* s = s_buf.get(rows * Nb);
+    p_t* p = p_buf.get(rows * Nb);
+    float* o = o_buf.get(rows * dvp);
+    float* m = m_buf.get(rows);
+    float* alpha = alpha_buf.get(rows);
+    float* lsum = lsum_buf.get(rows * kLanes);
+    uint16_t* bits = bits_buf.get(rows * 4);
+    const T* qbase = P.q + b * P.qs[0] + hq * P.qs[1];
+    for (int r = 0; r < rows; ++r) {
+      const T* qrow = qbase + (i0 + r) * P.qs[2];
+      for (int64_t kk = 0; kk < dkp; ++kk)
+        q[r * dkp + kk] = kk < P.dk ? pack_elem<packed_t>(qrow[kk * P.qs[3]]) : packed_t(0);
+      m[r] = kNegInf;
+    }
+    std::fill(lsum, lsum + rows * kLanes, 0.f);
+    std::fill(o, o + rows * dvp, 0.f);
+    const bool* mrow0 = P.mask ? P.mask + b * P.ms[0] + hq * P.ms[1] : nullptr;
+    for (int64_t j0 = 0; j0 < kend; j0 += Nb) {
+      const int jn = int(std::min(Nb, kend - j0));
+      const int nv = (jn + kLanes - 1) / kLanes;
+      const packed_t* ktb = kt + (j0 / Nb) * dkp * Nb;
+      const packed_t* vb = vp + j0 * dvp;  // same offset for both V layouts (j0 is even)
+      switch (nv) {
+        case 1: key_block<1>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+        case 2: key_block<2>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+        case 3: key_block<3>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+        default: key_block<4>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+      }
+    }
+    for (int r = 0; r < rows; ++r) {  // O / l and the log-sum-exp
+      const float l = K::row_sum(lsum + r * kLanes);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
+      for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(o[r * dvp + c] * inv);
+      P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l > 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
+    }
+  }
+
+  template <int NV>
+  void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn, int64_t first_lim,
+                 const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
+                 float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
+                 uint16_t* bits) {
+    constexpr int W = NV * kLanes;
+    for_row_tiles<rows_for(NV)>(rows, QkTile<K, NV>{q, kt, dkp, Nb, int(dkp), s, Nb});
+    const bool unmasked = mrow0 == nullptr && j0 + W <= first_lim;
+    const float c = P.scale * kLog2e;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      const int nvalid = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, i) - j0, 0, W));
+      uint16_t* rb = nullptr;
+      if (mrow0) {
+        rb = bits + r * 4;
+        mask_bits(mrow0 + i * P.ms[2], P.ms[3], j0, P.Tk, NV, rb);
+      }
+      K::template softmax_row<NV>(s + r * Nb, nvalid, rb, c, m[r], lsum + r * kLanes, alpha[r],
+                                  p + r * Nb);
+    }
+    const int nvt = int(dvp / kLanes);
+    for (int c0 = 0; c0 < nvt; c0 += 4) {
+      const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);
+      float* oc = o + c0 * kLanes;
+      switch (std::min(4, nvt - c0)) {
+        case 1: for_row_tiles<rows_for(1)>(rows, PvTile<K, 1>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
+        case 2: for_row_tiles<rows_for(2)>(rows, PvTile<K, 2>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
+        case 3: for_row_tiles<rows_for(3)>(rows, PvTile<K, 3>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
+        default: for_row_tiles<rows_for(4)>(rows, PvTile<K, 4>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
+      }
+    }
+  }
+};
+
+// Items: (b, K/V head, query-row range). Enough items to keep every thread busy, but each
+// large enough that packing its head's K/V is amortized over >= ~256 query rows.
+template <typename T>
+std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
+  const int64_t heads = P.B * P.hkv, g = P.h / P.hkv;
+  const int64_t max_chunks = (P.Tq + kRowsPerBlock - 1) / kRowsPerBlock;
+  int64_t chunks = (4 * nthreads + heads - 1) / heads;
+  chunks = std::min({chunks, max_chunks, std::max<int64_t>(1, P.Tq * g / 256)});
+  chunks = std::max<int64_t>(chunks, 1);
+  const int64_t rows = round_up((P.Tq + chunks - 1) / chunks, kRowsPerBlock);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t kh = 0; kh < P.hkv; ++kh)
+      for (int64_t i0 = 0; i0 < P.Tq; i0 += rows) {
+        const int64_t i1 = std::min(P.Tq, i0 + rows);
+        const double keys = 0.5 * double(P.key_limit(b, i0) + P.key_limit(b, i1 - 1));
+        items.push_back({b, kh, i0, i1, double(i1 - i0) * (keys + 16.0)});
+      }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& c) { return a.cost > c.cost; });
+  return items;
+}
+
+template <class K, typename T>
+void run_forward(const Problem<T>& P) {
+  const int nth = std::max(1, at::get_num_threads());
+  const std::vector<Item> items = make_items(P, nth);
+  const double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  const int64_t workers = flops < 2e6 ? 1 : std::min<int64_t>(nth, int64_t(items.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Worker<K, T> w(P);
+    for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
+      w.run_item(items[idx]);
+  });
+}
+
+void fill_strides(const at::Tensor& t, int64_t* s, bool zero_broadcast) {
+  for (int d = 0; d < 4; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v,
+                                                const std::optional<at::Tensor>& key_lengths,
+                                                const std::optional<at::Tensor>& mask,
+                                                bool causal, double scale, bool portable) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "flash_attention: q, k, v must be 4-D (B, h, T, d), got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "flash_attention: q, k, v must be CPU tensors");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "flash_attention: q, k, v must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "flash_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), dk = q.size(3);
+  const int64_t hkv = k.size(1), Tk = k.size(2), dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == dk && v.size(1) == hkv &&
+                  v.size(2) == Tk && hkv > 0 && h % hkv == 0,
+              "flash_attention: expected q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), "
+              "v (B, h_kv, Tk, d_v) with h_kv dividing h; got q ", q.sizes(), ", k ", k.sizes(),
+              ", v ", v.sizes());
+  TORCH_CHECK(dk >= 1 && dv >= 1, "flash_attention: head dims must be >= 1");
+  at::Tensor out = at::empty({B, Tq, h, dv}, q.options()).permute({0, 2, 1, 3});
+  at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kFloat));
+  if (B == 0 || h == 0 || Tq == 0) return {out, lse};
+  at::Tensor kl, m;
+  if (key_lengths.has_value()) {
+    TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B,
+                "flash_attention: key_lengths must have shape (B,) = (", B, ",), got ",
+                key_lengths->sizes());
+    kl = key_lengths->to(at::kLong).contiguous();
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4,
+                "flash_attention: mask must be a 4-D bool tensor broadcastable to (B, h, Tq, Tk)");
+    const int64_t want[4] = {B, h, Tq, Tk};
+    for (int d = 0; d < 4; ++d)
+      TORCH_CHECK(mask->size(d) == 1 || mask->size(d) == want[d],
+                  "flash_attention: mask of shape ", mask->sizes(),
+                  " is not broadcastable to (B, h, Tq, Tk) = (", B, ", ", h, ", ", Tq, ", ", Tk, ")");
+    m = *mask;
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> P;
+    P.q = q.data_ptr<T>();
+    P.k = k.data_ptr<T>();
+    P.v = v.data_ptr<T>();
+    P.out = out.data_ptr<T>();
+    P.lse = lse.data_ptr<float>();
+    fill_strides(q, P.qs, false);
+    fill_strides(k, P.ks, false);
+    fill_strides(v, P.vs, false);
+    fill_strides(out, P.os, false);
+    P.mask = m.defined() ? m.data_ptr<bool>() : nullptr;
+    if (m.defined()) fill_strides(m, P.ms, true);
+    P.key_lengths = kl.defined() ? kl.data_ptr<int64_t>() : nullptr;
+    if (P.key_lengths)
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(P.key_lengths[b] >= 0 && P.key_lengths[b] <= Tk,
+                    "flash_attention: key_lengths must lie in [0, Tk=", Tk, "]");
+    P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
+    P.scale = float(scale);
+    P.causal = causal;
+    if (portable) return run_forward<PortableF32>(P);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) return run_forward<Avx512F32>(P);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) return run_forward<Avx512Bf16>(P);
+#endif
+    run_forward<PortableF32>(P);
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
+    bool causal, double scale) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_portable(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
+    bool causal, double scale) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, true);
+}
+
+// The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
+at::Tensor flash_exp2(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "_flash_exp2: x must be float32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  const int64_t n = xc.numel();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes)
+    _mm512_storeu_ps(dst + i, exp2_avx512(_mm512_loadu_ps(src + i)));
+  if (i < n) {
+    const __mmask16 k = lanes_below(int(n - i));
+    _mm512_mask_storeu_ps(dst + i, k, exp2_avx512(_mm512_maskz_loadu_ps(k, src + i)));
+  }
+#else
+  for (; i < n; ++i) dst[i] = std::exp2(src[i]);
+#endif
+  return y;
+}
+
+std::string flash_attention_isa() {
+  std::string isa = "portable";
+#if defined(__AVX512F__)
+  isa += ",avx512f";
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  isa += ",avx512bw,avx512vl";
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  isa += ",avx512bf16";
+#endif
+  return isa;
+}
+
+}  // namespace
+}  // namespace mha_flash
+
+TORCH_LIBRARY_FRAGMENT(mha, m) {
+  m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
+        "bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("_flash_attention_fwd_portable(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+        "Tensor? mask, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("_flash_exp2(Tensor x) -> Tensor");
+  m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
+}
+
+TORCH_LIBRARY_IMPL(mha, CPU, m) {
+  m.impl("flash_attention_fwd", &mha_flash::flash_attention_fwd);
+  m.impl("_flash_attention_fwd_portable", &mha_flash::flash_attention_fwd_portable);
+  m.impl("_flash_exp2", &mha_flash::flash_exp2);
+}

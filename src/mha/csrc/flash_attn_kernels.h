@@ -1,0 +1,318 @@
+// Microkernels of the CPU flash-attention forward (flash_attn.cpp drives them).
+//
+// Shape legend: R query rows of one register tile, NV/CV 16-lane fp32 vectors of one tile's
+// columns, Nb keys per key block (multiple of 16, <= 64), dkp/dvp packed head dims.
+//
+// Three kernels share one interface, so the driver is written once:
+//   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
+//   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V.
+//   Avx512Bf16   — vdpbf16ps tiles: K packed as key-column pairs [dkp/2][Nb][2], V as key
+//                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax.
+//
+// Interface of a kernel K:
+//   packed_t        element of the packed Q/K/V buffers;  p_t  element of the P buffer
+//   kPairs          bf16 pair layouts (see above)
+//   qk<R, NV>(q, ldq, kt, ldk, dkp, s, lds)         S[R][16 NV] = Q[R][dkp] . KT[dkp][16 NV]
+//   softmax_row<NV>(s, nvalid, bits, c, m, lsum, alpha, p)   one row's online-softmax update
+//   pv<R, CV>(p, ldp, v, dvp, n, o, ldo, alpha)     O[R][16 CV] = alpha O + P[R][n] . V[n][16 CV]
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace mha_flash {
+
+constexpr int kLanes = 16;  // fp32 lanes of one 512-bit vector; key blocks are multiples of it
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rows per register tile for a tile NV vectors wide: at most 24 accumulators (of 32 zmm).
+constexpr int rows_for(int nv) { return nv >= 4 ? 6 : (nv == 3 ? 8 : 12); }
+
+// 2^f on [-1/2, 1/2]: degree-6 polynomial fitted (relative-error minimax) for this file;
+// max relative error 1.6e-8, below half an fp32 ulp. c0 = 1 exactly.
+constexpr float kExp2C1 = 6.931471825e-01f, kExp2C2 = 2.402264625e-01f,
+                kExp2C3 = 5.550328642e-02f, kExp2C4 = 9.618489072e-03f,
+                kExp2C5 = 1.339993090e-03f, kExp2C6 = 1.534579496e-04f;
+
+// ---------------------------------------------------------------- portable (reference) kernel
+struct PortableF32 {
+  using packed_t = float;
+  using p_t = float;
+  static constexpr bool kPairs = false;
+  static constexpr const char* kName = "portable";
+
+  template <int R, int NV>
+  static void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp, float* s,
+                 int64_t lds) {
+    for (int r = 0; r < R; ++r) {
+      float acc[NV * kLanes] = {};
+      for (int kk = 0; kk < dkp; ++kk) {
+        const float a = q[r * ldq + kk];
+        for (int n = 0; n < NV * kLanes; ++n) acc[n] += a * kt[kk * ldk + n];
+      }
+      for (int n = 0; n < NV * kLanes; ++n) s[r * lds + n] = acc[n];
+    }
+  }
+
+  template <int NV>
+  static void softmax_row(const float* s, int nvalid, const uint16_t* bits, float c, float& m,
+                          float* lsum, float& alpha, float* p) {
+    float x[NV * kLanes];
+    float bm = kNegInf;
+    for (int n = 0; n < NV * kLanes; ++n) {
+      const bool ok = n < nvalid && (!bits || ((bits[n / kLanes] >> (n % kLanes)) & 1));
+      x[n] = ok ? s[n] * c : kNegInf;
+      bm = std::max(bm, x[n]);
+    }
+    const float mnew = std::max(m, bm);
+    if (mnew == kNegInf) {  // nothing visible yet in this row
+      alpha = 1.f;
+      for (int n = 0; n < NV * kLanes; ++n) p[n] = 0.f;
+      return;
+    }
+    alpha = std::exp2(m - mnew);
+    m = mnew;
+    float sum = lsum[0] * alpha;
+    for (int n = 0; n < NV * kLanes; ++n) {
+      p[n] = std::exp2(x[n] - mnew);
+      sum += p[n];
+    }
+    lsum[0] = sum;
+  }
+
+  template <int R, int CV>
+  static void pv(const float* p, int64_t ldp, const float* v, int64_t dvp, int n, float* o,
+                 int64_t ldo, const float* alpha) {
+    for (int r = 0; r < R; ++r) {
+      float acc[CV * kLanes];
+      for (int c = 0; c < CV * kLanes; ++c) acc[c] = o[r * ldo + c] * alpha[r];
+      for (int j = 0; j < n; ++j) {
+        const float a = p[r * ldp + j];
+        for (int c = 0; c < CV * kLanes; ++c) acc[c] += a * v[j * dvp + c];
+      }
+      for (int c = 0; c < CV * kLanes; ++c) o[r * ldo + c] = acc[c];
+    }
+  }
+
+  static float row_sum(const float* lsum) { return lsum[0]; }
+};
+
+#if defined(__AVX512F__)
+// 2^x for x <= 0 (or -inf): round to n, polynomial on f = x - n, scale by 2^n. Inputs below
+// -200 (masked scores are -inf) give exactly 0.
+inline __m512 exp2_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(kExp2C6);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C5));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C4));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C3));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C1));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 lanes_below(int n) {
+  return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
+}
+
+// The online-softmax update of one row, shared by both AVX-512 kernels. Scores are turned into
+// base-2 logits t = s * c (c = scale * log2 e); masked lanes are -inf. P is written as fp32 or
+// rounded to bf16 (Bf16Out).
+template <int NV, bool Bf16Out, typename P>
+inline void softmax_row_avx512(const float* s, int nvalid, const uint16_t* bits, float c,
+                               float& m, float* lsum, float& alpha, P* p) {
+  const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(c);
+  __m512 x[NV];
+  __m512 mx = neg;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    __mmask16 k = lanes_below(nvalid - v * kLanes);
+    if (bits) k &= bits[v];
+    x[v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + v * kLanes), cv);
+    mx = _mm512_max_ps(mx, x[v]);
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
+  if (mnew == kNegInf) {  // nothing visible yet in this row
+    alpha = 1.f;
+    for (int n = 0; n < NV * kLanes; ++n) p[n] = P(0);
+    return;
+  }
+  alpha = std::exp2(m - mnew);
+  m = mnew;
+  const __m512 mv = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const __m512 e = exp2_avx512(_mm512_sub_ps(x[v], mv));
+    sum = _mm512_add_ps(sum, e);
+    if constexpr (Bf16Out) {
+#if defined(__AVX512BF16__)
+      __m256bh h = _mm512_cvtneps_pbh(e);
+      std::memcpy(p + v * kLanes, &h, sizeof(h));
+#endif
+    } else {
+      _mm512_storeu_ps(reinterpret_cast<float*>(p) + v * kLanes, e);
+    }
+  }
+  _mm512_storeu_ps(lsum, sum);
+}
+
+struct Avx512F32 {
+  using packed_t = float;
+  using p_t = float;
+  static constexpr bool kPairs = false;
+  static constexpr const char* kName = "avx512f";
+
+  template <int R, int NV>
+  static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
+                        float* s, int64_t lds) {
+    __m512 acc[R][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int kk = 0; kk < dkp; ++kk) {
+      __m512 kv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(q[r * ldq + kk]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, kv[v], acc[r][v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
+  }
+
+  template <int NV>
+  static inline void softmax_row(const float* s, int nvalid, const uint16_t* bits, float c,
+                                 float& m, float* lsum, float& alpha, float* p) {
+    softmax_row_avx512<NV, false>(s, nvalid, bits, c, m, lsum, alpha, p);
+  }
+
+  template <int R, int CV>
+  static inline void pv(const float* p, int64_t ldp, const float* v, int64_t dvp, int n,
+                        float* o, int64_t ldo, const float* alpha) {
+    __m512 acc[R][CV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), a);
+    }
+    for (int j = 0; j < n; ++j) {
+      __m512 vv[CV];
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(v + j * dvp + c * kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(p[r * ldp + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+  }
+
+  static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
+};
+#endif  // __AVX512F__
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return (__m512bh)_mm512_set1_epi32(w);
+}
+
+struct Avx512Bf16 {
+  using packed_t = uint16_t;  // raw bf16 bits
+  using p_t = uint16_t;
+  static constexpr bool kPairs = true;
+  static constexpr const char* kName = "avx512bf16";
+
+  // kt: [dkp/2][ldk][2]; q rows: dkp bf16 (dkp even).
+  template <int R, int NV>
+  static inline void qk(const uint16_t* q, int64_t ldq, const uint16_t* kt, int64_t ldk, int dkp,
+                        float* s, int64_t lds) {
+    __m512 acc[R][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int k2 = 0; k2 < dkp / 2; ++k2) {
+      __m512bh kv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        kv[v] = (__m512bh)_mm512_loadu_si512(kt + (k2 * ldk + v * kLanes) * 2);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = bcast_pair(q + r * ldq + 2 * k2);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, kv[v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
+  }
+
+  template <int NV>
+  static inline void softmax_row(const float* s, int nvalid, const uint16_t* bits, float c,
+                                 float& m, float* lsum, float& alpha, uint16_t* p) {
+    softmax_row_avx512<NV, true>(s, nvalid, bits, c, m, lsum, alpha, p);
+  }
+
+  // p rows: bf16, pairs of keys read as one 32-bit word; v: [n/2][dvp][2].
+  template <int R, int CV>
+  static inline void pv(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp, int n,
+                        float* o, int64_t ldo, const float* alpha) {
+    __m512 acc[R][CV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), a);
+    }
+    for (int j2 = 0; j2 < (n + 1) / 2; ++j2) {
+      __m512bh vv[CV];
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c)
+        vv[c] = (__m512bh)_mm512_loadu_si512(v + (j2 * dvp + c * kLanes) * 2);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = bcast_pair(p + r * ldp + 2 * j2);
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, vv[c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+  }
+
+  static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
+};
+#endif  // __AVX512BF16__
+
+}  // namespace mha_flash

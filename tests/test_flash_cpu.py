@@ -1,0 +1,271 @@
+"""The native CPU flash-attention kernel (``flash_cpu``) against the fp64 oracle.
+
+Shape legend: B batch, h query heads, h_kv key/value heads, Tq/Tk lengths, d_k/d_v head dims.
+Accuracy rule (flash-attention's): the kernel's error vs the fp64 reference is at most twice
+the error of the same math done naively in the input dtype, plus a tiny absolute epsilon.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mha
+from mha import native, reference
+from mha.masks import MaskSpec
+
+EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    native.load()  # builds once per cache; a build failure fails these tests
+
+
+def _ref(q, k, v, *, causal=False, key_lengths=None, mask=None, scale, upcast=True):
+    B, h, Tq, _ = q.shape
+    allowed = MaskSpec(causal, key_lengths, mask).materialize(B, h, Tq, k.shape[2])
+    return reference.attention(q, k, v, allowed=allowed, scale=scale, upcast=upcast)[0]
+
+
+def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout="bthd", seed=0):
+    """q (B, h, Tq, d_k), k, v as views of (B, T, h, d) tensors (the module's layout) or with
+    a last-dim stride of 2 ("strided")."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(H, T, d):
+        if layout == "bthd":
+            return torch.randn(B, T, H, d, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, d)
+        if layout == "strided":
+            return torch.randn(B, H, T, 2 * d, generator=g).to(dtype)[..., ::2]  # (B, H, T, d)
+        return torch.randn(B, H, T, d, generator=g).to(dtype)
+
+    return make(h, Tq, d_k), make(h_kv, Tk, d_k), make(h_kv, Tk, d_v)
+
+
+def _mask(kind, B, h, Tq, Tk, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "full":
+        return torch.rand(B, h, Tq, Tk, generator=g) > 0.3
+    if kind == "rows":  # (1, 1, Tq, Tk)
+        return torch.rand(1, 1, Tq, Tk, generator=g) > 0.5
+    if kind == "keys":  # (B, 1, 1, Tk) expanded with stride-0 dims, not copied
+        return (torch.rand(B, 1, 1, Tk, generator=g) > 0.2).expand(B, h, Tq, Tk)
+    raise ValueError(kind)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       Tq=st.integers(1, 70), Tk=st.integers(1, 90),
+       d_k=st.sampled_from([16, 17, 32, 64, 80, 128, 256]),
+       d_v=st.sampled_from([16, 24, 64, 100, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), causal=st.booleans(),
+       lengths=st.booleans(), mask=st.sampled_from([None, "full", "rows", "keys"]),
+       layout=st.sampled_from(["bthd", "contiguous", "strided"]), seed=st.integers(0, 99))
+def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengths, mask,
+                          layout, seed):
+    h = h_kv * group
+    q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed)
+    kl = torch.randint(0, Tk + 1, (B,), generator=torch.Generator().manual_seed(seed)) \
+        if lengths else None
+    m = _mask(mask, B, h, Tq, Tk, seed)
+    scale = d_k ** -0.5
+    out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)
+    assert out.shape == (B, h, Tq, d_v) and out.dtype == dtype
+    exact = _ref(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)  # fp64
+    naive = _ref(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale, upcast=False)
+    err = (out.double() - exact.double()).abs().max().item()
+    naive_err = (naive.double() - exact.double()).abs().max().item()
+    assert err <= 2 * naive_err + EPS[dtype], (err, naive_err)
+    # lse: log-sum-exp of the visible scores, -inf on rows that see no key
+    allowed = MaskSpec(causal, kl, m).dense(B, h, Tq, Tk)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(),
+                     k.double().repeat_interleave(group, 1)) * scale  # (B, h, Tq, Tk)
+    want = s.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (B, h, Tq)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(lse))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(lse.double()[finite], want[finite], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_path_matches_reference(dtype):
+    q, k, v = _inputs(2, 4, 2, 33, 47, 40, 24, dtype)
+    m = _mask("full", 2, 4, 33, 47, 1)
+    out, lse = torch.ops.mha._flash_attention_fwd_portable(q, k, v, None, m, True, 0.2)
+    exact = _ref(q, k, v, causal=True, mask=m, scale=0.2)
+    naive = _ref(q, k, v, causal=True, mask=m, scale=0.2, upcast=False)
+    err = (out.double() - exact.double()).abs().max().item()
+    assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype]
+
+
+def test_exp2_polynomial_accuracy():
+    x = torch.cat([torch.linspace(-126, 0, 200_001), torch.tensor([0.0, -0.5, -1e-8])])
+    y = torch.ops.mha._flash_exp2(x)
+    want = torch.exp2(x.double())
+    rel = ((y.double() - want) / want).abs().max().item()
+    assert rel < 2.5e-7  # about 2 ulp of float32
+    assert torch.ops.mha._flash_exp2(torch.tensor([float("-inf"), -300.0])).tolist() == [0.0, 0.0]
+
+
+SAMPLES = [  # (B, h, h_kv, Tq, Tk, d_k, d_v, dtype, causal, key_lengths, mask)
+    (2, 4, 2, 9, 13, 16, 24, torch.float32, False, None, None),
+    (1, 2, 1, 12, 7, 32, 32, torch.float32, True, None, None),
+    (2, 2, 2, 5, 20, 16, 16, torch.bfloat16, False, [3, 20], "keys"),
+    (2, 2, 1, 6, 6, 64, 16, torch.float32, True, [0, 4], "full"),
+]
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_opcheck(sample):
+    B, h, h_kv, Tq, Tk, d_k, d_v, dtype, causal, kl, mask = sample
+    q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype)
+    if dtype == torch.float32:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kl = None if kl is None else torch.tensor(kl)
+    m = _mask(mask, B, h, Tq, Tk, 0)
+    torch.library.opcheck(torch.ops.mha.flash_attention_fwd, (q, k, v, kl, m, causal, 0.25))
+
+
+def test_fully_masked_rows_zero_output_finite_grad():
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 2, 2, 6, 4, 16, 16, torch.float32))
+    m = torch.ones(2, 1, 6, 4, dtype=torch.bool)
+    m[0, :, 1] = False  # row 1 of batch 0 sees nothing
+    # causal with Tq > Tk: rows 0, 1 see nothing; key_lengths 0: batch 1 sees nothing
+    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=torch.tensor([4, 0]),
+                                      mask=m)
+    assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isinf(lse[0, :, :2]).all() and torch.isinf(lse[1]).all()
+    assert torch.isfinite(lse[0, :, 2:]).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[1], torch.zeros_like(q.grad[1]))
+    assert torch.equal(q.grad[0, :, :2], torch.zeros_like(q.grad[0, :, :2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_across_runs_and_thread_counts(dtype):
+    q, k, v = _inputs(2, 4, 2, 150, 170, 64, 64, dtype)
+    first = native.flash_attention(q, k, v, causal=True)
+    again = native.flash_attention(q, k, v, causal=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = native.flash_attention(q, k, v, causal=True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, again, single, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_inputs_give_identical_results(dtype):
+    q, k, v = _inputs(2, 4, 2, 40, 50, 32, 48, dtype, layout="strided")
+    assert not any(t.is_contiguous() for t in (q, k, v))
+    m = _mask("keys", 2, 4, 40, 50, 3)
+    out, lse = native.flash_attention(q, k, v, mask=m, causal=True)
+    out_c, lse_c = native.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                          mask=m.contiguous(), causal=True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+@pytest.mark.parametrize("causal,lengths,mask", [(False, False, None), (True, False, None),
+                                                 (True, True, "full"), (False, True, "keys")])
+@pytest.mark.parametrize("chunk", [None, 64])  # 64 elements: many backward chunks
+def test_gradients_vs_fp64_reference(causal, lengths, mask, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(native, "_CHUNK_ELEMENTS", chunk)
+    B, h, h_kv, Tq, Tk, d_k, d_v = 2, 4, 2, 11, 19, 16, 24
+    q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.float64)
+    kl = torch.tensor([19, 7]) if lengths else None
+    m = _mask(mask, B, h, Tq, Tk, 5)
+    go = torch.randn(B, h, Tq, d_v, dtype=torch.float64)
+    g_lse = torch.randn(B, h, Tq, dtype=torch.float64)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    allowed = MaskSpec(causal, kl, m).materialize(B, h, Tq, Tk)
+    want = torch.autograd.grad((_ref(*ref_in, causal=causal, key_lengths=kl, mask=m,
+                                     scale=0.3) * go).sum(), ref_in)
+    got_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out, lse = native.flash_attention(*got_in, causal=causal, key_lengths=kl, mask=m, scale=0.3)
+    got = torch.autograd.grad((out * go.float()).sum(), got_in, retain_graph=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a.double(), b, atol=2e-5, rtol=1e-4)
+    # the gradient through the log-sum-exp too (d lse / d s = softmax weights)
+    s = torch.einsum("bhqd,bhkd->bhqk", ref_in[0], ref_in[1].repeat_interleave(2, 1)) * 0.3
+    dense = MaskSpec(causal, kl, m).dense(B, h, Tq, Tk) if allowed is not None else None
+    s = s if dense is None else s.masked_fill(~dense, float("-inf"))
+    lse_ref = s.logsumexp(-1)
+    fin = torch.isfinite(lse_ref)
+    want_l = torch.autograd.grad((lse_ref[fin] * g_lse[fin]).sum(), ref_in[:2])
+    got_l = torch.autograd.grad((lse[fin] * g_lse.float()[fin]).sum(), got_in[:2])
+    for a, b in zip(got_l, want_l, strict=True):
+        assert torch.allclose(a.double(), b, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_gradients_close_to_fp64():
+    q, k, v = _inputs(1, 2, 1, 24, 24, 32, 32, torch.float64)
+    go = torch.randn(1, 2, 24, 32, dtype=torch.float64)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((_ref(*ref_in, causal=True, scale=0.2) * go).sum(), ref_in)
+    got_in = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    out, _ = native.flash_attention(*got_in, causal=True, scale=0.2)
+    got = torch.autograd.grad((out * go.bfloat16()).sum(), got_in)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert (a.double() - b).abs().max() <= 0.05 * b.abs().max() + 1e-3
+
+
+def test_dispatch_prefers_flash_cpu_and_rejects_in_words():
+    q = torch.randn(1, 2, 40, 32)  # prefill-sized (short queries may go to a decode kernel)
+    assert mha.explain(q, q, q).chosen == "flash_cpu"
+    x = torch.randn(1, 2, 40, 32, requires_grad=True)
+    mha.attention(x, x, x, causal=True).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+    def reasons(*args, **kw):
+        return next(v.reasons for v in mha.explain(*args, **kw) if v.backend == "flash_cpu")
+
+    assert any("dropout" in r for r in reasons(q, q, q, dropout_p=0.1))
+    assert any("weights" in r for r in reasons(q, q, q, return_weights=True))
+    assert any("float64" in r for r in reasons(q.double(), q.double(), q.double()))
+    small = torch.randn(1, 2, 8, 8)
+    assert any("head dim 8 < 16" in r for r in reasons(small, small, small))
+    big = torch.randn(1, 1, 4, 320)
+    assert any("head dim 320 > 256" in r for r in reasons(big, big, big))
+
+
+def test_build_failure_falls_back_with_reason(tmp_path):
+    script = textwrap.dedent("""
+        import warnings
+        import torch, mha
+        q = torch.randn(1, 2, 5, 16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = mha.attention(q, q, q, causal=True)
+            mha.attention(q, q, q)
+        ref = mha.reference.attention(q, q, q, allowed=mha.causal_mask(5, 5), upcast=True)[0]
+        assert torch.allclose(out, ref.float(), atol=1e-5)
+        ex = mha.explain(q, q, q)
+        print(ex)
+        assert ex.chosen != "flash_cpu"
+        flash = [w for w in caught if "flash_cpu" in str(w.message)]
+        assert len(flash) == 1, [str(w.message) for w in caught]
+    """)
+    env = dict(os.environ, MHA_CXX="/nonexistent/c++", MHA_BUILD_DIR=str(tmp_path / "build"))
+    env.pop("CXX", None)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("flash_cpu"))
+    assert "rejected" in line and "no C++ compiler" in line
