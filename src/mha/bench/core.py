@@ -25,7 +25,12 @@ not written yet) is reported as skipped with the import error as its reason.
 An :class:`Impl` is ``Impl(name, make)`` where ``make() -> fn`` sets up inputs/models and returns
 a zero-argument callable that performs exactly one call (and waits for its result: JAX must
 ``block_until_ready``). Compile inside ``make`` (call the compiled function once there), so the
-first timed call measures memory and speed rather than the compiler. ``make`` may raise :class:`Skip` (``"install mha[onnx]"``,
+first timed call measures memory and speed rather than the compiler. A string attribute
+``fn.note`` on the returned callable is added to the row's note (e.g. the compile time), and
+``fn.check`` is kept as the row's ``check`` (how the result was verified, e.g. the max error
+against a reference).
+Inputs shared by several impls can be memoized by the suite and released by ``Case.teardown``,
+which the harness calls once the case is measured. ``make`` may raise :class:`Skip` (``"install mha[onnx]"``,
 ``"would need 16 GiB"``); the row then shows ``skipped`` with that reason. Any other exception
 becomes an ``error`` row carrying its message — never a fake number.
 
@@ -34,8 +39,8 @@ A :class:`Case` says what one call does, so rows can show a rate besides the tim
 (→ tokens/s, sentences/s). ``metric`` picks which one the table, markdown and plot lead with
 (``"gflops"``, ``"gbs"``, ``"items"`` or ``"time"``). ``baseline`` names the impl the ratio column
 is taken against (ratio = baseline time / impl time, so > 1 means faster than the baseline).
-``peak`` names a machine peak (``"fp32"``, ``"bf16"``, see :mod:`mha.bench.peaks`) for the
-"% of peak" column.
+``peak`` names a machine peak (``"fp32"``, ``"bf16"`` in GFLOP/s, ``"mem_read"`` in GB/s; see
+:mod:`mha.bench.peaks`) for the "% of peak" column.
 
 Timing (see :func:`measure`): under ``torch.no_grad()``, every impl of a case is set up, then
 called once alone to measure its memory, warmed up, and then timed in interleaved rounds
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -96,6 +102,7 @@ class Case:
     peak: str | None = None  # key into ctx.peaks for "% of peak"
     params: dict = field(default_factory=dict)  # shape etc., copied into every row
     note: str = ""
+    teardown: Callable[[], None] | None = None  # called after measuring (free shared inputs)
 
 
 @dataclass
@@ -123,6 +130,8 @@ class Row:
     pct_peak: float | None = None  # percent of ctx.peaks[peak]
     params: dict = field(default_factory=dict)
     note: str = ""
+    check: str = ""  # how the output was verified before timing (empty: not checked)
+    load: float | None = None  # 1-minute load average when the case was measured (noise hint)
 
     @property
     def ok(self) -> bool:
@@ -239,6 +248,13 @@ def call_with_memory(fn: Callable[[], object]) -> tuple[float, int | None]:
     return dt, max(0, hwm - before) * 1024
 
 
+def _load1() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 # ----------------------------------------------------------------------------- timing
 def _timed(fn: Callable[[], object], n: int) -> float:
     t0 = time.perf_counter()
@@ -264,8 +280,13 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
             if not ctx.impl_selected(impl.name):
                 continue
             try:
-                live[impl.name] = impl.make()
+                fn = impl.make()
+                live[impl.name] = fn
                 rows[impl.name] = row(impl)
+                extra = getattr(fn, "note", "")
+                if extra:
+                    rows[impl.name].note = "; ".join(x for x in (rows[impl.name].note, extra) if x)
+                rows[impl.name].check = getattr(fn, "check", "")
             except Skip as e:
                 rows[impl.name] = row(impl, status="skipped", reason=str(e))
             except Exception as e:  # noqa: BLE001 — reported, never hidden
@@ -276,11 +297,11 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
             try:
                 first, mem = call_with_memory(fn) if ctx.measure_memory else (_timed(fn, 1), None)
                 rows[name].mem_bytes = mem
-                t = _timed(fn, 1)  # warm-up: at least one more call, ~0.2 s in all
-                warm = first + t
-                while warm < min(0.2, ctx.min_time / 4):
+                # warm-up: ~0.2 s in all, at least one more call unless the first took > 0.5 s
+                t, warm, n = first, first, 0
+                while n < (first < 0.5) or warm < min(0.2, ctx.min_time / 4):
                     t = _timed(fn, 1)
-                    warm += t
+                    warm, n = warm + t, n + 1
                 per_call[name] = t
             except Exception as e:  # noqa: BLE001
                 rows[name].status, rows[name].reason = "error", f"{type(e).__name__}: {e}"
@@ -306,9 +327,13 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
             if enough or over:
                 break
         live.clear()  # drop inputs before the next case
+        if case.teardown is not None:
+            case.teardown()
+    load = _load1()
 
     for name, ss in samples.items():
         r = rows[name]
+        r.load = load
         if r.status != "ok" or not ss:
             continue
         r.seconds = statistics.median(ss)
@@ -328,8 +353,11 @@ def finish(rows: list[Row], ctx: Context) -> None:
         if r.ok and base is not None and base.ok:
             r.ratio = base.seconds / r.seconds
         peak = ctx.peaks.get(r.peak) if r.peak else None
-        if r.gflops is not None and peak is not None and peak.gflops:
-            r.pct_peak = 100.0 * r.gflops / peak.gflops
+        if peak is None or not peak.value:
+            continue
+        rate = r.gbs if peak.unit == "GB/s" else r.gflops
+        if rate is not None:
+            r.pct_peak = 100.0 * rate / peak.value
 
 
 def skipped_suite(suite: str, reason: str) -> Row:

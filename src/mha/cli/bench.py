@@ -1,13 +1,220 @@
-"""``mha bench``: not written yet."""
+"""``mha bench``: mha's backends against the peers, side by side in one process.
+
+Measures this machine's peaks, runs the suites (``mha.bench.<name>``; see
+``mha.bench.core`` for how to add one), prints tables, and writes ``latest.json``, a
+timestamped copy and ``latest.png`` under ``--out``. ``--markdown FILE`` writes the tables
+into FILE between ``<!-- mha-bench:begin/end -->`` markers; ``--from-json`` redoes the outputs
+from a saved run without measuring.
+"""
 
 from __future__ import annotations
 
+import argparse
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="(not available yet)")
+    p = sub.add_parser("bench", help="benchmark mha's backends against torch SDPA, naive, "
+                       "FlexAttention, ONNX Runtime and JAX (suites: attention, decode, hf)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny grid, short timing (< ~1 min)")
+    p.add_argument("--suite", action="append", default=None, metavar="NAME",
+                   help="run only this suite (repeatable); default: all of mha.bench.core.SUITES")
+    p.add_argument("--filter", action="append", default=[], metavar="TEXT",
+                   help="only cases whose name contains TEXT (repeatable: any)")
+    p.add_argument("--impl", action="append", default=[], metavar="TEXT",
+                   help="only implementations whose name contains TEXT (repeatable: any)")
+    p.add_argument("--repeat", type=int, default=None, help="minimum timed samples per impl "
+                   "(default 5; quick 3)")
+    p.add_argument("--min-time", type=float, default=None, help="minimum seconds of timed "
+                   "calls per impl and case (default 1.0; quick 0.1)")
+    p.add_argument("--max-case-time", type=float, default=None, help="stop adding rounds to a "
+                   "case after this many seconds, keeping >= 3 samples (default 40; quick 5)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every implementation")
+    p.add_argument("--mem-budget", type=float, default=3.0, metavar="GIB",
+                   help="skip implementations that would allocate more than this (GiB)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
+    p.add_argument("--out", default="benchmarks/results", help="directory for latest.json, "
+                   "bench-<time>.json and latest.png ('' to save nothing)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
+    p.add_argument("--markdown", metavar="FILE", help="write the tables into FILE (between "
+                   "markers, e.g. docs/benchmarks.md)")
+    p.add_argument("--from-json", metavar="FILE", help="do not measure: print/redo outputs "
+                   "from a saved run")
+    p.add_argument("--list", action="store_true", help="list suites and cases, measure nothing")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    print("mha bench: not available in this version")
-    return 2
+def _versions() -> dict:
+    import importlib.metadata as md
+    import platform
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("onnxruntime", "onnx", "jax", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            out["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
+                               if ln.startswith("model name")), platform.processor())
+    except OSError:
+        out["cpu"] = platform.processor()
+    return out
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return res.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _collect(ctx, names, console):
+    """``[(suite, module or None, skip reason, cases or None)]`` for the chosen suites."""
+    from mha.bench.core import load_suite
+
+    plan = []
+    for name in names:
+        mod, why = load_suite(name)
+        if mod is None:
+            plan.append((name, None, why, None))
+        elif hasattr(mod, "cases"):
+            try:
+                cs = [c for c in mod.cases(ctx) if ctx.selected(c.name)]
+                plan.append((name, mod, None, cs))
+            except Exception as e:  # noqa: BLE001 — one broken suite must not stop the rest
+                plan.append((name, None, f"{name}.cases() failed: {type(e).__name__}: {e}",
+                             None))
+        else:
+            plan.append((name, mod, None, None))
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    import sys
+    import time
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from mha.bench import report
+    from mha.bench.core import SUITES, Context, Row, finish, skipped_suite
+    from mha.bench.peaks import Peak, measure_peaks
+
+    # Piped output (make bench | tee, CI logs): wide enough for the tables.
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    out_dir = Path(args.out) if args.out else None
+
+    if args.from_json:
+        run_data = report.load_json(Path(args.from_json))
+        rows = report.rows_from_run(run_data)
+        peaks = {k: Peak(**v) for k, v in run_data["peaks"].items()}
+        report.print_tables(rows, peaks, console)
+        _write_outputs(run_data, out_dir, args, console, save=False)
+        return 0
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    q = args.quick
+    ctx = Context(quick=q, filter=tuple(args.filter), impl_filter=tuple(args.impl),
+                  repeat=args.repeat or (3 if q else 5),
+                  min_time=args.min_time if args.min_time is not None else (0.1 if q else 1.0),
+                  sample_time=0.01 if q else 0.05,
+                  max_case_time=args.max_case_time or (5.0 if q else 40.0),
+                  mem_budget=args.mem_budget * 2**30, measure_memory=not args.no_memory)
+    names = args.suite or list(SUITES)
+    plan = _collect(ctx, names, console)
+
+    if args.list:
+        for name, mod, why, cs in plan:
+            console.print(f"[bold]{name}[/bold]: " + (f"skipped — {why}" if why else
+                                                       getattr(mod, "TITLE", "")))
+            for c in cs or []:
+                console.print(f"  {c.name}: " + ", ".join(i.name for i in c.impls))
+            if mod is not None and cs is None:
+                console.print("  (measures by itself: run(ctx))")
+        return 0
+
+    started = datetime.now(timezone.utc)
+    load_start = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with console.status("measuring this machine's peaks..."):
+        ctx.peaks = measure_peaks(args.threads, quick=q)
+
+    rows: list[Row] = []
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = sum(len(cs) if cs is not None else 1 for _, mod, _, cs in plan if mod is not None)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as prog:
+        task = prog.add_task("bench", total=total)
+        for name, mod, why, cs in plan:
+            if mod is None:
+                rows.append(skipped_suite(name, why))
+                continue
+            if cs is None:
+                prog.update(task, description=f"{name}: run(ctx)")
+                try:
+                    got = mod.run(ctx)
+                    for r in got:
+                        r.suite = r.suite or name
+                    rows += got
+                except Exception as e:  # noqa: BLE001
+                    rows.append(skipped_suite(name, f"{name}.run() failed: "
+                                                    f"{type(e).__name__}: {e}"))
+                prog.advance(task)
+                continue
+            for c in cs:
+                prog.update(task, description=f"{name}: {c.name}")
+                rows += ctx.measure(c, suite=name)
+                prog.advance(task)
+    finish(rows, ctx)
+
+    run_data = {
+        "meta": {"started": started.strftime("%Y-%m-%d %H:%M:%S"),
+                 "seconds": round(time.perf_counter() - t0, 1),
+                 "command": "mha bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1
+                            else "mha bench",
+                 "threads": args.threads, "quick": q, "git": _git_commit(),
+                 "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2),
+                 "settings": {"repeat": ctx.repeat, "min_time": ctx.min_time,
+                              "sample_time": ctx.sample_time, "max_case_time": ctx.max_case_time,
+                              "mem_budget_gib": args.mem_budget,
+                              "filter": list(ctx.filter), "impl": list(ctx.impl_filter)},
+                 "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS",
+                                                        "MKL_NUM_THREADS")},
+                 **_versions()},
+        "peaks": {k: vars(p) for k, p in ctx.peaks.items()},
+        "rows": [r.to_dict() for r in rows],
+    }
+    report.print_tables(rows, ctx.peaks, console)
+    console.print(f"took {run_data['meta']['seconds']:.0f} s")
+    _write_outputs(run_data, out_dir, args, console, save=True, stamp=started)
+    return 0 if not any(r.status == "error" for r in rows) else 1
+
+
+def _write_outputs(run_data, out_dir, args, console, *, save: bool, stamp=None) -> None:
+    from mha.bench import report
+
+    if out_dir is not None:
+        if save:
+            for p in report.save_json(run_data, out_dir, stamp.strftime("%Y%m%d-%H%M%S")):
+                console.print(f"wrote {p}")
+        if not args.no_plot:
+            try:
+                console.print(f"wrote {report.plot(run_data, out_dir / 'latest.png')}")
+            except ImportError as e:
+                console.print(f"no plot: {e.name} not installed (pip install 'mha[viz]')")
+    if args.markdown:
+        report.write_markdown(run_data, args.markdown)
+        console.print(f"wrote the tables into {args.markdown}")

@@ -1,0 +1,274 @@
+"""The attention suite: mha's backends, mha's dispatch and the peers, per shape.
+
+Shape legend: B batch, h heads, T sequence length (Tq = Tk = T), d head dim, d_model = h * d.
+
+Cases are ``(B, h, T, d)`` × dtype × dense/causal, named like ``1x8x4096x64 fp32 causal``; FLOPs
+are ``4·B·h·T²·d`` (two matmuls), half of that when causal (only the FLOPs the mask keeps).
+Module cases (``module ...``) time ``torch.nn.MultiheadAttention`` against
+``mha.MultiHeadAttention`` with the same weights (projections included in FLOPs and time).
+
+Every implementation's output is checked once against fp32 SDPA before it is timed (up to
+``_CHECK_MAX`` score elements); a wrong result is an error row, not a number. Implementations that
+materialize the ``(B, h, T, T)`` scores are skipped, with the figure, when that would exceed
+``ctx.mem_budget``; SDPA (its CPU flash kernel), FlexAttention and ``flash_cpu`` never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mha.bench import peers
+from mha.bench.core import Case, Context, Impl, Skip
+
+TITLE = "attention forward: mha backends vs torch SDPA, naive, FlexAttention, ONNX Runtime, JAX"
+
+GiB = 2**30
+_CHECK_MAX = 2**28  # score elements up to which outputs are checked against SDPA
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_TOL = {"fp32": 2e-4, "bf16": 3e-2}  # max abs error vs the fp32 SDPA output (unit-normal inputs)
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    h: int
+    T: int
+    d: int
+    dtype: str  # fp32 | bf16
+    causal: bool
+
+    @property
+    def name(self) -> str:
+        return (f"{self.B}x{self.h}x{self.T}x{self.d} {self.dtype} "
+                f"{'causal' if self.causal else 'dense'}")
+
+    @property
+    def flops(self) -> float:
+        dense = 4.0 * self.B * self.h * self.T * self.T * self.d  # QK^T and AV, 2 FLOPs per MAC
+        return dense / 2 if self.causal else dense
+
+    def scores_bytes(self, itemsize: int = 4) -> int:
+        return self.B * self.h * self.T * self.T * itemsize  # (B, h, T, T)
+
+
+def grid(quick: bool) -> tuple[list[Shape], list[Shape]]:
+    """``(attention shapes, module shapes)``; module shapes use d_model = h * d."""
+    S = Shape
+    if quick:
+        return ([S(32, 8, 20, 64, "fp32", False), S(1, 8, 512, 64, "fp32", True),
+                 S(1, 4, 256, 64, "bf16", False)],
+                [S(32, 8, 20, 64, "fp32", False)])
+    attn = [
+        S(32, 8, 20, 64, "fp32", False), S(32, 8, 20, 64, "fp32", True),
+        S(32, 8, 20, 64, "bf16", False),
+        S(1, 8, 512, 64, "fp32", False), S(1, 8, 2048, 64, "fp32", False),
+        S(1, 8, 2048, 64, "fp32", True),
+        S(1, 8, 4096, 64, "fp32", False), S(1, 8, 4096, 64, "fp32", True),
+        S(1, 8, 4096, 64, "bf16", False), S(1, 8, 4096, 64, "bf16", True),
+        S(1, 32, 2048, 128, "fp32", False), S(1, 32, 2048, 128, "bf16", False),
+        S(4, 16, 2048, 64, "fp32", True), S(4, 16, 2048, 64, "bf16", True),
+        S(1, 8, 16384, 64, "fp32", True),
+        S(1, 1, 65536, 64, "fp32", True),  # bounded memory: the scores alone would be 16 GiB
+    ]
+    modules = [S(32, 8, 20, 64, "fp32", False), S(32, 8, 20, 64, "bf16", False),
+               S(1, 8, 2048, 64, "fp32", True)]
+    return attn, modules
+
+
+class _Inputs:
+    """q, k, v (and the fp32 SDPA output) for one shape, built on first use, freed by clear."""
+
+    def __init__(self, s: Shape):
+        self.s, self._qkv, self._expected = s, None, None
+
+    def qkv(self):
+        if self._qkv is None:
+            g = torch.Generator().manual_seed(0)
+            s = self.s
+            self._qkv = tuple(torch.randn(s.B, s.h, s.T, s.d, generator=g)  # (B, h, T, d)
+                              .to(_DTYPES[s.dtype]) for _ in range(3))
+        return self._qkv
+
+    def expected(self):
+        if self._expected is None:
+            q, k, v = (x.float() for x in self.qkv())
+            self._expected = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=self.s.causal)  # (B, h, T, d)
+        return self._expected
+
+    def clear(self):
+        self._qkv = self._expected = None
+
+
+def _as_bhtd(out, s: Shape) -> torch.Tensor:
+    """Any implementation's output as a float32 ``(B, h, T, d)`` torch tensor."""
+    import numpy as np
+
+    if isinstance(out, (list, tuple)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        out = torch.from_numpy(np.asarray(out, dtype=np.float32))
+    out = out.float()
+    if out.shape == (s.B, s.h, s.T, s.d):
+        return out
+    return out.reshape(s.B, s.T, s.h, s.d).transpose(1, 2)  # (B, T, h*d) or (B, T, h, d) -> (B, h, T, d)
+
+
+def _checked(make, inputs: _Inputs, s: Shape, tol: float):
+    """Wrap an adapter: build it, check one output against fp32 SDPA, return the callable."""
+
+    def build():
+        fn = make()
+        if s.scores_bytes(1) <= _CHECK_MAX:
+            err = float((_as_bhtd(fn(), s) - inputs.expected()).abs().max())
+            if not err <= tol:  # also catches NaN
+                raise RuntimeError(f"wrong result: max |out - SDPA fp32| = {err:.3g} > {tol}")
+            fn.check = f"max |out - SDPA fp32| = {err:.1e}"
+        return fn
+
+    return build
+
+
+def _budget(need: float, ctx: Context, what: str):
+    if need > ctx.mem_budget:
+        raise Skip(f"would need {need / GiB:.1f} GiB for {what} "
+                   f"(memory budget {ctx.mem_budget / GiB:.0f} GiB, --mem-budget)")
+
+
+def _mha_backend(name: str, inputs: _Inputs, s: Shape, ctx: Context):
+    import mha
+
+    def make():
+        q, k, v = inputs.qkv()
+        verdict = next(vd for vd in mha.explain(q, k, v, causal=s.causal) if vd.backend == name)
+        if not verdict.ok:
+            raise Skip("unavailable: " + "; ".join(verdict.reasons))
+        if name == "math":
+            _budget(2 * s.scores_bytes() + s.T * s.T, ctx, "the (B, h, T, T) scores")
+        if name == "reference":
+            _budget(3 * s.scores_bytes() / s.h + s.T * s.T, ctx, "the per-head (B, T, T) scores")
+        return lambda: mha.attention(q, k, v, causal=s.causal, backend=name)
+
+    return make
+
+
+def _mha_auto(inputs: _Inputs, s: Shape):
+    import mha
+
+    def make():
+        q, k, v = inputs.qkv()
+        fn = lambda: mha.attention(q, k, v, causal=s.causal)  # noqa: E731
+        fn.note = f"dispatch chose {mha.explain(q, k, v, causal=s.causal).chosen}"
+        return fn
+
+    return make
+
+
+def _peer(adapter, inputs: _Inputs, s: Shape, ctx: Context, *, need: float = 0.0,
+          what: str = "the (B, h, T, T) scores"):
+    def make():
+        _budget(need, ctx, what)
+        q, k, v = inputs.qkv()
+        return adapter(q, k, v, s.causal)
+
+    return make
+
+
+def _backends_for(s: Shape) -> list[str]:
+    """mha's backends to show: those that can serve the shape, and those that cannot run here
+    at all (their row says why). Decided on zero-memory expanded tensors."""
+    import mha
+    from mha import backends
+
+    q = torch.zeros((), dtype=_DTYPES[s.dtype]).expand(s.B, s.h, s.T, s.d)  # (B, h, T, d), no memory
+    names = []
+    for v in mha.explain(q, q, q, causal=s.causal):
+        if v.ok or backends.get(v.backend).unavailable():
+            names.append(v.backend)
+    return names
+
+
+def attention_case(s: Shape, ctx: Context) -> Case:
+    inp = _Inputs(s)
+    tol = _TOL[s.dtype]
+    S4 = s.scores_bytes(4)
+    impls = [Impl(f"mha:{b}", _checked(_mha_backend(b, inp, s, ctx), inp, s, tol))
+             for b in _backends_for(s)]
+    impls += [
+        Impl("mha auto", _checked(_mha_auto(inp, s), inp, s, tol)),
+        Impl("torch sdpa", _checked(_peer(peers.sdpa, inp, s, ctx), inp, s, tol)),
+        Impl("naive torch", _checked(_peer(peers.naive, inp, s, ctx,
+                                           need=2 * s.scores_bytes(_DTYPES[s.dtype].itemsize)
+                                           + s.T * s.T), inp, s, tol)),
+        Impl("flex compiled", _checked(_flex(inp, s, ctx), inp, s, tol)),
+        Impl("onnxrt MHA", _checked(_peer(peers.ort_mha, inp, s, ctx, need=S4), inp, s, 1e-2)),
+        Impl("onnxrt GQA", _checked(_peer(peers.ort_gqa, inp, s, ctx, need=S4), inp, s, 1e-2)),
+        Impl("jax xla", _checked(_peer(peers.jax_dpa, inp, s, ctx, need=2 * S4), inp, s, tol)),
+    ]
+    return Case(name=s.name, impls=impls, flops=s.flops, metric="gflops", baseline="torch sdpa",
+                peak=s.dtype, params=dict(B=s.B, h=s.h, T=s.T, d=s.d, dtype=s.dtype,
+                                          causal=s.causal),
+                teardown=inp.clear)
+
+
+def _flex(inp: _Inputs, s: Shape, ctx: Context):
+    def make():
+        if ctx.quick:
+            raise Skip("not in --quick: torch.compile takes ~10-80 s per shape here")
+        q, k, v = inp.qkv()
+        return peers.flex(q, k, v, s.causal)
+
+    return make
+
+
+def module_case(s: Shape, ctx: Context) -> Case:
+    """``nn.MultiheadAttention`` vs ``mha.MultiHeadAttention`` (same weights), x (B, T, d_model)."""
+    import mha
+
+    d_model = s.h * s.d
+    dtype = _DTYPES[s.dtype]
+    state: dict = {}
+
+    def setup() -> dict:
+        if not state:
+            torch.manual_seed(0)
+            state["x"] = torch.randn(s.B, s.T, d_model).to(dtype)  # (B, T, d_model)
+            state["torch"] = peers.torch_module(d_model, s.h, dtype)
+        return state
+
+    def make_torch():
+        st = setup()
+        return peers.torch_module_call(st["torch"], st["x"], s.causal)
+
+    def make_mha():
+        st = setup()
+        m = mha.MultiHeadAttention.from_torch(st["torch"]).to(dtype).eval()
+        x = st["x"]
+        fn = lambda: m(x, causal=s.causal)  # noqa: E731
+        if s.scores_bytes(1) <= _CHECK_MAX:
+            ref = peers.torch_module_call(st["torch"], x, s.causal)()[0].float()
+            err = float((fn().float() - ref).abs().max())
+            tol = 1e-4 if s.dtype == "fp32" else 5e-2
+            if not err <= tol:
+                raise RuntimeError(f"wrong result: max |out - nn.MultiheadAttention| = {err:.3g}")
+            fn.check = f"same weights as nn.MultiheadAttention: max err {err:.1e}"
+        return fn
+
+    proj = 4 * 2.0 * s.B * s.T * d_model * d_model  # Q, K, V, O projections
+    return Case(name=f"module B{s.B} T{s.T} d_model{d_model} h{s.h} {s.dtype} "
+                     f"{'causal' if s.causal else 'dense'}",
+                impls=[Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha)],
+                flops=proj + s.flops, metric="gflops", baseline="torch nn.MHA", peak=s.dtype,
+                params=dict(B=s.B, T=s.T, d_model=d_model, h=s.h, dtype=s.dtype,
+                            causal=s.causal, module=True),
+                teardown=state.clear)
+
+
+def cases(ctx: Context) -> list[Case]:
+    attn, modules = grid(ctx.quick)
+    return [attention_case(s, ctx) for s in attn] + [module_case(s, ctx) for s in modules]
+
+
+__all__ = ["TITLE", "Shape", "grid", "cases", "attention_case", "module_case"]

@@ -1,0 +1,227 @@
+"""Showing and saving a benchmark run: rich tables, JSON, markdown, and a PNG plot.
+
+A run is ``{"meta": {...}, "peaks": {key: Peak fields}, "rows": [Row.to_dict(), ...]}``; the
+JSON is the source of truth, and markdown and the plot can be regenerated from it
+(``mha bench --from-json ... --markdown ... --plot ...``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+from mha.bench.core import Row
+
+_RATE_UNIT = {"gflops": "GFLOP/s", "gbs": "GB/s", "time": "s"}
+MD_BEGIN, MD_END = "<!-- mha-bench:begin -->", "<!-- mha-bench:end -->"
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs" if seconds >= 1e-5 else f"{seconds * 1e6:.1f} µs"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.2f} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}" if n < 10 * size else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
+def rate_unit(r: Row) -> str:
+    return f"{r.item_unit or 'items'}/s" if r.metric == "items" else _RATE_UNIT[r.metric]
+
+
+def fmt_rate(r: Row) -> str:
+    v = r.rate()
+    if v is None:
+        return ""
+    if r.metric == "time":
+        return fmt_time(v)
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.3g}"
+
+
+def _status(r: Row) -> str:
+    return r.reason if r.status == "skipped" else f"ERROR {r.reason}" if r.status == "error" else ""
+
+
+def by_suite(rows: list[Row]) -> OrderedDict:
+    out: OrderedDict = OrderedDict()
+    for r in rows:
+        out.setdefault(r.suite, OrderedDict()).setdefault(r.case, []).append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------- rich
+def print_tables(rows: list[Row], peaks: dict, console) -> None:
+    from rich.table import Table
+
+    pk = Table(title="machine peaks (measured in this run)", show_lines=False)
+    for col in ("peak", "value", "how"):
+        pk.add_column(col, overflow="fold")
+    for p in peaks.values():
+        pk.add_row(p.label, "n/a" if p.value is None else f"{p.value:.0f} {p.unit}", p.how)
+    console.print(pk)
+    for suite, cases in by_suite(rows).items():
+        t = Table(title=f"suite {suite}", show_lines=False)
+        for col, just in (("case", "left"), ("impl", "left"), ("time", "right"),
+                          ("± %", "right"), ("rate", "right"), ("× base", "right"),
+                          ("% peak", "right"), ("mem", "right"), ("note", "left")):
+            t.add_column(col, justify=just, overflow="fold")
+        for case, rs in cases.items():
+            for i, r in enumerate(rs):
+                ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+                if r.impl == r.baseline and r.ok:
+                    ratio = "1 (base)"
+                t.add_row(case if i == 0 else "", r.impl, fmt_time(r.seconds),
+                          "" if r.spread is None else f"{100 * r.spread:.0f}",
+                          f"{fmt_rate(r)} {rate_unit(r)}" if r.ok else "",
+                          ratio, "" if r.pct_peak is None else f"{r.pct_peak:.0f}",
+                          fmt_bytes(r.mem_bytes), _status(r) or r.note,
+                          style=None if r.ok else "dim")
+            t.add_section()
+        console.print(t)
+
+
+# ----------------------------------------------------------------------------- JSON
+def save_json(run: dict, out_dir: Path, stamp: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(run, indent=1, default=str)
+    paths = [out_dir / "latest.json", out_dir / f"bench-{stamp}.json"]
+    for p in paths:
+        p.write_text(text + "\n")
+    return paths
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def rows_from_run(run: dict) -> list[Row]:
+    fields = set(Row.__dataclass_fields__)
+    return [Row(**{k: v for k, v in d.items() if k in fields}) for d in run["rows"]]
+
+
+# ----------------------------------------------------------------------------- markdown
+def _short(reason: str, n: int = 60) -> str:
+    reason = reason.replace("|", "/").replace("\n", " ")
+    return reason if len(reason) <= n else reason[: n - 1] + "…"
+
+
+def markdown(run: dict) -> str:
+    """The results as markdown: peaks, one ratio matrix per suite, then the full rows."""
+    rows = rows_from_run(run)
+    meta = run["meta"]
+    lines = [f"Run {meta.get('started', '?')} UTC, `{meta.get('command', 'mha bench')}`, "
+             f"{meta.get('threads', '?')} threads, {meta.get('cpu', '')}; load average "
+             f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')} "
+             f"(the machine is shared: see the ± column). torch {meta.get('torch', '?')}, "
+             f"onnxruntime {meta.get('onnxruntime', '-')}, jax {meta.get('jax', '-')}.", "",
+             "| peak | value | how |", "|---|---|---|"]
+    for p in run["peaks"].values():
+        v = "n/a" if p["value"] is None else f"{p['value']:.0f} {p['unit']}"
+        lines.append(f"| {p['label']} | {v} | {p['how']} |")
+    for suite, cases in by_suite(rows).items():
+        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
+        some = next((r for rs in cases.values() for r in rs if r.ok), None)
+        unit = rate_unit(some) if some else ""
+        lines += ["", f"### Suite `{suite}`: {unit} (× the baseline's speed)", "",
+                  "| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
+        for case, rs in cases.items():
+            got = {r.impl: r for r in rs}
+            cells = []
+            for name in impls:
+                r = got.get(name)
+                if r is None:
+                    cells.append("")
+                elif r.ok:
+                    ratio = "" if r.ratio is None else f" ({r.ratio:.2f}×)"
+                    cells.append(f"{fmt_rate(r)}{ratio}")
+                else:
+                    cells.append("skip" if r.status == "skipped" else "error")
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
+        lines += ["", "<details><summary>every row: time, spread, % of peak, memory, notes"
+                  "</summary>", "",
+                  "| case | impl | time | ± % | rate | × base | % peak | peak mem | note, check |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for case, rs in cases.items():
+            for r in rs:
+                lines.append(
+                    f"| {case} | {r.impl} | {fmt_time(r.seconds)} | "
+                    f"{'' if r.spread is None else f'{100 * r.spread:.0f}'} | "
+                    f"{fmt_rate(r) + ' ' + rate_unit(r) if r.ok else ''} | "
+                    f"{'' if r.ratio is None else f'{r.ratio:.2f}'} | "
+                    f"{'' if r.pct_peak is None else f'{r.pct_peak:.1f}'} | "
+                    f"{fmt_bytes(r.mem_bytes)} | "
+                    f"{_short('; '.join(x for x in (_status(r), r.note, r.check) if x), 120)} |")
+        lines += ["", "</details>"]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(run: dict, path: Path) -> None:
+    """Replace the text between the begin/end markers in ``path`` (or write a new file)."""
+    block = f"{MD_BEGIN}\n{markdown(run)}{MD_END}"
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    if MD_BEGIN in old and MD_END in old:
+        head, rest = old.split(MD_BEGIN, 1)
+        text = head + block + rest.split(MD_END, 1)[1]
+    else:
+        text = (old + "\n" if old else "") + block + "\n"
+    path.write_text(text)
+
+
+# ----------------------------------------------------------------------------- plot
+def plot(run: dict, path: Path) -> Path:
+    """One panel per suite: the leading rate of every (case, impl), peaks as lines (log y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rows_from_run(run)
+    suites = by_suite(rows)
+    fig, axes = plt.subplots(len(suites), 1, figsize=(16, 5.5 * len(suites)), squeeze=False)
+    for ax, (suite, cases) in zip(axes[:, 0], suites.items(), strict=True):
+        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
+        width = 0.8 / max(1, len(impls))
+        cmap = plt.get_cmap("tab20")
+        unit = ""
+        for j, name in enumerate(impls):
+            xs, ys = [], []
+            for i, rs in enumerate(cases.values()):
+                r = next((r for r in rs if r.impl == name), None)
+                if r is not None and r.rate() is not None:
+                    xs.append(i - 0.4 + (j + 0.5) * width)
+                    ys.append(r.rate())
+                    unit = rate_unit(r)
+            ax.bar(xs, ys, width, label=name, color=cmap(j % 20))
+        if unit == "GFLOP/s":
+            styles = ("--", ":", "-.", (0, (5, 1)), (0, (1, 3)))
+            lines = [p for k, p in run["peaks"].items()
+                     if p["unit"] == "GFLOP/s" and p["value"] and k != "bf16"]
+            for p, ls in zip(lines, styles, strict=False):
+                ax.axhline(p["value"], color="k", lw=1, ls=ls, label=f"{p['label']} "
+                                                                       f"({p['value']:.0f})")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(list(cases), rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+        ax.set_title(f"mha bench — suite {suite} ({run['meta'].get('started', '')} UTC, "
+                     f"{run['meta'].get('threads', '?')} threads; missing bar = skipped)")
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
