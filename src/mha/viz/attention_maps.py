@@ -65,8 +65,7 @@ def load(model_dir: str | Path | None = None, *, attn_implementation: str = "mha
 @torch.no_grad()
 def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") -> AttentionMaps:
     """Run ``model`` on ``text`` and keep every layer's attention weights as returned."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"text must be a non-empty string, got {text!r}")
+    _check_text(text)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
     with recording() as rec:  # mha.attention names the backend it ran, if it ran
         out = model(**enc, output_attentions=True, output_hidden_states=True)
@@ -88,9 +87,15 @@ def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") ->
 def extract(text: str, model_dir: str | Path | None = None, *, attn_implementation: str = "mha",
             max_tokens: int = 64):
     """Load the model and run it on ``text``: ``(maps, model)``."""
+    _check_text(text)
     tok, model = load(model_dir, attn_implementation=attn_implementation)
     name = "all-MiniLM-L6-v2" if model_dir is None else Path(model_dir).resolve().name
     return run(tok, model, text, max_tokens=max_tokens, name=name), model
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"text must be a non-empty string, got {text!r}")
 
 
 # ----------------------------------------------------------------------------- per-head statistics
