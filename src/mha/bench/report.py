@@ -188,37 +188,41 @@ def plot(run: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = rows_from_run(run)
-    suites = by_suite(rows)
-    fig, axes = plt.subplots(len(suites), 1, figsize=(16, 5.5 * len(suites)), squeeze=False)
+    suites = OrderedDict((k, v) for k, v in by_suite(rows).items()
+                         if any(r.rate() is not None for rs in v.values() for r in rs))
+    if not suites:
+        raise ValueError("nothing to plot: no implementation produced a measurement")
+    fig, axes = plt.subplots(len(suites), 1, figsize=(16, 6 * len(suites)), squeeze=False)
     for ax, (suite, cases) in zip(axes[:, 0], suites.items(), strict=True):
-        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
-        width = 0.8 / max(1, len(impls))
-        cmap = plt.get_cmap("tab20")
-        unit = ""
-        for j, name in enumerate(impls):
-            xs, ys = [], []
-            for i, rs in enumerate(cases.values()):
-                r = next((r for r in rs if r.impl == name), None)
-                if r is not None and r.rate() is not None:
-                    xs.append(i - 0.4 + (j + 0.5) * width)
-                    ys.append(r.rate())
-                    unit = rate_unit(r)
-            ax.bar(xs, ys, width, label=name, color=cmap(j % 20))
+        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs
+                                          if r.rate() is not None))
+        colors = {name: plt.get_cmap("tab20")(j % 20) for j, name in enumerate(impls)}
+        unit, labelled = "", set()
+        for i, rs in enumerate(cases.values()):
+            got = [r for r in rs if r.rate() is not None]
+            width = 0.84 / max(4, len(got))
+            for j, r in enumerate(got):  # the bars present in this case, side by side
+                x = i - width * len(got) / 2 + (j + 0.5) * width
+                ax.bar(x, r.rate(), width, color=colors[r.impl],
+                       label=None if r.impl in labelled else r.impl)
+                labelled.add(r.impl)
+                unit = rate_unit(r)
         if unit == "GFLOP/s":
-            styles = ("--", ":", "-.", (0, (5, 1)), (0, (1, 3)))
+            line_colors = ("black", "tab:red", "tab:purple", "tab:gray", "tab:olive")
             lines = [p for k, p in run["peaks"].items()
                      if p["unit"] == "GFLOP/s" and p["value"] and k != "bf16"]
-            for p, ls in zip(lines, styles, strict=False):
-                ax.axhline(p["value"], color="k", lw=1, ls=ls, label=f"{p['label']} "
-                                                                       f"({p['value']:.0f})")
+            for p, c in zip(lines, line_colors, strict=False):
+                ax.axhline(p["value"], color=c, lw=1.2, ls="--",
+                           label=f"{p['label']} ({p['value']:.0f})")
         ax.set_yscale("log")
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(list(cases), rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit)
         ax.set_title(f"mha bench — suite {suite} ({run['meta'].get('started', '')} UTC, "
-                     f"{run['meta'].get('threads', '?')} threads; missing bar = skipped)")
+                     f"{run['meta'].get('threads', '?')} threads; missing bar = skipped, "
+                     f"see the table)")
         ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

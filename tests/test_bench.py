@@ -1,0 +1,166 @@
+"""``mha bench``: the harness (interleaving, medians, ratios, memory probe, skips and errors),
+the attention suite's guards (result check, memory budget), and the command end to end on a
+tiny grid — JSON, markdown and PNG produced from real measurements."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from mha.bench import attention, core, report
+from mha.bench.core import Case, Context, Impl, Skip
+from mha.cli import main
+
+FAST = dict(repeat=3, min_time=0.01, sample_time=0.002, max_case_time=5.0)
+
+
+def _matmul_impl(name, n, log=None):
+    def make():
+        a = torch.randn(n, n)
+
+        def fn():
+            if log is not None:
+                log.append(name)
+            return a @ a  # (n, n) @ (n, n)
+
+        return fn
+
+    return Impl(name, make)
+
+
+def test_measure_rows_ratios_and_rates():
+    case = Case("mm", [_matmul_impl("small", 32), _matmul_impl("big", 128)],
+                flops=2.0 * 128**3, baseline="big")
+    rows = {r.impl: r for r in core.measure(case, Context(**FAST), "unit")}
+    for r in rows.values():
+        assert r.ok and r.seconds > 0 and r.samples >= 3 and r.calls >= r.samples
+        assert r.gflops == pytest.approx(case.flops / r.seconds / 1e9)
+        assert r.suite == "unit" and r.case == "mm"
+    assert rows["big"].ratio == pytest.approx(1.0)
+    assert rows["small"].ratio == pytest.approx(rows["big"].seconds / rows["small"].seconds)
+    assert rows["small"].ratio > 1  # 64x fewer FLOPs: faster than the baseline
+
+
+def test_measure_interleaves_implementations():
+    log: list[str] = []
+    case = Case("order", [_matmul_impl("A", 16, log), _matmul_impl("B", 16, log)])
+    ctx = Context(repeat=4, min_time=0.0, sample_time=0.0, max_case_time=5.0)
+    core.measure(case, ctx)
+    # set-up: each impl's first call (memory) and one warm-up call, A then B; then the timed
+    # samples (one call each here) alternate A, B, A, B, ...
+    assert log[:4] == ["A", "A", "B", "B"]
+    timed = log[4:]
+    assert len(timed) >= 8 and timed == ["A", "B"] * (len(timed) // 2)
+
+
+def test_skip_and_error_become_rows_not_numbers():
+    def skip():
+        raise Skip("install mha[onnx]")
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    def fails_later():
+        def fn():
+            raise ValueError("bad shape")
+        return fn
+
+    case = Case("c", [Impl("s", skip), Impl("e", broken), Impl("f", fails_later)])
+    rows = {r.impl: r for r in core.measure(case, Context(**FAST))}
+    assert rows["s"].status == "skipped" and rows["s"].reason == "install mha[onnx]"
+    assert rows["e"].status == "error" and "no kernel" in rows["e"].reason
+    assert rows["f"].status == "error" and "bad shape" in rows["f"].reason
+    assert all(r.seconds is None and r.gflops is None for r in rows.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS probe reads /proc")
+def test_memory_probe_sees_a_large_transient_allocation():
+    n = 64 * 2**20 // 4  # 64 MiB of fp32
+
+    def big():
+        return lambda: float(torch.ones(n).sum())  # allocates, touches, frees
+
+    def small():
+        x = torch.ones(1024)
+        return lambda: float(x.sum())
+
+    rows = {r.impl: r for r in core.measure(Case("m", [Impl("big", big), Impl("small", small)]),
+                                            Context(**FAST))}
+    assert rows["big"].mem_bytes >= 60 * 2**20
+    assert rows["small"].mem_bytes < 16 * 2**20
+
+
+def test_unknown_suite_is_a_reason():
+    mod, why = core.load_suite("no_such_suite_xyz")
+    assert mod is None and "not installed" in why
+    assert set(core.SUITES) >= {"attention", "decode", "hf"}
+
+
+def test_shape_flops_count_half_when_causal():
+    dense = attention.Shape(2, 3, 16, 8, "fp32", False)
+    causal = attention.Shape(2, 3, 16, 8, "fp32", True)
+    assert dense.flops == 4 * 2 * 3 * 16 * 16 * 8
+    assert causal.flops == dense.flops / 2
+
+
+def test_wrong_result_is_an_error_row():
+    s = attention.Shape(1, 2, 8, 4, "fp32", False)
+    inp = attention._Inputs(s)
+
+    def wrong():
+        q, k, v = inp.qkv()
+        return lambda: torch.zeros_like(q) + 1.0
+
+    rows = core.measure(Case("w", [Impl("wrong", attention._checked(wrong, inp, s, 1e-4))]),
+                        Context(**FAST))
+    assert rows[0].status == "error" and "wrong result" in rows[0].reason
+
+
+def test_memory_budget_skips_materializing_impls_with_the_figure():
+    s = attention.Shape(1, 2, 64, 16, "fp32", True)
+    ctx = Context(**FAST, mem_budget=1024, impl_filter=("naive", "torch sdpa"))
+    rows = {r.impl: r for r in core.measure(attention.attention_case(s, ctx), ctx)}
+    assert rows["naive torch"].status == "skipped"
+    assert "would need" in rows["naive torch"].reason
+    assert rows["torch sdpa"].ok  # bounded memory: never skipped for size
+    assert set(rows) == {"naive torch", "torch sdpa"}
+
+
+def test_cli_end_to_end_tiny_grid(tmp_path):
+    md = tmp_path / "bench.md"
+    md.write_text("# title\n\nprose\n")
+    rc = main(["bench", "--quick", "--suite", "attention", "--suite", "no_such_suite_xyz",
+               "--filter", "32x8x20x64 fp32", "--impl", "sdpa", "--impl", "naive",
+               "--impl", "auto", "--repeat", "3", "--min-time", "0.02",
+               "--out", str(tmp_path), "--markdown", str(md)])
+    assert rc == 0
+    run = json.loads((tmp_path / "latest.json").read_text())
+    assert {"meta", "peaks", "rows"} <= set(run)
+    assert run["peaks"]["fp32"]["value"] is None or run["peaks"]["fp32"]["value"] > 0
+    assert run["peaks"]["mm_fp32"]["value"] > 0
+    rows = [r for r in run["rows"] if r["suite"] == "attention"]
+    assert {r["case"] for r in rows} == {"32x8x20x64 fp32 dense"}
+    assert {"torch sdpa", "naive torch", "mha auto", "mha:sdpa"} <= {r["impl"] for r in rows}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["seconds"] > 0 and r["samples"] >= 3
+        assert r["gflops"] == pytest.approx(4 * 32 * 8 * 20 * 20 * 64 / r["seconds"] / 1e9)
+        assert r["check"].startswith("max |out - SDPA fp32|")
+    base = next(r for r in rows if r["impl"] == "torch sdpa")
+    assert base["ratio"] == pytest.approx(1.0)
+    missing = [r for r in run["rows"] if r["suite"] == "no_such_suite_xyz"]
+    assert missing and missing[0]["status"] == "skipped"
+    png = (tmp_path / "latest.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    text = md.read_text()
+    assert text.startswith("# title\n\nprose\n") and report.MD_BEGIN in text
+    assert "32x8x20x64 fp32 dense" in text and "naive torch" in text
+
+    # regenerate the markdown from the JSON without measuring: same tables
+    md2 = tmp_path / "again.md"
+    assert main(["bench", "--from-json", str(tmp_path / "latest.json"), "--out", "",
+                 "--markdown", str(md2)]) == 0
+    assert report.markdown(run) in md2.read_text()
