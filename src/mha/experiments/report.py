@@ -1,0 +1,166 @@
+"""Summaries of a head-count sweep: the rich table, the Markdown table and the PNG plot, all
+computed from the ``results.json`` dict (never typed in).
+
+Shape legend: h heads, d_k = d_model / h head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+BEGIN, END = "<!-- heads-table:begin -->", "<!-- heads-table:end -->"
+
+
+def load(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def save(results: dict, path: str | Path) -> None:
+    """Write ``results`` as JSON atomically (a reader never sees half a file)."""
+    path = Path(path)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarize(results: dict) -> dict[str, list[dict]]:
+    """Per task, one row per head count: mean and std over seeds of loss, accuracy, time."""
+    out: dict[str, list[dict]] = {}
+    for task in results["tasks"]:
+        rows = []
+        runs = [r for r in results["runs"] if r["task"] == task]
+        for h in sorted({r["num_heads"] for r in runs}):
+            rs = [r for r in runs if r["num_heads"] == h]
+            loss = _mean_std([r["metrics"]["final_loss"] for r in rs])
+            acc = _mean_std([r["metrics"]["final_acc"] for r in rs])
+            rows.append({"num_heads": h, "head_dim": rs[0]["head_dim"], "n": len(rs),
+                         "loss": loss, "acc": acc,
+                         "time": statistics.fmean(r["time_s"] for r in rs),
+                         "cpu": statistics.fmean(r.get("cpu_s", float("nan")) for r in rs),
+                         "params": sorted({r["params"]["total"] for r in rs}),
+                         "attn_params": sorted({r["params"]["attention"] for r in rs}),
+                         "backends": sorted({r["backend"] for r in rs})})
+        out[task] = rows
+    return out
+
+
+def _cells(row: dict, best_acc: float) -> list[str]:
+    (lm, ls), (am, as_) = row["loss"], row["acc"]
+    mark = " *" if abs(am - best_acc) < 1e-12 else ""
+    return [str(row["num_heads"]), str(row["head_dim"]), f"{lm:.3f} ± {ls:.3f}",
+            f"{100 * am:.1f} ± {100 * as_:.1f}{mark}", str(row["n"]), f"{row['time']:.1f}",
+            f"{row['cpu']:.1f}",
+            "/".join(map(str, row["params"])), ", ".join(row["backends"])]
+
+
+COLUMNS = ("heads h", "head_dim d_k", "final loss (nats)", "accuracy %", "seeds",
+           "wall s/run", "CPU s/run", "params", "backend")
+
+
+def _task_note(results: dict, task: str) -> str:
+    info = results["tasks"][task]
+    note = f"{task} — {info['claim']}; chance loss {info['chance_loss']:.3f}"
+    if "best_possible_loss" in info:
+        note += f", best possible loss (source entropy) {info['best_possible_loss']:.3f}"
+    return note
+
+
+def rich_tables(results: dict) -> list:
+    """One rich Table per task (mean ± std over seeds; * marks the best mean accuracy)."""
+    from rich.table import Table
+
+    tables = []
+    for task, rows in summarize(results).items():
+        t = Table(title=_task_note(results, task))
+        for col in COLUMNS:
+            t.add_column(col, justify="right")
+        best = max(r["acc"][0] for r in rows)
+        for row in rows:
+            t.add_row(*_cells(row, best))
+        tables.append(t)
+    return tables
+
+
+def markdown(results: dict) -> str:
+    """The same tables in Markdown, with the configuration they came from."""
+    cfg = results["config"]
+    lines = [f"Configuration: preset `{cfg['preset']}`, d_model={cfg['d_model']}, "
+             f"{cfg['n_layers']} layers, {cfg['steps']} steps of batch {cfg['batch']}, "
+             f"lr {cfg['lr']}, {cfg['seeds']} seed(s) per point, held-out set of "
+             f"{cfg['eval_size']} sequences. Mean ± std over seeds; * marks the best mean "
+             f"accuracy. Wall time is noisy (a shared 2-core machine); CPU time is the process's own.",
+             ""]
+    for task, rows in summarize(results).items():
+        lines += [f"**{_task_note(results, task)}**", "",
+                  "| " + " | ".join(COLUMNS) + " |",
+                  "|" + "---:|" * len(COLUMNS)]
+        best = max(r["acc"][0] for r in rows)
+        lines += ["| " + " | ".join(_cells(row, best)) + " |" for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_markdown(results: dict, path: str | Path) -> None:
+    """Write the Markdown tables to ``path``; when the file holds the markers
+    ``<!-- heads-table:begin -->`` / ``<!-- heads-table:end -->``, replace only what lies
+    between them (so a document can be regenerated in place)."""
+    path = Path(path)
+    table = markdown(results)
+    if path.exists() and BEGIN in (text := path.read_text()) and END in text:
+        new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
+                     lambda _: f"{BEGIN}\n{table}\n{END}", text, flags=re.S)
+        path.write_text(new)
+    else:
+        path.write_text(table + "\n")
+
+
+def plot(results: dict, path: str | Path) -> None:
+    """Accuracy (top) and loss (bottom) against h on a log-2 axis, one column per task: each
+    seed as a dot, the mean as a line with ± std bars."""
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the plot needs matplotlib: pip install 'mha[viz]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(results)
+    n = len(summary)
+    fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 7), squeeze=False)
+    for col, (task, rows) in enumerate(summary.items()):
+        info = results["tasks"][task]
+        runs = [r for r in results["runs"] if r["task"] == task]
+        hs = [r["num_heads"] for r in rows]
+        for ax, key, label in ((axes[0][col], "acc", "accuracy"),
+                               (axes[1][col], "loss", "final loss (nats)")):
+            metric = "final_acc" if key == "acc" else "final_loss"
+            ax.scatter([r["num_heads"] for r in runs], [r["metrics"][metric] for r in runs],
+                       s=12, alpha=0.45, color="tab:gray", label="one seed")
+            ax.errorbar(hs, [r[key][0] for r in rows], yerr=[r[key][1] for r in rows],
+                        marker="o", capsize=3, color="tab:blue", label="mean ± std")
+            if key == "loss":
+                ax.axhline(info["chance_loss"], ls="--", color="tab:red", lw=1, label="chance")
+                if "best_possible_loss" in info:
+                    ax.axhline(info["best_possible_loss"], ls=":", color="tab:green", lw=1,
+                               label="source entropy")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(hs, [f"{h}\n(d_k={r['head_dim']})" for h, r in zip(hs, rows, strict=True)],
+                          fontsize=7)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0][col].set_title(f"{task}: {info['claim']}", fontsize=10)
+        axes[1][col].set_xlabel("num_heads h (log 2)")
+        axes[1][col].legend(fontsize=7)
+    cfg = results["config"]
+    fig.suptitle(f"Head count at fixed width: d_model={cfg['d_model']}, {cfg['n_layers']} layers,"
+                 f" {cfg['steps']} steps, {cfg['seeds']} seed(s) per point", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
