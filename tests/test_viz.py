@@ -77,6 +77,17 @@ def test_maps_are_what_mha_returned(mha_run):
     np.testing.assert_allclose(maps.weights.sum(-1), 1.0, atol=1e-5)
 
 
+def test_eager_comparison_is_labelled_and_agrees(mha_run):
+    maps, model, returned = mha_run
+    tok, eager = attention_maps.load(attn_implementation="eager")
+    with capture_mha_weights() as seen:
+        ref = attention_maps.run(tok, eager, TEXT)
+    assert seen == [] and ref.mha_backend is None and ref.attn_implementation == "eager"
+    np.testing.assert_allclose(ref.weights, returned, atol=1e-5, rtol=0)
+    tr, _ = attention_maps.layer_trace(ref, eager, 0)
+    assert "run through attn_implementation=&#x27;eager&#x27; (not mha)" in page.render(ref, tr)
+
+
 def test_stats_on_known_patterns():
     T = 5
     uniform = np.full((1, 1, T, T), 1.0 / T)

@@ -28,12 +28,12 @@ def attention_grid(maps: AttentionMaps, path: str | Path, *, dpi: int = 110) -> 
     (the colour bar is labelled with the weights themselves)."""
     plt = _pyplot()
     L, h, T, _ = maps.weights.shape
-    cell = max(1.25, 0.16 * T)  # inches per heatmap, grows with the token count
+    cell = float(np.clip(0.16 * T, 1.25, 2.6))  # inches per heatmap, grows with the token count
     from matplotlib.colors import PowerNorm
 
     fig, axes = plt.subplots(L, h, figsize=(cell * h + 1.6, cell * L + 1.4), squeeze=False)
     ticks = np.arange(T)
-    fs = max(4.0, min(7.0, 90.0 / T))
+    fs = float(np.clip(0.85 * cell * 72 / T, 3.0, 7.0))  # points: a token label per row
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # square-root scale: small weights show
     image = None
     for layer in range(L):
