@@ -149,7 +149,12 @@ def test_hover_previews_and_a_pin_holds(browser_page, page_file):
     tab.keyboard.press("ArrowRight")  # the pin moves to token 3
     assert tab.evaluate("document.body.dataset.query") == "3"
     np.testing.assert_allclose(read_tokens(tab)[0], returned[3, 4, 3], atol=ATOL, rtol=0)
-    tab.locator(".tok").nth(3).click()
+    tab.locator(".tok").nth(3).click()  # unpinned: the keyboard alone can pick a query too
+    tab.locator(".tok").nth(9).focus()
+    tab.keyboard.press("Enter")
+    assert tab.evaluate("document.body.dataset.query") == "9"
+    np.testing.assert_allclose(read_tokens(tab)[0], returned[3, 4, 9], atol=ATOL, rtol=0)
+    tab.keyboard.press("Enter")
 
 
 def test_page_shows_the_recorded_shape_table_and_loads_nothing(browser_page, page_file):
