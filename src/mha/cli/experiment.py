@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         report.write_markdown(results, args.markdown)
     report.plot(results, out / "heads.png")
-    con.print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heads.png'}"
-              if not args.from_results else f"wrote {out / 'table.md'}, {out / 'heads.png'}")
+    report.plot_curves(results, out / "curves.png")
+    written = [] if args.from_results else [out / "results.json"]
+    written += [out / "table.md", out / "heads.png", out / "curves.png"]
+    con.print("wrote " + ", ".join(map(str, written)))
     return 0
 

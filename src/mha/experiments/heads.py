@@ -36,13 +36,13 @@ class HeadsConfig:
     heads: tuple[int, ...] | None = None
     tasks: tuple[str, ...] = ("lags", "recall", "markov")
     seeds: int = 3
-    steps: int = 1000
-    batch: int = 64
+    steps: int = 600
+    batch: int = 32
     lr: float = 3e-3
-    warmup: int = 100
+    warmup: int = 60
     weight_decay: float = 0.01
-    eval_size: int = 1024
-    eval_points: int = 10  # held-out evaluations along training (for the learning curves)
+    eval_size: int = 512
+    eval_points: int = 6  # held-out evaluations along training (for the learning curves)
     threads: int = 1  # torch threads: these models are small and the machine is shared
 
     def head_counts(self) -> tuple[int, ...]:
@@ -68,9 +68,8 @@ PRESETS = {
     "tiny": HeadsConfig(preset="tiny", d_model=16, heads=(1, 4), tasks=("lags", "markov"),
                         seeds=1, steps=60, batch=32, warmup=10, eval_size=256, eval_points=3),
     # every divisor of 64, one seed, short training (a few minutes)
-    "quick": HeadsConfig(preset="quick", seeds=1, steps=300, batch=32, warmup=30,
-                         eval_size=512, eval_points=4),
-    # the real run
+    "quick": HeadsConfig(preset="quick", seeds=1, steps=300, warmup=30, eval_points=3),
+    # the real run (sized for a shared 2-core machine: ~1/2 h of CPU time)
     "full": HeadsConfig(),
 }
 

@@ -46,9 +46,36 @@ def summarize(results: dict) -> dict[str, list[dict]]:
                          "cpu": statistics.fmean(r.get("cpu_s", float("nan")) for r in rs),
                          "params": sorted({r["params"]["total"] for r in rs}),
                          "attn_params": sorted({r["params"]["attention"] for r in rs}),
-                         "backends": sorted({r["backend"] for r in rs})})
+                         "backends": sorted({r["backend"] for r in rs}),
+                         "slots": [statistics.fmean(col) for col in
+                                   zip(*(r["metrics"]["final_slot_acc"] for r in rs),
+                                       strict=True)],
+                         "captured": _mean_std([sum(a >= CAPTURED for a in
+                                                    r["metrics"]["final_slot_acc"])
+                                                for r in rs])})
         out[task] = rows
     return out
+
+
+CAPTURED = 0.99  # a relation (lag) counts as captured when its slot accuracy reaches this
+
+
+def slot_rows(results: dict, task: str) -> tuple[list[str], list[list[str]]]:
+    """For a task with several targets per position (``lags``): the columns and rows of a
+    table of per-target accuracy by h, and how many relations reach 99 %."""
+    info = results["tasks"][task]
+    lags = info["settings"].get("lags", range(1, info["n_slots"] + 1))
+    cols = ["heads h"] + [f"x(t-{a}) %" for a in lags] + [f"relations ≥ {100 * CAPTURED:.0f} %"]
+    rows = []
+    for row in summarize(results)[task]:
+        m, sd = row["captured"]
+        rows.append([str(row["num_heads"])] + [f"{100 * a:.1f}" for a in row["slots"]]
+                    + [f"{m:.1f} ± {sd:.1f} of {len(row['slots'])}"])
+    return cols, rows
+
+
+def _multi_slot_tasks(results: dict) -> list[str]:
+    return [t for t, info in results["tasks"].items() if info.get("n_slots", 1) > 1]
 
 
 def _cells(row: dict, best_acc: float) -> list[str]:
@@ -85,6 +112,14 @@ def rich_tables(results: dict) -> list:
         for row in rows:
             t.add_row(*_cells(row, best))
         tables.append(t)
+    for task in _multi_slot_tasks(results):
+        cols, rows = slot_rows(results, task)
+        t = Table(title=f"{task}: accuracy of each relation (mean over seeds)")
+        for col in cols:
+            t.add_column(col, justify="right")
+        for row in rows:
+            t.add_row(*row)
+        tables.append(t)
     return tables
 
 
@@ -103,6 +138,12 @@ def markdown(results: dict) -> str:
                   "|" + "---:|" * len(COLUMNS)]
         best = max(r["acc"][0] for r in rows)
         lines += ["| " + " | ".join(_cells(row, best)) + " |" for row in rows]
+        lines.append("")
+    for task in _multi_slot_tasks(results):
+        cols, rows = slot_rows(results, task)
+        lines += [f"**{task}: accuracy of each relation (mean over seeds)**", "",
+                  "| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
         lines.append("")
     return "\n".join(lines)
 
@@ -161,6 +202,34 @@ def plot(results: dict, path: str | Path) -> None:
     cfg = results["config"]
     fig.suptitle(f"Head count at fixed width: d_model={cfg['d_model']}, {cfg['n_layers']} layers,"
                  f" {cfg['steps']} steps, {cfg['seeds']} seed(s) per point", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(results: dict, path: str | Path) -> None:
+    """Held-out accuracy along training, one line per h (mean over seeds), one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(results["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, task in zip(axes[0], tasks, strict=True):
+        runs = [r for r in results["runs"] if r["task"] == task]
+        hs = sorted({r["num_heads"] for r in runs})
+        for i, h in enumerate(hs):
+            curves = [r["metrics"]["eval_curve"] for r in runs if r["num_heads"] == h]
+            steps = [p[0] for p in curves[0]]
+            acc = [statistics.fmean(c[j][2] for c in curves) for j in range(len(steps))]
+            ax.plot(steps, acc, marker=".", color=cmap(i / max(1, len(hs) - 1)), label=f"h={h}")
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out accuracy")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
