@@ -116,6 +116,8 @@ def test_layer_trace_records_the_models_layer(mha_run):
     np.testing.assert_allclose(w, returned[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"layer must lie in \[0, 6\), got 6"):
         attention_maps.layer_trace(maps, model, 6)
+    with pytest.raises(ValueError, match="the shape table needs a BERT-style model"):
+        attention_maps.attention_module(torch.nn.Linear(2, 2), 0)
 
 
 # ----------------------------------------------------------------------------- the PNGs

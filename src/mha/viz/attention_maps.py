@@ -135,14 +135,20 @@ def attention_module(model, layer: int = 0):
     (W^Q, W^K, W^V of the self-attention and W_O of its output dense layer)."""
     from mha.module import MultiHeadAttention
 
-    cfg = model.config
-    layers = model.encoder.layer
-    if not 0 <= layer < len(layers):
+    try:
+        cfg = model.config
+        layers = model.encoder.layer
+        att = layers[layer].attention if 0 <= layer < len(layers) else None
+        sa = None if att is None else att.self
+        _ = None if att is None else (sa.query, sa.key, sa.value, att.output.dense)
+    except AttributeError as e:
+        raise ValueError(f"the shape table needs a BERT-style model (encoder.layer[i].attention"
+                         f" with self.query/key/value and output.dense), got "
+                         f"{type(model).__name__}") from e
+    if att is None:
         raise ValueError(f"layer must lie in [0, {len(layers)}), got {layer}")
-    att = layers[layer].attention
     m = MultiHeadAttention(cfg.hidden_size, cfg.num_attention_heads)
     with torch.no_grad():
-        sa = att.self
         # [W^Q; W^K; W^V] in nn.Linear layout: 3 x (d_model, d_model) -> (3*d_model, d_model)
         m.in_proj.weight.copy_(torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]))
         m.in_proj.bias.copy_(torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]))
