@@ -75,7 +75,7 @@ def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") ->
         raise RuntimeError("attn_implementation='mha' is set but mha.attention never ran")
     if not out.attentions or any(a is None for a in out.attentions):
         raise RuntimeError(f"the model returned no attention weights with attn_implementation="
-                           f"{model.config._attn_implementation!r}")
+                           f"{impl!r}")
     weights = torch.stack([a[0] for a in out.attentions])  # L x (1, h, T, T) -> (L, h, T, T)
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
     return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
