@@ -8,10 +8,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
-EXTRAS := dev,viz,hf
+EXTRAS := dev,viz,hf,browser
+CHROMIUM := /usr/bin/chromium
 STAMP  := $(VENV)/.mha-installed
 
 .PHONY: demo test lint bench build install clean
+
+# The browser tests of the attention viewer drive Debian's Chromium with Playwright
+# (never `playwright install`: no downloaded browsers). Needs root, as on CI machines.
+$(CHROMIUM):
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +34,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mha demo
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/mha build
 	$(PY) -m pytest -q
 
