@@ -235,7 +235,8 @@ class ConcatKVCache:
 
     def positions(self, Tn: int) -> torch.Tensor:
         """``(1, Tn)``: the positions the next Tn tokens take (rows are equally long)."""
-        return self.max_length + torch.arange(Tn).unsqueeze(0)
+        device = None if self.k is None else self.k.device
+        return self.max_length + torch.arange(Tn, device=device).unsqueeze(0)
 
     @contextlib.contextmanager
     def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):

@@ -43,10 +43,16 @@ def _load() -> str | None:
         warnings.warn(f"mha: {reason}; falling back to other backends", RuntimeWarning,
                       stacklevel=3)
         return reason
+    _register()
+    return None
+
+
+@functools.cache
+def _register() -> None:
+    """The fake (shape) and autograd twins of the ops; once per process."""
     for name in ("mha::flash_decode", "mha::flash_decode_portable"):
         torch.library.register_fake(name)(_fake)
         torch.library.register_autograd(name, _no_backward)
-    return None
 
 
 def unavailable() -> str | None:

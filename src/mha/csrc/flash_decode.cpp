@@ -30,13 +30,19 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 namespace {
@@ -64,91 +70,179 @@ struct Problem {
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
 
+// scores[r * kChunk + t] = (q_r . k_t) * scale for r < G, t < n.
 template <typename T>
-float dot_portable(const T* a, const T* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += to_f(a[i]) * to_f(b[i]);
-  return s;
+void qk_portable(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n,
+                 float scale, float* scores) {
+  for (int64_t r = 0; r < G; ++r)
+    for (int64_t t = 0; t < n; ++t) {
+      float s = 0.f;
+      for (int64_t c = 0; c < dk; ++c) s += to_f(q[r * dk + c]) * to_f(k[t * kst + c]);
+      scores[r * kChunk + t] = s * scale;
+    }
 }
 
+// O[r] += sum_t p[r * kChunk + t] * v_t for r < G, t < n.
 template <typename T>
-void axpy_portable(float* acc, float p, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * to_f(x[i]);
+void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv,
+                 float* O) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < G; ++r) {
+      const float w = p[r * kChunk + t];
+      for (int64_t c = 0; c < dv; ++c) O[r * dv + c] += w * to_f(v[t * vst + c]);
+    }
 }
 
-// exp2 of n scores minus m, in place; returns their sum. Entries at -inf become 0.
-float exp2_sum_portable(float* s, int64_t n, float m) {
-  float l = 0.f;
+// Row max, then s <- 2^(s - max) in place; returns (max, sum). Entries at -inf become 0.
+std::pair<float, float> softmax_portable(float* s, int64_t n) {
+  float m = kNegInf, l = 0.f;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = s[j] == kNegInf ? 0.f : std::exp2(s[j] - m);
+    s[j] = (s[j] == kNegInf) ? 0.f : std::exp2(s[j] - m);
     l += s[j];
   }
-  return l;
+  return {m, l};
 }
 
 // ------------------------------------------------------------------ AVX-512 building blocks
 #ifdef __AVX512F__
-inline __mmask16 tail16(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
-
-inline float dot_vec(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 mk = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail16(n - i);
-    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + i), _mm512_maskz_loadu_ps(mk, b + i),
-                           acc0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+inline __mmask16 tail16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
 // 16 bf16 values -> 16 fp32 (exact: bf16 is the top half of an fp32).
-inline __m512 load_bf16_as_f32(const bf16* p, __mmask16 mk) {
+inline __m512 load_f32(const bf16* p, __mmask16 mk) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mk, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
 
-inline float dot_vec(const bf16* a, const bf16* b, int64_t n) {
+// One dot product's partial sums (16 lanes): q . k over d elements.
+inline __m512 dot_lanes(const float* q, const float* k, int64_t d) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(k + c + 16), a1);
+  }
+  for (; c < d; c += 16) {
+    const __mmask16 mk = tail16(d - c);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + c), _mm512_maskz_loadu_ps(mk, k + c), a0);
+  }
+  return _mm512_add_ps(a0, a1);
+}
+
+inline __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 #ifdef __AVX512BF16__
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i),
-                            (__m512bh)_mm512_loadu_si512(b + i));
-    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + i + 32),
-                            (__m512bh)_mm512_loadu_si512(b + i + 32));
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(q + c + 32),
+                          (__m512bh)_mm512_loadu_si512(k + c + 32));
   }
-  for (; i < n; i += 32) {
-    const int64_t r = std::min<int64_t>(32, n - i);
+  for (; c < d; c += 32) {
+    const int64_t r = std::min<int64_t>(32, d - c);
     const __mmask32 mk = r == 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << r) - 1ull);
-    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(mk, a + i),
-                            (__m512bh)_mm512_maskz_loadu_epi16(mk, b + i));
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + c),
+                          (__m512bh)_mm512_maskz_loadu_epi16(mk, k + c));
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  return _mm512_add_ps(a0, a1);
 #else
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mk = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail16(n - i);
-    acc = _mm512_fmadd_ps(load_bf16_as_f32(a + i, mk), load_bf16_as_f32(b + i, mk), acc);
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 mk = tail16(d - c);
+    a = _mm512_fmadd_ps(load_f32(q + c, mk), load_f32(k + c, mk), a);
   }
-  return _mm512_reduce_add_ps(acc);
+  return a;
 #endif
 }
 
-inline __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-inline __m512 load_f32(const bf16* p, __mmask16 mk) { return load_bf16_as_f32(p, mk); }
+// Sixteen 16-lane partial sums -> one vector of their 16 totals. With the accumulators
+// assigned as below (acc[i] holds key 4 * (i % 4) + i / 4), lane t of the result is key t.
+inline __m512 reduce16(const __m512* a) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; ++i)  // halves: [a_2i (8 lanes) | a_2i+1 (8 lanes)]
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarters: four 128-bit blocks, one per accumulator
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  const __m512 xy = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 zw = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512d xyd = _mm512_castps_pd(xy), zwd = _mm512_castps_pd(zw);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xyd, zwd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(xyd, zwd)));
+}
 
-// acc[0:n] += p * x[0:n] for `rows` accumulators sharing one x row (x loaded once per block).
 template <typename T>
-inline void axpy_vec(float* acc, float p, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mk = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail16(n - i);
-    const __m512 a = _mm512_maskz_loadu_ps(mk, acc + i);
-    _mm512_mask_storeu_ps(acc + i, mk, _mm512_fmadd_ps(_mm512_set1_ps(p), load_f32(x + i, mk), a));
+void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
+            float* scores) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t nt = std::min<int64_t>(16, n - j);
+    const T* kp[16];
+    for (int i = 0; i < 16; ++i)  // accumulator i holds key 4 * (i % 4) + i / 4 (see reduce16)
+      kp[i] = k + (j + std::min<int64_t>(4 * (i % 4) + i / 4, nt - 1)) * kst;
+    for (int64_t r = 0; r < G; ++r) {  // the 16 K rows stay in L1 across the G query rows
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = dot_lanes(q + r * dk, kp[i], dk);
+      _mm512_mask_storeu_ps(scores + r * kChunk + j, tail16(nt),
+                            _mm512_mul_ps(reduce16(acc), vscale));
+    }
   }
+}
+
+// O[r0:r0+R, col:col+16*NV] += p[r0:r0+R, :n] @ v[:n, col:col+16*NV]; accumulators in
+// registers, each V vector loaded once for the R rows.
+template <typename T, int R, int NV>
+void pv_tile(const float* p, int64_t n, const T* v, int64_t vst, int64_t col, __mmask16 last,
+             float* O, int64_t dv) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
+    const T* vt = v + t * vst + col;
+    for (int c = 0; c < NV; ++c) {
+      const __m512 x = load_f32(vt + 16 * c, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) {
+      float* o = O + r * dv + col + 16 * c;
+      const __mmask16 mk = c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      _mm512_mask_storeu_ps(o, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), acc[r][c]));
+    }
+}
+
+template <typename T, int R>
+void pv_rows(const float* p, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+  for (int64_t col = 0; col < dv; col += 128) {
+    const int64_t w = std::min<int64_t>(128, dv - col);
+    const int nv = static_cast<int>((w + 15) / 16);
+    const __mmask16 last = tail16(w - 16 * (nv - 1));
+    switch (nv) {
+      case 1: pv_tile<T, R, 1>(p, n, v, vst, col, last, O, dv); break;
+      case 2: pv_tile<T, R, 2>(p, n, v, vst, col, last, O, dv); break;
+      case 3: pv_tile<T, R, 3>(p, n, v, vst, col, last, O, dv); break;
+      case 4: pv_tile<T, R, 4>(p, n, v, vst, col, last, O, dv); break;
+      case 5: pv_tile<T, R, 5>(p, n, v, vst, col, last, O, dv); break;
+      case 6: pv_tile<T, R, 6>(p, n, v, vst, col, last, O, dv); break;
+      case 7: pv_tile<T, R, 7>(p, n, v, vst, col, last, O, dv); break;
+      default: pv_tile<T, R, 8>(p, n, v, vst, col, last, O, dv); break;
+    }
+  }
+}
+
+template <typename T>
+void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+  int64_t r = 0;
+  for (; r + 3 <= G; r += 3) pv_rows<T, 3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 2) pv_rows<T, 2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 1) pv_rows<T, 1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
 }
 
 // 2^x for x <= 0: x = n + r with r in [-1/2, 1/2]; 2^r by its degree-7 Taylor polynomial
@@ -168,43 +262,53 @@ inline __m512 exp2_vec(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-float exp2_sum_vec(float* s, int64_t n, float m) {
-  const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(kNegInf);
+std::pair<float, float> softmax_vec(float* s, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 mx = ninf;
+  for (int64_t j = 0; j < n; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j));
+  const float m = _mm512_reduce_max_ps(mx);
+  if (m == kNegInf) {
+    std::fill(s, s + n, 0.f);
+    return {m, 0.f};
+  }
+  const __m512 vm = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mk = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail16(n - j);
+    const __mmask16 mk = tail16(n - j);
     const __m512 x = _mm512_maskz_loadu_ps(mk, s + j);
     const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, x, ninf, _CMP_NEQ_OQ);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp2_vec(_mm512_sub_ps(x, vm)));
-    _mm512_mask_storeu_ps(s + j, mk, p);
-    sum = _mm512_add_ps(sum, p);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_vec(_mm512_sub_ps(x, vm)));
+    _mm512_mask_storeu_ps(s + j, mk, e);
+    sum = _mm512_add_ps(sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  return {m, _mm512_reduce_add_ps(sum)};
 }
 #endif  // __AVX512F__
 
 template <typename T, bool kVec>
-inline float dot(const T* a, const T* b, int64_t n) {
+inline void qk(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
+               float* scores) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return dot_vec(a, b, n);
+  if constexpr (kVec) return qk_vec(q, G, dk, k, kst, n, scale, scores);
 #endif
-  return dot_portable(a, b, n);
+  qk_portable(q, G, dk, k, kst, n, scale, scores);
 }
 
 template <typename T, bool kVec>
-inline void axpy(float* acc, float p, const T* x, int64_t n) {
+inline void pv(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return axpy_vec(acc, p, x, n);
+  if constexpr (kVec) return pv_vec(p, G, n, v, vst, dv, O);
 #endif
-  axpy_portable(acc, p, x, n);
+  pv_portable(p, G, n, v, vst, dv, O);
 }
 
 template <bool kVec>
-inline float exp2_sum(float* s, int64_t n, float m) {
+inline std::pair<float, float> softmax2(float* s, int64_t n) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return exp2_sum_vec(s, n, m);
+  if constexpr (kVec) return softmax_vec(s, n);
 #endif
-  return exp2_sum_portable(s, n, m);
+  return softmax_portable(s, n);
 }
 
 // ------------------------------------------------------------------ the two passes
@@ -215,22 +319,16 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
                 float* O, float* m, float* l) {
   const int64_t G = P.G, n = j1 - j0;
   std::fill(O, O + G * P.dv, 0.f);
-  if (n <= 0) {
-    std::fill(m, m + G, kNegInf);
-    std::fill(l, l + G, 0.f);
-    return;
-  }
+  std::fill(m, m + G, kNegInf);
+  std::fill(l, l + G, 0.f);
+  if (n <= 0) return;
   const T* q = static_cast<const T*>(P.q) + (b * P.h + kvh * P.g) * P.Tq * P.dk;  // (G, d_k)
-  const T* k = static_cast<const T*>(P.k) + b * P.ksb + kvh * P.ksh;
-  const T* v = static_cast<const T*>(P.v) + b * P.vsb + kvh * P.vsh;
-  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n): each K row is read once for all G rows.
-  for (int64_t j = j0; j < j1; ++j) {
-    const T* kj = k + j * P.kst;
-    for (int64_t r = 0; r < G; ++r)
-      scores[r * kChunk + (j - j0)] = dot<T, kVec>(q + r * P.dk, kj, P.dk) * P.scale_log2;
-  }
-  // masks -> -inf; then per row max, exp2, sum
-  for (int64_t r = 0; r < G; ++r) {
+  const T* k = static_cast<const T*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
+  const T* v = static_cast<const T*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
+  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units
+  qk<T, kVec>(q, G, P.dk, k, P.kst, n, P.scale_log2, scores);
+  bool any = false;
+  for (int64_t r = 0; r < G; ++r) {  // masks -> -inf; then max, 2^(s - max), sum per row
     float* s = scores + r * kChunk;
     const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
     if (P.causal) {
@@ -242,19 +340,39 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
       for (int64_t j = j0; j < j1; ++j)
         if (!mr[j * P.msk]) s[j - j0] = kNegInf;
     }
-    float mx = kNegInf;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-    m[r] = mx;
-    l[r] = mx == kNegInf ? 0.f : exp2_sum<kVec>(s, n, mx);
-    if (mx == kNegInf) std::fill(s, s + n, 0.f);
+    std::tie(m[r], l[r]) = softmax2<kVec>(s, n);
+    any = any || l[r] > 0.f;
   }
-  // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v): each V row is read once for all G rows.
-  for (int64_t j = j0; j < j1; ++j) {
-    const T* vj = v + j * P.vst;
-    for (int64_t r = 0; r < G; ++r) {
-      const float p = scores[r * kChunk + (j - j0)];
-      if (p != 0.f) axpy<T, kVec>(O + r * P.dv, p, vj, P.dv);
+  // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v)
+  if (any) pv<T, kVec>(scores, G, n, v, P.vst, P.dv, O);
+}
+
+struct Partials {
+  float* O;  // (B, h_kv, S, G, d_v) unnormalized outputs
+  float* M;  // (B, h_kv, S, G) maxima, base 2
+  float* L;  // (B, h_kv, S, G) sums of 2^(s - M)
+};
+
+// Merge the S partials of group bh (in split order) into out rows (head = kvh * g + r / Tq,
+// i = r % Tq), which are contiguous: out + (bh * G + r) * d_v.
+template <typename T>
+void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc, T* out) {
+  for (int64_t r = 0; r < P.G; ++r) {
+    float Mx = kNegInf;
+    for (int64_t s = 0; s < P.S; ++s) Mx = std::max(Mx, part.M[(bh * P.S + s) * P.G + r]);
+    std::fill(acc, acc + P.dv, 0.f);
+    float Ls = 0.f;
+    for (int64_t s = 0; Mx != kNegInf && s < P.S; ++s) {
+      const int64_t at = (bh * P.S + s) * P.G + r;
+      if (part.L[at] == 0.f) continue;
+      const float w = std::exp2(part.M[at] - Mx);
+      Ls += part.L[at] * w;
+      const float* o = part.O + at * P.dv;
+      for (int64_t c = 0; c < P.dv; ++c) acc[c] += w * o[c];
     }
+    const float inv = Ls > 0.f ? 1.f / Ls : 0.f;  // no visible key: zeros
+    T* dst = out + (bh * P.G + r) * P.dv;
+    for (int64_t c = 0; c < P.dv; ++c) dst[c] = static_cast<T>(acc[c] * inv);
   }
 }
 
@@ -288,46 +406,43 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   at::Tensor O = at::empty({P.B, P.h_kv, P.S, P.G, P.dv}, f32);  // partial outputs
   at::Tensor M = at::empty({P.B, P.h_kv, P.S, P.G}, f32);        // partial maxima (base 2)
   at::Tensor L = at::empty({P.B, P.h_kv, P.S, P.G}, f32);        // partial sums
-  float *Op = O.data_ptr<float>(), *Mp = M.data_ptr<float>(), *Lp = L.data_ptr<float>();
-
-  at::parallel_for(0, P.B * P.h_kv * P.S, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(P.G * kChunk);
-    for (int64_t it = lo; it < hi; ++it) {
-      const int64_t s = it % P.S, bh = it / P.S, b = bh / P.h_kv, kvh = bh % P.h_kv;
-      const int64_t len = P.klen ? std::min(P.klen[b], P.Tk) : P.Tk;
-      const int64_t j0 = s * kChunk, j1 = std::min(j0 + kChunk, len);
-      split_item<T, kVec>(P, b, kvh, j0, j1, scores.data(), Op + it * P.G * P.dv,
-                          Mp + it * P.G, Lp + it * P.G);
-    }
-  });
-
   at::Tensor out = at::empty({P.B, P.h, P.Tq, P.dv}, q.options());  // (B, h, Tq, d_v)
+  Partials part{O.data_ptr<float>(), M.data_ptr<float>(), L.data_ptr<float>()};
   T* outp = out.data_ptr<T>();
-  at::parallel_for(0, P.B * P.h_kv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(P.dv);
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      for (int64_t r = 0; r < P.G; ++r) {
-        float Mx = kNegInf;
-        for (int64_t s = 0; s < P.S; ++s) Mx = std::max(Mx, Mp[(bh * P.S + s) * P.G + r]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float Ls = 0.f;
-        if (Mx != kNegInf) {
-          for (int64_t s = 0; s < P.S; ++s) {
-            const int64_t at_ = (bh * P.S + s) * P.G + r;
-            if (Lp[at_] == 0.f) continue;
-            const float w = std::exp2(Mp[at_] - Mx);
-            Ls += Lp[at_] * w;
-            const float* o = Op + at_ * P.dv;
-            for (int64_t c = 0; c < P.dv; ++c) acc[c] += w * o[c];
-          }
-        }
-        const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
-        // row r of group bh is (head = kvh * g + r / Tq, i = r % Tq): contiguous in out.
-        T* dst = outp + (bh * P.G + r) * P.dv;
-        for (int64_t c = 0; c < P.dv; ++c) dst[c] = static_cast<T>(acc[c] * inv);
-      }
-    }
-  });
+
+  // Items (b, kv head, split) are taken dynamically by the threads (robust to a busy machine);
+  // the thread that finishes the last split of a group merges that group. Which thread does
+  // what never changes the arithmetic, so results are bitwise reproducible.
+  const int64_t groups = P.B * P.h_kv, items = groups * P.S;
+  std::vector<std::atomic<int64_t>> remaining(groups);
+  for (auto& r : remaining) r.store(P.S, std::memory_order_relaxed);
+  const int64_t bytes = P.B * P.h_kv * P.Tk * (P.dk + P.dv) * static_cast<int64_t>(sizeof(T));
+  const int threads = bytes < (int64_t{1} << 18) ? 1
+                      : static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
+  auto work = [&](std::vector<float>& scores, std::vector<float>& acc, int64_t it) {
+    const int64_t s = it % P.S, bh = it / P.S, b = bh / P.h_kv, kvh = bh % P.h_kv;
+    const int64_t len = P.klen ? std::min(P.klen[b], P.Tk) : P.Tk;
+    const int64_t j0 = s * kChunk, j1 = std::min(j0 + kChunk, len);
+    split_item<T, kVec>(P, b, kvh, j0, j1, scores.data(), part.O + it * P.G * P.dv,
+                        part.M + it * P.G, part.L + it * P.G);
+    if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_group(P, part, bh, acc.data(), outp);
+  };
+  if (threads <= 1) {  // small problems: no parallel region at all (no thread wake-ups)
+    std::vector<float> scores(P.G * kChunk), acc(P.dv);
+    for (int64_t it = 0; it < items; ++it) work(scores, acc, it);
+    return out;
+  }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+    std::vector<float> scores(P.G * kChunk), acc(P.dv);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t it = 0; it < items; ++it) work(scores, acc, it);
+  }
   return out;
 }
 

@@ -1,0 +1,165 @@
+"""The native decode kernel (``mha.decode.flash_decode``, op ``mha::flash_decode``) against the
+fp64 seed-000 oracle, its determinism, its op registration, and its backend's capabilities.
+
+Shape legend: B batch, h / h_kv query / key-value heads, Tq / Tk lengths, d_k / d_v head dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mha
+from mha import _build, decode
+from mha.masks import MaskSpec
+
+from oracle import assert_within_budget
+
+NEEDS_KERNEL = pytest.mark.skipif(decode.unavailable() is not None,
+                                  reason=f"decode kernel unavailable: {decode.unavailable()}")
+
+# (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (256 keys each),
+# Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column blocks), Tq = 16.
+SHAPES = [
+    (1, 4, 4, 1, 1, 16, 16),
+    (2, 8, 2, 1, 300, 64, 64),
+    (1, 8, 1, 4, 777, 40, 24),
+    (3, 6, 3, 16, 520, 128, 128),
+    (1, 2, 2, 7, 1100, 200, 136),
+    (2, 4, 2, 3, 33, 96, 72),
+]
+MASKS = ("none", "causal", "key_lengths", "mask", "all")
+
+
+def _problem(shape, dtype, masks, seed=0):
+    B, h, h_kv, Tq, Tk, d_k, d_v = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, h, Tq, d_k, generator=g).to(dtype)
+    k = torch.randn(B, h_kv, Tk, d_k, generator=g).to(dtype)
+    v = torch.randn(B, h_kv, Tk, d_v, generator=g).to(dtype)
+    kw = {}
+    if masks in ("causal", "all"):
+        kw["causal"] = True
+    if masks in ("key_lengths", "all"):
+        kl = torch.randint(0, Tk + 1, (B,), generator=g)
+        kl[0] = Tk  # one full row; others random (possibly 0: that row returns zeros)
+        kw["key_lengths"] = kl
+    if masks in ("mask", "all"):
+        kw["mask"] = torch.rand(B, 1, Tq, Tk, generator=g) > 0.3
+    return q, k, v, kw
+
+
+def _allowed(q, k, kw):
+    spec = MaskSpec(kw.get("causal", False), kw.get("key_lengths"), kw.get("mask"))
+    return spec.materialize(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def test_kernel_builds_here():
+    """The project's machines have a compiler: the kernel must build (not silently skip)."""
+    assert decode.unavailable() is None
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_the_oracle(shape, masks, dtype, portable):
+    q, k, v, kw = _problem(shape, dtype, masks)
+    out = decode.flash_decode(q, k, v, portable=portable, **kw)
+    assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert_within_budget(out, q, k, v, _allowed(q, k, kw))
+
+
+@NEEDS_KERNEL
+def test_rows_without_keys_are_zeros():
+    q, k, v, _ = _problem((2, 4, 2, 3, 40, 32, 32), torch.float32, "none")
+    out = decode.flash_decode(q, k, v, key_lengths=torch.tensor([0, 40]),
+                              mask=torch.zeros(1, 1, 3, 40, dtype=torch.bool).index_fill_(
+                                  3, torch.tensor([5]), True))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no key at all
+    assert torch.allclose(out[1], v[1, :, 5:6].repeat_interleave(2, 0).expand(4, 3, 32))
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deterministic_and_thread_count_independent(dtype):
+    q, k, v, kw = _problem((1, 8, 2, 2, 3000, 64, 64), dtype, "all", seed=3)
+    first = decode.flash_decode(q, k, v, **kw)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = decode.flash_decode(q, k, v, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    for _ in range(3):
+        assert torch.equal(decode.flash_decode(q, k, v, **kw), first)
+    assert torch.equal(single, first)
+
+
+@NEEDS_KERNEL
+def test_reads_a_strided_cache_view_in_place():
+    """A (B, h_kv, Tk, d) view of longer storage gives the same bits as a contiguous copy."""
+    q, k, v, _ = _problem((2, 4, 2, 1, 500, 64, 64), torch.float32, "none")
+    store_k = torch.zeros(2, 2, 800, 64)
+    store_v = torch.zeros(2, 2, 800, 64)
+    store_k[:, :, :500], store_v[:, :, :500] = k, v
+    view_k, view_v = store_k[:, :, :500], store_v[:, :, :500]
+    assert not view_k.is_contiguous()
+    assert torch.equal(decode.flash_decode(q, view_k, view_v), decode.flash_decode(q, k, v))
+
+
+@NEEDS_KERNEL
+def test_refuses_gradients_with_a_reason():
+    q, k, v, _ = _problem((1, 2, 2, 1, 10, 16, 16), torch.float32, "none")
+    with pytest.raises(RuntimeError, match="inference"):
+        decode.flash_decode(q.requires_grad_(), k, v)
+    reasons = {vd.backend: vd.reasons for vd in mha.explain(q, k, v)}["flash_decode"]
+    assert any("no backward" in r for r in reasons)
+
+
+@NEEDS_KERNEL
+def test_backend_reasons_in_words():
+    q, k, v, _ = _problem((1, 2, 2, 17, 20, 16, 16), torch.float32, "none")
+    verdicts = {vd.backend: vd for vd in mha.explain(q, k, v, causal=True)}
+    assert "Tq=17 > 16" in "; ".join(verdicts["flash_decode"].reasons)
+    assert mha.explain(q[:, :, :16], k, v).chosen == "flash_decode"
+    r64 = {vd.backend: vd for vd in mha.explain(q.double(), k.double(), v.double())}
+    assert any("dtype float64" in r for r in r64["flash_decode"].reasons)
+    with pytest.raises(mha.BackendError, match="flash_decode"):
+        mha.attention(q, k, v, backend="flash_decode", dropout_p=0.1)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masks", ["none", "all"])
+def test_opcheck(dtype, masks):
+    q, k, v, kw = _problem((2, 4, 2, 3, 70, 32, 16), dtype, masks)
+    args = (q, k, v, kw.get("key_lengths"), kw.get("mask"), 1 / math.sqrt(32),
+            kw.get("causal", False))
+    for op in (torch.ops.mha.flash_decode.default, torch.ops.mha.flash_decode_portable.default):
+        torch.library.opcheck(op, args)
+
+
+def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
+    def broken(name, sources, verbose=False):
+        raise _build.BuildError("no C++ compiler found (simulated)")
+
+    monkeypatch.setattr(_build, "load", broken)
+    decode._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="simulated"):
+            reason = decode.unavailable()
+        assert "simulated" in reason
+        q, k, v, _ = _problem((1, 2, 2, 1, 10, 16, 16), torch.float32, "none")
+        verdicts = {vd.backend: vd for vd in mha.explain(q, k, v)}
+        assert verdicts["flash_decode"].reasons == (reason,)
+        assert mha.explain(q, k, v).chosen != "flash_decode"
+        torch.testing.assert_close(mha.attention(q, k, v), mha.attention(q, k, v, backend="math"))
+    finally:
+        monkeypatch.undo()
+        decode._load.cache_clear()
+    assert decode.unavailable() is None
