@@ -109,7 +109,7 @@ def _as_bhtd(out, s: Shape) -> torch.Tensor:
     if isinstance(out, (list, tuple)):
         out = out[0]
     if not isinstance(out, torch.Tensor):
-        out = torch.from_numpy(np.asarray(out, dtype=np.float32))
+        out = torch.from_numpy(np.array(out, dtype=np.float32))  # a writable copy
     out = out.float()
     if out.shape == (s.B, s.h, s.T, s.d):
         return out

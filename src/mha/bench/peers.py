@@ -57,6 +57,9 @@ def flex(q, k, v, causal: bool):
 
         block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=T, KV_LEN=T,
                                        device="cpu")
+    # A fresh compile per case: dynamo stops compiling after config.recompile_limit (8) shapes
+    # and silently runs flex_attention eagerly (unfused, materializing) — never time that.
+    torch._dynamo.reset()
     try:
         compiled = torch.compile(flex_attention, dynamic=False)
         t0 = time.perf_counter()

@@ -133,7 +133,10 @@ def markdown(run: dict) -> str:
         impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
         some = next((r for rs in cases.values() for r in rs if r.ok), None)
         unit = rate_unit(some) if some else ""
-        lines += ["", f"### Suite `{suite}`: {unit} (× the baseline's speed)", "",
+        bases = ", ".join(OrderedDict.fromkeys(r.baseline for rs in cases.values() for r in rs
+                                               if r.baseline))
+        lines += ["", f"### Suite `{suite}`: {unit} (in brackets: speed relative to "
+                      f"{bases or 'the baseline'}, > 1 is faster)", "",
                   "| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
         for case, rs in cases.items():
             got = {r.impl: r for r in rs}

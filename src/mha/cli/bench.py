@@ -176,7 +176,12 @@ def run(args: argparse.Namespace) -> int:
                 continue
             for c in cs:
                 prog.update(task, description=f"{name}: {c.name}")
-                rows += ctx.measure(c, suite=name)
+                t_case = time.perf_counter()
+                got = ctx.measure(c, suite=name)
+                rows += got
+                ok = sum(r.ok for r in got)
+                prog.console.print(f"{name}: {c.name}: {ok}/{len(got)} measured in "
+                                   f"{time.perf_counter() - t_case:.0f} s", highlight=False)
                 prog.advance(task)
     finish(rows, ctx)
 

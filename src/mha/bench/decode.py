@@ -1,0 +1,210 @@
+"""The ``decode`` suite: one decoding step against a long K/V cache, and whole-model generation.
+
+Shape legend: B batch, h / h_kv query / key-value heads, Tk cached tokens, d head dim,
+P prompt length, N new tokens.
+
+* ``step B1 h32 d128 Tk… fp32|bf16``: one query token (Tq = 1) against Tk cached tokens, in GB/s
+  of K/V read (``2 * B * h_kv * Tk * d`` elements per step). Implementations, all on the same
+  cached tensors (the storage of one :class:`mha.KVCache`, filled to capacity so the views are
+  contiguous for SDPA's sake):
+
+  - ``mha`` — ``mha.attention(q, cache.keys(), cache.values())``, i.e. dispatch → the
+    ``flash_decode`` kernel (Python overhead included);
+  - ``torch sdpa`` — ``F.scaled_dot_product_attention`` on the same tensors (the ratio
+    column's baseline);
+  - ``torch.cat + sdpa`` — the textbook loop's step: grow K and V by one token with
+    ``torch.cat`` (copying the history), then SDPA;
+  - ``read K+V (sum)`` — ``torch.sum`` over exactly the K/V bytes (viewed as fp32): the
+    machine's streaming read bandwidth measured in the same interleaved rounds. The
+    "% peak" column of every row of the case is its GB/s relative to this one.
+
+* ``generate …``: greedy :meth:`mha.models.TinyDecoder.generate` (seeded random weights) in
+  tokens/s: ``mha cache`` (preallocated, in place) against ``torch.cat + sdpa`` (the baseline:
+  cache grown by concatenation, attention forced to SDPA) and ``torch.cat`` (same growth, mha's
+  kernels: isolates the cost of copying the history). All must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mha.bench.core import Case, Context, Impl, Row, Skip
+
+TITLE = "decoding: one step against a long K/V cache (GB/s) and whole-model generation (tokens/s)"
+READ = "read K+V (sum)"
+
+
+def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 32,
+               h_kv: int = 32, d: int = 128) -> Case:
+    elt = torch.finfo(dtype).bits // 8
+    kv_bytes = 2 * B * h_kv * Tk * d * elt
+    shared: dict = {}
+
+    def inputs():
+        if "cache" not in shared:
+            import mha
+
+            # the cache, its storage, plus one transient copy for torch.cat
+            if 2 * kv_bytes > ctx.mem_budget:
+                raise Skip(f"would need {2 * kv_bytes / 2**30:.1f} GiB (budget "
+                           f"{ctx.mem_budget / 2**30:.1f} GiB)")
+            g = torch.Generator().manual_seed(0)
+            cache = mha.KVCache(B, h_kv, Tk, d, dtype=dtype)
+            for t in (cache.k, cache.v):  # fill in slices: no full-size fp32 temporary
+                for i in range(0, Tk, 4096):
+                    t[:, :, i:i + 4096] = torch.randn(B, h_kv, min(4096, Tk - i), d,
+                                                      generator=g).to(dtype)
+            cache.lengths.fill_(Tk)
+            q = torch.randn(B, h, 1, d, generator=g).to(dtype)  # (B, h, 1, d)
+            with torch.no_grad():
+                k, v = cache.keys(), cache.values()  # (B, h_kv, Tk, d) views
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                     enable_gqa=h_kv != h)
+            shared.update(cache=cache, q=q, ref=ref)
+        return shared["cache"], shared["q"], shared["ref"]
+
+    def checked(fn, ref):
+        out = fn()
+        err = (out.float() - ref).abs().max().item()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        if not err <= tol:
+            raise RuntimeError(f"output differs from SDPA fp32: max error {err:.2e} > {tol}")
+        fn.check = f"max |out - SDPA fp32| = {err:.1e}"
+        return fn
+
+    def make_mha():
+        import mha
+
+        cache, q, ref = inputs()
+        k, v = cache.keys(), cache.values()
+        chosen = mha.explain(q, k, v).chosen
+        if chosen != "flash_decode":
+            why = {vd.backend: vd.reasons for vd in mha.explain(q, k, v)}["flash_decode"]
+            raise Skip(f"flash_decode not chosen ({chosen} is): {'; '.join(why)}")
+        return checked(lambda: mha.attention(q, k, v), ref)
+
+    def make_sdpa():
+        cache, q, ref = inputs()
+        k, v = cache.keys(), cache.values()
+        return checked(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=h_kv != h),
+                       ref)
+
+    def make_cat():
+        cache, q, ref = inputs()
+        k_hist, v_hist = cache.k[:, :, :Tk - 1], cache.v[:, :, :Tk - 1]  # (B, h_kv, Tk-1, d)
+        k_new, v_new = cache.k[:, :, Tk - 1:], cache.v[:, :, Tk - 1:]  # (B, h_kv, 1, d)
+
+        def step():
+            k = torch.cat([k_hist, k_new], dim=2)  # (B, h_kv, Tk, d): copies the history
+            v = torch.cat([v_hist, v_new], dim=2)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=h_kv != h)
+
+        return checked(step, ref)
+
+    def make_read():
+        cache, _, _ = inputs()
+        kf, vf = cache.k.view(torch.float32), cache.v.view(torch.float32)  # the same bytes
+        return lambda: (kf.sum(), vf.sum())
+
+    name = f"step B{B} h{h} d{d} Tk{Tk} {str(dtype).replace('torch.', '')}"
+    if h_kv != h:
+        name = name.replace(f"h{h}", f"h{h}/{h_kv}")
+    return Case(name=name, impls=[Impl("mha", make_mha), Impl("torch sdpa", make_sdpa),
+                                  Impl("torch.cat + sdpa", make_cat), Impl(READ, make_read)],
+                bytes=kv_bytes, metric="gbs", baseline="torch sdpa",
+                params=dict(B=B, h=h, h_kv=h_kv, Tq=1, Tk=Tk, d=d, dtype=str(dtype)),
+                note="% peak = GB/s relative to the read row", teardown=shared.clear)
+
+
+def _generate_case(label: str, cfg: dict, B: int, P: int, N: int,
+                   dtype: torch.dtype = torch.float32) -> Case:
+    shared: dict = {}
+
+    def model_and_prompt():
+        if "model" not in shared:
+            from mha.models import TinyDecoder
+
+            m = TinyDecoder(**cfg, max_len=P + N, seed=0, dtype=dtype).eval()
+            idx = torch.randint(0, cfg["vocab_size"], (B, P),
+                                generator=torch.Generator().manual_seed(1))
+            shared.update(model=m, idx=idx)
+        return shared["model"], shared["idx"]
+
+    def make(cache: str, backend: str | None):
+        def mk():
+            m, idx = model_and_prompt()
+
+            def run():
+                return m.generate(idx, N, cache=cache, backend=backend)
+
+            out = run()
+            if "tokens" not in shared:
+                shared["tokens"] = out
+            elif not torch.equal(out, shared["tokens"]):
+                raise RuntimeError("greedy tokens differ from the first implementation's")
+            run.check = "same greedy tokens as the other rows"
+            return run
+        return mk
+
+    impls = [Impl("mha cache", make("mha", None)),
+             Impl("torch.cat + sdpa", make("concat", "sdpa")),
+             Impl("torch.cat", make("concat", None))]
+    return Case(name=f"generate {label} B{B} P{P}+{N} {str(dtype).replace('torch.', '')}",
+                impls=impls, items=B * N, item_unit="tokens", metric="items",
+                baseline="torch.cat + sdpa", params=dict(model=label, B=B, prompt=P,
+                                                         new_tokens=N, **cfg),
+                note="TinyDecoder, random seeded weights, greedy", teardown=shared.clear)
+
+
+def all_cases(ctx: Context) -> list[Case]:
+    """Every case of the suite (quick: a small grid)."""
+    lengths = (512, 4096) if ctx.quick else (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    out = [_step_case(Tk, dt, ctx) for dt in (torch.float32, torch.bfloat16) for Tk in lengths]
+    if ctx.quick:
+        out.append(_step_case(4096, torch.bfloat16, ctx, h_kv=8))
+        small = dict(vocab_size=512, d_model=128, n_layers=2, num_heads=4)
+        out.append(_generate_case("2x128", small, B=1, P=64, N=16))
+    else:
+        out.append(_step_case(4096, torch.float32, ctx, h_kv=8))
+        out.append(_step_case(4096, torch.bfloat16, ctx, h_kv=8))
+        mid = dict(vocab_size=1024, d_model=512, n_layers=4, num_heads=8)
+        wide = dict(vocab_size=1024, d_model=1024, n_layers=2, num_heads=16)
+        out += [_generate_case("4x512", mid, B=1, P=512, N=128),
+                _generate_case("2x1024", wide, B=1, P=2048, N=64),
+                _generate_case("2x1024", wide, B=1, P=2048, N=64, dtype=torch.bfloat16)]
+    return out
+
+
+def relative_to_read(rows: list[Row]) -> None:
+    """Set ``pct_peak`` of every row of a step case to its GB/s over the read row's."""
+    by_case: dict[str, list[Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, []).append(r)
+    for rs in by_case.values():
+        read = next((r for r in rs if r.impl == READ and r.ok), None)
+        if read is None or not read.gbs:
+            continue
+        for r in rs:
+            if r.ok and r.gbs:
+                r.peak = "read K+V (sum) in this case"
+                r.pct_peak = 100.0 * r.gbs / read.gbs
+
+
+def run(ctx: Context) -> list[Row]:
+    """Measure every selected case; step rows get % of the read bandwidth measured beside them."""
+    rows: list[Row] = []
+    for case in all_cases(ctx):
+        if not ctx.selected(case.name):
+            continue
+        got = ctx.measure(case, suite="decode")
+        if case.metric == "gbs":
+            relative_to_read(got)
+        rows += got
+        if ctx.on_row is not None:
+            for r in got:
+                ctx.on_row(r)
+    return rows
+
+
+__all__ = ["TITLE", "all_cases", "run", "relative_to_read"]
