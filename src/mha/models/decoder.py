@@ -32,8 +32,9 @@ class DecoderBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model, **kw), nn.GELU(),
                                  nn.Linear(mlp_ratio * d_model, d_model, **kw))
 
-    def forward(self, x: torch.Tensor, *, cache=None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), causal=True, cache=cache)  # (B, T, d_model)
+    def forward(self, x: torch.Tensor, *, cache=None, backend: str | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), causal=True, cache=cache, backend=backend)  # (B, T, d_model)
         return x + self.mlp(self.ln2(x))  # (B, T, d_model)
 
 
@@ -75,9 +76,11 @@ class TinyDecoder(nn.Module):
         n = self.max_len if max_len is None else max_len
         return [b.attn.new_cache(batch_size, n) for b in self.blocks]
 
-    def forward(self, idx: torch.Tensor, *, caches: list | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, *, caches: list | None = None,
+                backend: str | None = None) -> torch.Tensor:
         """``idx (B, T)`` -> logits ``(B, T, V)``. With ``caches`` (one per layer), ``idx`` holds
-        only the new tokens; their positions continue each row's cache."""
+        only the new tokens; their positions continue each row's cache. ``backend`` forces one
+        attention backend for every layer (None: dispatch chooses)."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype.is_floating_point:
             got = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be an integer tensor of shape (B, T), got {got}")
@@ -93,18 +96,18 @@ class TinyDecoder(nn.Module):
             raise ValueError(f"positions up to {int(pos.max())} exceed max_len={self.max_len}")
         x = self.tok(idx) + self.pos(pos)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache=None if caches is None else caches[i])  # (B, T, d_model)
+            x = block(x, cache=None if caches is None else caches[i], backend=backend)
         return self.lm_head(self.ln_f(x))  # (B, T, d_model) @ W -> (B, T, V)
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, cache: str | None = "mha"
-                 ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, cache: str | None = "mha",
+                 backend: str | None = None) -> torch.Tensor:
         """Greedy decoding: ``idx (B, T0)`` -> ``(B, T0 + N)`` with N = ``max_new_tokens``.
 
         cache: ``"mha"`` — one preallocated :class:`mha.KVCache` per layer, written in place
         (prefill once, then one token per step); ``"concat"`` — the ``torch.cat``-growing
         baseline (same math, the history copied every step); ``None`` — no cache, the whole
-        sequence recomputed every step.
+        sequence recomputed every step. ``backend`` forces one attention backend throughout.
         """
         if cache not in CACHE_KINDS:
             raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
@@ -124,14 +127,14 @@ class TinyDecoder(nn.Module):
         if cache is None:
             seq = idx
             for _ in range(max_new_tokens):
-                nxt = self(seq)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+                nxt = self(seq, backend=backend)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
                 seq = torch.cat([seq, nxt], dim=1)  # (B, T + 1)
             return seq
         caches = (self.new_caches(B, T0 + max_new_tokens) if cache == "mha"
                   else [ConcatKVCache() for _ in self.blocks])
-        nxt = self(idx, caches=caches)[:, -1].argmax(-1, keepdim=True)  # prefill -> (B, 1)
+        nxt = self(idx, caches=caches, backend=backend)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         out.append(nxt)
         for _ in range(max_new_tokens - 1):
-            nxt = self(nxt, caches=caches)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            nxt = self(nxt, caches=caches, backend=backend)[:, -1].argmax(-1, keepdim=True)
             out.append(nxt)
         return torch.cat(out, dim=1)  # (B, T0 + N)
