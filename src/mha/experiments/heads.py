@@ -184,7 +184,7 @@ def run_sweep(cfg: HeadsConfig, *, progress=None, log=None) -> dict:
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "machine": platform.machine(),
                         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "wall_time_s": None, "complete": False},
+                        "mha_revision": _revision(), "wall_time_s": None, "complete": False},
         "tasks": {t.name: task_info(t) for t in tasks},
         "runs": [],
     }
@@ -206,3 +206,20 @@ def run_sweep(cfg: HeadsConfig, *, progress=None, log=None) -> dict:
                     log(rec, results)
     results["environment"]["complete"] = True
     return results
+
+
+def _revision() -> str | None:
+    """The git commit of the mha sources, with ``+dirty`` when they differ from it (None
+    outside a git checkout): the native kernels are built from the working tree."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".."], cwd=here,
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
