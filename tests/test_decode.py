@@ -117,6 +117,10 @@ def test_refuses_gradients_with_a_reason():
     q, k, v, _ = _problem((1, 2, 2, 1, 10, 16, 16), torch.float32, "none")
     with pytest.raises(RuntimeError, match="inference"):
         decode.flash_decode(q.requires_grad_(), k, v)
+    with pytest.raises(RuntimeError, match="no backward pass"):  # the op itself, too
+        torch.ops.mha.flash_decode(q, k, v, None, None, 0.25, False)
+    with torch.no_grad():
+        assert torch.ops.mha.flash_decode(q, k, v, None, None, 0.25, False).shape == (1, 2, 1, 16)
     reasons = {vd.backend: vd.reasons for vd in mha.explain(q, k, v)}["flash_decode"]
     assert any("no backward" in r for r in reasons)
 

@@ -7,8 +7,10 @@ Three layers, as for every native op in mha:
 
 1. the registered op ``torch.ops.mha.flash_decode`` (schema in C++, built on first use by
    :func:`mha._build.load` as the extension ``mha_decode``) and its ``register_fake`` twin;
-2. autograd: none — decoding is inference. The op is registered with a backward that raises
-   (so a graph that reaches it fails loudly instead of silently returning no gradient);
+2. autograd: none — decoding is inference. The op's Autograd kernel (C++, so it costs
+   nothing per step) refuses inputs that require grad with a reason, rather than PyTorch's
+   fallback, which would warn and return no gradient; the backend's capabilities say the
+   same (``grad=False``), so dispatch sends training elsewhere;
 3. the thin public function :func:`flash_decode`, which validates its arguments.
 
 If the build fails, :func:`unavailable` returns the reason (and one warning is issued); the
@@ -49,10 +51,9 @@ def _load() -> str | None:
 
 @functools.cache
 def _register() -> None:
-    """The fake (shape) and autograd twins of the ops; once per process."""
+    """The fake (shape-only) twins of the ops; once per process."""
     for name in ("mha::flash_decode", "mha::flash_decode_portable"):
         torch.library.register_fake(name)(_fake)
-        torch.library.register_autograd(name, _no_backward)
 
 
 def unavailable() -> str | None:
@@ -67,11 +68,6 @@ def _fake(q, k, v, key_lengths, mask, scale, causal):
                  lambda: "flash_decode: h must be a multiple of h_kv")
     B, h, Tq, _ = q.shape
     return q.new_empty(B, h, Tq, v.shape[3])  # (B, h, Tq, d_v)
-
-
-def _no_backward(ctx, grad):
-    raise RuntimeError("mha.flash_decode has no backward pass: it is an inference kernel for "
-                       "decoding; run training through mha.attention (another backend)")
 
 
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengths=None,

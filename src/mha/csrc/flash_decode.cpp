@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -106,19 +107,21 @@ std::pair<float, float> softmax_portable(float* s, int64_t n) {
 
 // ------------------------------------------------------------------ AVX-512 building blocks
 #ifdef __AVX512F__
-inline __mmask16 tail16(int64_t n) {
+#define MHA_INLINE inline __attribute__((always_inline))
+
+MHA_INLINE __mmask16 tail16(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
 // 16 bf16 values -> 16 fp32 (exact: bf16 is the top half of an fp32).
-inline __m512 load_f32(const bf16* p, __mmask16 mk) {
+MHA_INLINE __m512 load_f32(const bf16* p, __mmask16 mk) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mk, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
+MHA_INLINE __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
 
 // One dot product's partial sums (16 lanes): q . k over d elements.
-inline __m512 dot_lanes(const float* q, const float* k, int64_t d) {
+MHA_INLINE __m512 dot_lanes(const float* q, const float* k, int64_t d) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= d; c += 32) {
@@ -132,7 +135,7 @@ inline __m512 dot_lanes(const float* q, const float* k, int64_t d) {
   return _mm512_add_ps(a0, a1);
 }
 
-inline __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
+MHA_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 #ifdef __AVX512BF16__
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t c = 0;
@@ -160,7 +163,7 @@ inline __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 
 // Sixteen 16-lane partial sums -> one vector of their 16 totals. With the accumulators
 // assigned as below (acc[i] holds key 4 * (i % 4) + i / 4), lane t of the result is key t.
-inline __m512 reduce16(const __m512* a) {
+MHA_INLINE __m512 reduce16(const __m512* a) {
   __m512 s[8], u[4];
   for (int i = 0; i < 8; ++i)  // halves: [a_2i (8 lanes) | a_2i+1 (8 lanes)]
     s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -247,7 +250,7 @@ void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64
 
 // 2^x for x <= 0: x = n + r with r in [-1/2, 1/2]; 2^r by its degree-7 Taylor polynomial
 // (relative error < 1e-8 before rounding), then scaled by 2^n.
-inline __m512 exp2_vec(__m512 x) {
+MHA_INLINE __m512 exp2_vec(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
@@ -402,12 +405,11 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   P.causal = causal;
   P.scale_log2 = static_cast<float>(scale) * kLog2e;
 
-  auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor O = at::empty({P.B, P.h_kv, P.S, P.G, P.dv}, f32);  // partial outputs
-  at::Tensor M = at::empty({P.B, P.h_kv, P.S, P.G}, f32);        // partial maxima (base 2)
-  at::Tensor L = at::empty({P.B, P.h_kv, P.S, P.G}, f32);        // partial sums
+  // partials in one buffer: O (B, h_kv, S, G, d_v), then M and L (B, h_kv, S, G) each
+  const int64_t rows = P.B * P.h_kv * P.S * P.G;
+  std::unique_ptr<float[]> buf(new float[rows * (P.dv + 2)]);  // every entry is written
+  Partials part{buf.get(), buf.get() + rows * P.dv, buf.get() + rows * (P.dv + 1)};
   at::Tensor out = at::empty({P.B, P.h, P.Tq, P.dv}, q.options());  // (B, h, Tq, d_v)
-  Partials part{O.data_ptr<float>(), M.data_ptr<float>(), L.data_ptr<float>()};
   T* outp = out.data_ptr<T>();
 
   // Items (b, kv head, split) are taken dynamically by the threads (robust to a busy machine);
@@ -491,6 +493,26 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
   }
 }
 
+// Autograd: decoding is inference. Refuse inputs that require grad (in words), instead of
+// PyTorch's fallback, which would warn and return no gradient; otherwise run the CPU kernel.
+template <bool kVec>
+at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const c10::optional<at::Tensor>& key_lengths,
+                                 const c10::optional<at::Tensor>& mask, double scale,
+                                 bool causal) {
+  TORCH_CHECK(!at::GradMode::is_enabled() ||
+                  !(q.requires_grad() || k.requires_grad() || v.requires_grad()),
+              "mha::flash_decode has no backward pass (an inference kernel for decoding): call "
+              "it under torch.no_grad(), or use mha.attention, which picks a backend with one");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kVec ? "mha::flash_decode" : "mha::flash_decode_portable", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&, double, bool)>();
+  return op.call(q, k, v, key_lengths, mask, scale, causal);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
@@ -503,4 +525,9 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("flash_decode", &flash_decode_impl<true>);
   m.impl("flash_decode_portable", &flash_decode_impl<false>);
+}
+
+TORCH_LIBRARY_IMPL(mha, Autograd, m) {
+  m.impl("flash_decode", &flash_decode_autograd<true>);
+  m.impl("flash_decode_portable", &flash_decode_autograd<false>);
 }
