@@ -11,7 +11,7 @@
 //
 // Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
 // group. The item packs its head's K (transposed) and V once into thread-local buffers, then
-// walks 64-row query blocks; each block streams key blocks of Nb <= 64 keys through
+// walks 36-row query blocks; each block streams key blocks of Nb <= 128 keys through
 // S = Q K^T (register tiles), the online-softmax update, and O = alpha O + P V. Key blocks past
 // the last visible key (causal, key_lengths) are never touched. Items are handed out from an
 // atomic counter, costliest first; each item is computed by one thread in a fixed order, so the
@@ -32,8 +32,9 @@
 namespace mha_flash {
 namespace {
 
-constexpr int64_t kRowsPerBlock = 64;  // query rows per block (S, P, O scratch rows)
-constexpr int64_t kMaxKeysPerBlock = 64;
+constexpr int64_t kRowsPerBlock = 36;  // query rows per block: 6 register tiles of 6 rows
+constexpr int64_t kMaxKeysPerBlock = 128;
+constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -71,7 +72,29 @@ struct Buffer {  // grow-only, 64-byte aligned scratch
     }
     return ptr;
   }
+  void trim(size_t keep) {  // release a large buffer after a call
+    if (cap * sizeof(E) > keep) {
+      std::free(ptr);
+      ptr = nullptr;
+      cap = 0;
+    }
+  }
   ~Buffer() { std::free(ptr); }
+};
+
+// A thread's scratch, kept between calls (no page faults on every call); packed K/V buffers
+// above kKeepBytes are released after each call so long sequences do not pin memory.
+template <class K>
+struct Scratch {
+  static constexpr size_t kKeepBytes = size_t(8) << 20;
+  Buffer<typename K::packed_t> kt, v, q;
+  Buffer<float> s, o, m, alpha, lsum;
+  Buffer<typename K::p_t> p;
+  Buffer<uint16_t> bits;
+  void trim() {
+    kt.trim(kKeepBytes);
+    v.trim(kKeepBytes);
+  }
 };
 
 template <typename P, typename T>
@@ -158,12 +181,9 @@ struct Worker {
   using p_t = typename K::p_t;
   const Problem<T>& P;
   int64_t Nb, dkp, dvp, g;
-  Buffer<packed_t> kt_buf, v_buf, q_buf;
-  Buffer<float> s_buf, o_buf, m_buf, alpha_buf, lsum_buf;
-  Buffer<p_t> p_buf;
-  Buffer<uint16_t> bits_buf;
+  Scratch<K>& sc;
 
-  explicit Worker(const Problem<T>& p) : P(p) {
+  Worker(const Problem<T>& p, Scratch<K>& scratch) : P(p), sc(scratch) {
     Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), kLanes));
     dkp = K::kPairs ? round_up(P.dk, 2) : P.dk;
     dvp = round_up(P.dv, kLanes);
@@ -172,11 +192,32 @@ struct Worker {
 
   // K transposed per key block: [dkp][Nb] (fp32) or [dkp/2][Nb][2] (bf16 pairs of d_k).
   // V: [keys][dvp] (fp32) or [keys/2][dvp][2] (bf16 pairs of keys). Zeros past kend / d.
+  // Keys are packed up to kend rounded to 16 (the tiles never read further); zeros past kend.
   void pack_kv(int64_t b, int64_t kh, int64_t kend, packed_t* kt, packed_t* vp) const {
-    const int64_t nkeys = round_up(kend, Nb);
+    const int64_t nkeys = round_up(kend, kLanes);
     const T* kbase = P.k + b * P.ks[0] + kh * P.ks[1];
     const T* vbase = P.v + b * P.vs[0] + kh * P.vs[1];
-    for (int64_t j = 0; j < nkeys; ++j) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    // fp32: 16 keys at a time, one (masked) gather per d_k column, contiguous stores into K^T
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<packed_t, float>) {
+      if (P.ks[2] * kLanes < (int64_t(1) << 28)) {
+        const __m512i idx = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(int32_t(P.ks[2])));
+        for (; j < nkeys; j += kLanes) {
+          const __mmask16 real = lanes_below(int(std::min<int64_t>(kend - j, kLanes)));
+          float* kblk = kt + (j / Nb) * dkp * Nb + j % Nb;
+          const float* kbj = kbase + j * P.ks[2];
+          for (int64_t kk = 0; kk < dkp; ++kk)
+            _mm512_storeu_ps(kblk + kk * Nb, _mm512_mask_i32gather_ps(
+                                                 _mm512_setzero_ps(), real, idx, kbj + kk * P.ks[3], 4));
+          for (int64_t jj = j; jj < j + kLanes; ++jj) pack_v_row(vbase + jj * P.vs[2], jj, jj < kend, vp);
+        }
+      }
+    }
+#endif
+    for (; j < nkeys; ++j) {
       const bool real = j < kend;
       packed_t* kblk = kt + (j / Nb) * dkp * Nb;
       const int64_t n = j % Nb;
@@ -186,12 +227,23 @@ struct Worker {
         if constexpr (K::kPairs) kblk[(kk / 2) * Nb * 2 + n * 2 + (kk & 1)] = x;
         else kblk[kk * Nb + n] = x;
       }
-      const T* vrow = vbase + j * P.vs[2];
-      for (int64_t c = 0; c < dvp; ++c) {
-        const packed_t x = (real && c < P.dv) ? pack_elem<packed_t>(vrow[c * P.vs[3]]) : packed_t(0);
-        if constexpr (K::kPairs) vp[(j / 2) * dvp * 2 + c * 2 + (j & 1)] = x;
-        else vp[j * dvp + c] = x;
+      pack_v_row(vbase + j * P.vs[2], j, real, vp);
+    }
+  }
+
+  void pack_v_row(const T* vrow, int64_t j, bool real, packed_t* vp) const {
+    if constexpr (!K::kPairs) {
+      if (!real) return std::fill(vp + j * dvp, vp + (j + 1) * dvp, packed_t(0));
+      if (std::is_same_v<T, packed_t> && P.vs[3] == 1) {
+        std::memcpy(vp + j * dvp, vrow, P.dv * sizeof(packed_t));
+        std::fill(vp + j * dvp + P.dv, vp + (j + 1) * dvp, packed_t(0));
+        return;
       }
+    }
+    for (int64_t c = 0; c < dvp; ++c) {
+      const packed_t x = (real && c < P.dv) ? pack_elem<packed_t>(vrow[c * P.vs[3]]) : packed_t(0);
+      if constexpr (K::kPairs) vp[(j / 2) * dvp * 2 + c * 2 + (j & 1)] = x;
+      else vp[j * dvp + c] = x;
     }
   }
 
@@ -211,8 +263,8 @@ struct Worker {
       return;
     }
     const int64_t nkeys = round_up(kend, Nb);
-    packed_t* kt = kt_buf.get(nkeys * dkp);
-    packed_t* vp = v_buf.get(nkeys * dvp);
+    packed_t* kt = sc.kt.get(nkeys * dkp);
+    packed_t* vp = sc.v.get(nkeys * dvp);
     pack_kv(it.b, it.kh, kend, kt, vp);
     for (int64_t hq = h0; hq < h0 + g; ++hq)
       for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock)
@@ -224,19 +276,23 @@ struct Worker {
     const int rows = int(i1 - i0);
     const int64_t kend = P.key_limit(b, i1 - 1), first_lim = P.key_limit(b, i0);
     if (kend == 0) return zero_rows(b, hq, i0, i1);
-    packed_t* q = q_buf.get(rows * dkp);
-    float* s = s_buf.get(rows * Nb);
-    p_t* p = p_buf.get(rows * Nb);
-    float* o = o_buf.get(rows * dvp);
-    float* m = m_buf.get(rows);
-    float* alpha = alpha_buf.get(rows);
-    float* lsum = lsum_buf.get(rows * kLanes);
-    uint16_t* bits = bits_buf.get(rows * 4);
+    packed_t* q = sc.q.get(rows * dkp);
+    float* s = sc.s.get(rows * Nb);
+    p_t* p = sc.p.get(rows * Nb);
+    float* o = sc.o.get(rows * dvp);
+    float* m = sc.m.get(rows);
+    float* alpha = sc.alpha.get(rows);
+    float* lsum = sc.lsum.get(rows * kLanes);
+    uint16_t* bits = sc.bits.get(rows * kMaxVecsPerBlock);
     const T* qbase = P.q + b * P.qs[0] + hq * P.qs[1];
     for (int r = 0; r < rows; ++r) {
       const T* qrow = qbase + (i0 + r) * P.qs[2];
-      for (int64_t kk = 0; kk < dkp; ++kk)
-        q[r * dkp + kk] = kk < P.dk ? pack_elem<packed_t>(qrow[kk * P.qs[3]]) : packed_t(0);
+      if (std::is_same_v<T, packed_t> && P.qs[3] == 1 && dkp == P.dk) {
+        std::memcpy(q + r * dkp, qrow, dkp * sizeof(packed_t));
+      } else {
+        for (int64_t kk = 0; kk < dkp; ++kk)
+          q[r * dkp + kk] = kk < P.dk ? pack_elem<packed_t>(qrow[kk * P.qs[3]]) : packed_t(0);
+      }
       m[r] = kNegInf;
     }
     std::fill(lsum, lsum + rows * kLanes, 0.f);
@@ -248,19 +304,43 @@ struct Worker {
       const packed_t* ktb = kt + (j0 / Nb) * dkp * Nb;
       const packed_t* vb = vp + j0 * dvp;  // same offset for both V layouts (j0 is even)
       switch (nv) {
-        case 1: key_block<1>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
-        case 2: key_block<2>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
-        case 3: key_block<3>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
-        default: key_block<4>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+#define MHA_KEY_BLOCK(NV) \
+  case NV: key_block<NV>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+        MHA_KEY_BLOCK(1) MHA_KEY_BLOCK(2) MHA_KEY_BLOCK(3) MHA_KEY_BLOCK(4)
+        MHA_KEY_BLOCK(5) MHA_KEY_BLOCK(6) MHA_KEY_BLOCK(7) MHA_KEY_BLOCK(8)
+#undef MHA_KEY_BLOCK
+        default: TORCH_CHECK(false, "flash_attention: bad key block width");
       }
     }
     for (int r = 0; r < rows; ++r) {  // O / l and the log-sum-exp
       const float l = K::row_sum(lsum + r * kLanes);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
-      for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(o[r * dvp + c] * inv);
+      store_row(o + r * dvp, inv, orow);
       P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l > 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
     }
+  }
+
+  // out row = o * inv, in T (the output's last dim is contiguous: it is allocated so)
+  void store_row(const float* o, float inv, T* __restrict orow) const {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; c + kLanes <= P.dv; c += kLanes) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + c), iv);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(orow + c, x);
+      } else {  // round to nearest even, as at::BFloat16 does
+        __m512i u = _mm512_castps_si512(x);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7FC00000));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+      }
+    }
+#endif
+    for (; c < P.dv; ++c) orow[c] = T(o[c] * inv);
   }
 
   template <int NV>
@@ -269,19 +349,38 @@ struct Worker {
                  float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
                  uint16_t* bits) {
     constexpr int W = NV * kLanes;
-    for_row_tiles<rows_for(NV)>(rows, QkTile<K, NV>{q, kt, dkp, Nb, int(dkp), s, Nb});
+    for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
+      const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
+      float* sc = s + c0 * kLanes;
+      switch (std::min(4, NV - c0)) {
+        case 1: for_row_tiles<rows_for(1)>(rows, QkTile<K, 1>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        case 2: for_row_tiles<rows_for(2)>(rows, QkTile<K, 2>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        case 3: for_row_tiles<rows_for(3)>(rows, QkTile<K, 3>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+      }
+    }
     const bool unmasked = mrow0 == nullptr && j0 + W <= first_lim;
     const float c = P.scale * kLog2e;
-    for (int r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      const int nvalid = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, i) - j0, 0, W));
-      uint16_t* rb = nullptr;
-      if (mrow0) {
-        rb = bits + r * 4;
-        mask_bits(mrow0 + i * P.ms[2], P.ms[3], j0, P.Tk, NV, rb);
+    constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
+    for (int r0 = 0; r0 < rows; r0 += RS) {
+      const int rs = std::min(RS, rows - r0);
+      int nvalid[RS];
+      for (int r = r0; r < r0 + rs; ++r) {
+        const int64_t i = i0 + r;
+        nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, i) - j0, 0, W));
+        if (mrow0) mask_bits(mrow0 + i * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
       }
-      K::template softmax_row<NV>(s + r * Nb, nvalid, rb, c, m[r], lsum + r * kLanes, alpha[r],
-                                  p + r * Nb);
+      const uint16_t* rb = mrow0 ? bits + r0 * kMaxVecsPerBlock : nullptr;
+      if (rs == RS)
+        K::template softmax_rows<NV, RS>(s + r0 * Nb, Nb, nvalid, rb, kMaxVecsPerBlock, c, m + r0,
+                                         lsum + r0 * kLanes, alpha + r0, p + r0 * Nb, Nb);
+      else
+        for (int r = 0; r < rs; ++r)
+          K::template softmax_rows<NV, 1>(s + (r0 + r) * Nb, Nb, nvalid + r,
+                                          rb ? rb + r * kMaxVecsPerBlock : nullptr,
+                                          kMaxVecsPerBlock, c, m + r0 + r,
+                                          lsum + (r0 + r) * kLanes, alpha + r0 + r,
+                                          p + (r0 + r) * Nb, Nb);
     }
     const int nvt = int(dvp / kLanes);
     for (int c0 = 0; c0 < nvt; c0 += 4) {
@@ -328,10 +427,54 @@ void run_forward(const Problem<T>& P) {
   const int64_t workers = flops < 2e6 ? 1 : std::min<int64_t>(nth, int64_t(items.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Worker<K, T> w(P);
+    thread_local Scratch<K> scratch;
+    Worker<K, T> w(P, scratch);
     for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
       w.run_item(items[idx]);
+    scratch.trim();
   });
+}
+
+std::string flash_attention_isa() {
+  std::string isa = "portable";
+#if defined(__AVX512F__)
+  isa += ",avx512f";
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  isa += ",avx512bw,avx512vl";
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  isa += ",avx512bf16";
+#endif
+  return isa;
+}
+
+
+// bf16 inputs: vdpbf16ps tiles where the dot-product unit is fast (AMD Zen 4/5: twice the
+// fp32 FMA rate); elsewhere (Intel cores run vdpbf16ps at half the fp32 FMA FLOP rate, measured)
+// bf16 is widened to fp32 when packed and runs the fp32 tiles. MHA_FLASH_BF16=avx512bf16 |
+// avx512f | portable overrides. Fixed per process, so results stay deterministic.
+const std::string& default_kernel(at::ScalarType dtype) {
+  static const std::string f32 =
+#if defined(__AVX512F__)
+      "avx512f";
+#else
+      "portable";
+#endif
+  static const std::string bf16 = [] {
+    if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) return std::string("avx512bf16");
+#endif
+    return f32;
+  }();
+  return dtype == at::kBFloat16 ? bf16 : f32;
+}
+
+// The kernels chosen for float32 and bfloat16 inputs.
+std::vector<std::string> flash_attention_kernels() {
+  return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
 }
 
 void fill_strides(const at::Tensor& t, int64_t* s, bool zero_broadcast) {
@@ -342,7 +485,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& key_lengths,
                                                 const std::optional<at::Tensor>& mask,
-                                                bool causal, double scale, bool portable) {
+                                                bool causal, double scale,
+                                                const std::string& kernel) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "flash_attention: q, k, v must be 4-D (B, h, T, d), got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -402,14 +546,17 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
     P.scale = float(scale);
     P.causal = causal;
-    if (portable) return run_forward<PortableF32>(P);
+    const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
+    if (kn == "portable") return run_forward<PortableF32>(P);
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) return run_forward<Avx512F32>(P);
+    if (kn == "avx512f") return run_forward<Avx512F32>(P);  // bf16 inputs widened when packed
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, at::BFloat16>) return run_forward<Avx512Bf16>(P);
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (kn == "avx512bf16") return run_forward<Avx512Bf16>(P);
 #endif
-    run_forward<PortableF32>(P);
+    TORCH_CHECK(false, "flash_attention: kernel '", kn, "' is not available for ", q.scalar_type(),
+                " in this build (", flash_attention_isa(), ")");
   };
   if (q.scalar_type() == at::kFloat) run(float{});
   else run(at::BFloat16{});
@@ -420,14 +567,15 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
     bool causal, double scale) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, false);
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto");
 }
 
-std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_portable(
+// The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16"), for tests.
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
-    bool causal, double scale) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, true);
+    bool causal, double scale, std::string kernel) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel);
 }
 
 // The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
@@ -452,34 +600,21 @@ at::Tensor flash_exp2(const at::Tensor& x) {
   return y;
 }
 
-std::string flash_attention_isa() {
-  std::string isa = "portable";
-#if defined(__AVX512F__)
-  isa += ",avx512f";
-#endif
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  isa += ",avx512bw,avx512vl";
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  isa += ",avx512bf16";
-#endif
-  return isa;
-}
-
 }  // namespace
 }  // namespace mha_flash
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
         "bool causal, float scale) -> (Tensor, Tensor)");
-  m.def("_flash_attention_fwd_portable(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-        "Tensor? mask, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+        "Tensor? mask, bool causal, float scale, str kernel) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
+  m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("flash_attention_fwd", &mha_flash::flash_attention_fwd);
-  m.impl("_flash_attention_fwd_portable", &mha_flash::flash_attention_fwd_portable);
+  m.impl("_flash_attention_fwd_kernel", &mha_flash::flash_attention_fwd_kernel);
   m.impl("_flash_exp2", &mha_flash::flash_exp2);
 }

@@ -1,7 +1,7 @@
 // Microkernels of the CPU flash-attention forward (flash_attn.cpp drives them).
 //
 // Shape legend: R query rows of one register tile, NV/CV 16-lane fp32 vectors of one tile's
-// columns, Nb keys per key block (multiple of 16, <= 64), dkp/dvp packed head dims.
+// columns, Nb keys per key block (multiple of 16, <= 128), dkp/dvp packed head dims.
 //
 // Three kernels share one interface, so the driver is written once:
 //   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
@@ -13,7 +13,8 @@
 //   packed_t        element of the packed Q/K/V buffers;  p_t  element of the P buffer
 //   kPairs          bf16 pair layouts (see above)
 //   qk<R, NV>(q, ldq, kt, ldk, dkp, s, lds)         S[R][16 NV] = Q[R][dkp] . KT[dkp][16 NV]
-//   softmax_row<NV>(s, nvalid, bits, c, m, lsum, alpha, p)   one row's online-softmax update
+//   softmax_rows<NV, RS>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp)
+//                   the online-softmax update of RS rows
 //   pv<R, CV>(p, ldp, v, dvp, n, o, ldo, alpha)     O[R][16 CV] = alpha O + P[R][n] . V[n][16 CV]
 #pragma once
 
@@ -86,6 +87,15 @@ struct PortableF32 {
     lsum[0] = sum;
   }
 
+  template <int NV, int RS>
+  static void softmax_rows(const float* s, int64_t lds, const int* nvalid, const uint16_t* bits,
+                           int bstride, float c, float* m, float* lsum, float* alpha, float* p,
+                           int64_t ldp) {
+    for (int r = 0; r < RS; ++r)
+      softmax_row<NV>(s + r * lds, nvalid[r], bits ? bits + r * bstride : nullptr, c, m[r],
+                      lsum + r * kLanes, alpha[r], p + r * ldp);
+  }
+
   template <int R, int CV>
   static void pv(const float* p, int64_t ldp, const float* v, int64_t dvp, int n, float* o,
                  int64_t ldo, const float* alpha) {
@@ -124,46 +134,57 @@ inline __mmask16 lanes_below(int n) {
   return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
 }
 
-// The online-softmax update of one row, shared by both AVX-512 kernels. Scores are turned into
-// base-2 logits t = s * c (c = scale * log2 e); masked lanes are -inf. P is written as fp32 or
-// rounded to bf16 (Bf16Out).
-template <int NV, bool Bf16Out, typename P>
-inline void softmax_row_avx512(const float* s, int nvalid, const uint16_t* bits, float c,
-                               float& m, float* lsum, float& alpha, P* p) {
+// The online-softmax update of RS rows (interleaved, so their reduction and exp latency
+// chains overlap), shared by both AVX-512 kernels. Scores become base-2 logits t = s * c
+// (c = scale * log2 e); masked lanes are -inf. P is written as fp32 or rounded to bf16.
+// Row r: scores s + r lds, nvalid[r] leading keys visible, bits + r * bstride (or no bits).
+template <int NV, int RS, bool Bf16Out, typename P>
+inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
+                                const uint16_t* bits, int bstride, float c, float* m,
+                                float* lsum, float* alpha, P* p, int64_t ldp) {
   const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(c);
-  __m512 x[NV];
-  __m512 mx = neg;
+  __m512 x[RS][NV], mx[RS];
+  float mnew[RS];
 #pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    __mmask16 k = lanes_below(nvalid - v * kLanes);
-    if (bits) k &= bits[v];
-    x[v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + v * kLanes), cv);
-    mx = _mm512_max_ps(mx, x[v]);
-  }
-  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
-  if (mnew == kNegInf) {  // nothing visible yet in this row
-    alpha = 1.f;
-    for (int n = 0; n < NV * kLanes; ++n) p[n] = P(0);
-    return;
-  }
-  alpha = std::exp2(m - mnew);
-  m = mnew;
-  const __m512 mv = _mm512_set1_ps(mnew);
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    const __m512 e = exp2_avx512(_mm512_sub_ps(x[v], mv));
-    sum = _mm512_add_ps(sum, e);
-    if constexpr (Bf16Out) {
-#if defined(__AVX512BF16__)
-      __m256bh h = _mm512_cvtneps_pbh(e);
-      std::memcpy(p + v * kLanes, &h, sizeof(h));
-#endif
-    } else {
-      _mm512_storeu_ps(reinterpret_cast<float*>(p) + v * kLanes, e);
+  for (int r = 0; r < RS; ++r) {
+    mx[r] = neg;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      __mmask16 k = lanes_below(nvalid[r] - v * kLanes);
+      if (bits) k &= bits[r * bstride + v];
+      x[r][v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + r * lds + v * kLanes), cv);
+      mx[r] = _mm512_max_ps(mx[r], x[r][v]);
     }
   }
-  _mm512_storeu_ps(lsum, sum);
+#pragma GCC unroll 4
+  for (int r = 0; r < RS; ++r) mnew[r] = std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+#pragma GCC unroll 4
+  for (int r = 0; r < RS; ++r) {
+    P* pr = p + r * ldp;
+    if (mnew[r] == kNegInf) {  // nothing visible yet in this row
+      alpha[r] = 1.f;
+      for (int n = 0; n < NV * kLanes; ++n) pr[n] = P(0);
+      continue;
+    }
+    alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mnew[r])));  // m = -inf: 0
+    m[r] = mnew[r];
+    const __m512 mv = _mm512_set1_ps(mnew[r]);
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes), _mm512_set1_ps(alpha[r]));
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512 e = exp2_avx512(_mm512_sub_ps(x[r][v], mv));
+      sum = _mm512_add_ps(sum, e);
+      if constexpr (Bf16Out) {
+#if defined(__AVX512BF16__)
+        __m256bh h = _mm512_cvtneps_pbh(e);
+        std::memcpy(pr + v * kLanes, &h, sizeof(h));
+#endif
+      } else {
+        _mm512_storeu_ps(reinterpret_cast<float*>(pr) + v * kLanes, e);
+      }
+    }
+    _mm512_storeu_ps(lsum + r * kLanes, sum);
+  }
 }
 
 struct Avx512F32 {
@@ -197,10 +218,11 @@ struct Avx512F32 {
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
   }
 
-  template <int NV>
-  static inline void softmax_row(const float* s, int nvalid, const uint16_t* bits, float c,
-                                 float& m, float* lsum, float& alpha, float* p) {
-    softmax_row_avx512<NV, false>(s, nvalid, bits, c, m, lsum, alpha, p);
+  template <int NV, int RS>
+  static inline void softmax_rows(const float* s, int64_t lds, const int* nvalid,
+                                  const uint16_t* bits, int bstride, float c, float* m,
+                                  float* lsum, float* alpha, float* p, int64_t ldp) {
+    softmax_rows_avx512<NV, RS, false>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
   }
 
   template <int R, int CV>
@@ -275,10 +297,11 @@ struct Avx512Bf16 {
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
   }
 
-  template <int NV>
-  static inline void softmax_row(const float* s, int nvalid, const uint16_t* bits, float c,
-                                 float& m, float* lsum, float& alpha, uint16_t* p) {
-    softmax_row_avx512<NV, true>(s, nvalid, bits, c, m, lsum, alpha, p);
+  template <int NV, int RS>
+  static inline void softmax_rows(const float* s, int64_t lds, const int* nvalid,
+                                  const uint16_t* bits, int bstride, float c, float* m,
+                                  float* lsum, float* alpha, uint16_t* p, int64_t ldp) {
+    softmax_rows_avx512<NV, RS, true>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
   }
 
   // p rows: bf16, pairs of keys read as one 32-bit word; v: [n/2][dvp][2].

@@ -1,0 +1,91 @@
+"""Quick side-by-side timing of the flash_cpu kernel vs torch SDPA and naive torch (one process).
+
+Shape legend: B batch, h heads, T sequence length (Tq = Tk), d head dim.
+GFLOP/s counts 4 B h Tq Tk d FLOPs (QK^T and PV), half of that for causal. Medians of
+``--repeats`` round-robin timed runs after a warm-up; the ratio columns are what to compare across runs.
+
+    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/kernel_profile.py
+    .venv/bin/python benchmarks/kernel_profile.py --shapes 1,8,4096,64 --cases fp32-causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mha import native
+
+SHAPES = ((1, 8, 4096, 64), (1, 32, 2048, 128), (32, 8, 20, 64))
+CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
+
+
+def _time(fns: dict, repeats: int, min_time: float = 0.1) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin (so load drifts hit all)."""
+    inner = {}
+    for name, fn in fns.items():
+        fn()  # warm-up (and build)
+        t0 = time.perf_counter()
+        fn()
+        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / inner[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _contenders(q, k, v, causal: bool, naive: bool) -> dict:
+    runs = {
+        "flash": lambda: native.flash_attention(q, k, v, causal=causal),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    if naive:
+        runs["naive"] = lambda: _naive(q, k, v, causal)
+    return runs
+
+
+def _naive(q, k, v, causal):
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, h, T, T)
+    if causal:
+        T = q.shape[2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v  # (B, h, T, d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-naive", action="store_true", help="skip naive torch (memory heavy)")
+    args = ap.parse_args()
+    native.load()
+    print(f"threads={torch.get_num_threads()} isa={native.isa()}")
+    print(f"{'shape':>18} {'case':>12} {'flash':>8} {'sdpa':>8} {'naive':>8} "
+          f"{'x sdpa':>7} {'x naive':>7}   (GFLOP/s)")
+    for spec in args.shapes:
+        B, h, T, d = map(int, spec.split(","))
+        for case in args.cases:
+            dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
+            causal = case.endswith("causal")
+            # the module's layout: (B, T, h, d) viewed as (B, h, T, d)
+            q, k, v = (torch.randn(B, T, h, d).to(dtype).transpose(1, 2) for _ in range(3))
+            flops = 4.0 * B * h * T * T * d * (0.5 if causal else 1.0)
+            naive = not args.no_naive and B * h * T * T * 4 < 2**31
+            with torch.no_grad():
+                secs = _time(_contenders(q, k, v, causal, naive), args.repeats)
+            g = {n: flops / t / 1e9 for n, t in secs.items()}
+            na = g.get("naive", float("nan"))
+            print(f"{spec:>18} {case:>12} {g['flash']:8.1f} {g['sdpa']:8.1f} {na:8.1f} "
+                  f"{g['flash'] / g['sdpa']:7.2f} {g['flash'] / na:7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
