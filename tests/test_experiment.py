@@ -89,6 +89,10 @@ def test_markdown_regenerates_between_markers(tiny_run, tmp_path):
     text = doc.read_text()
     assert "stale" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert report.markdown(results) in text
+    begin, end = report.markers("long")
+    doc.write_text(f"{report.BEGIN}\nkeep\n{report.END}\n{begin}\nold\n{end}\n")
+    report.write_markdown(results, doc, section="long")
+    assert "keep" in doc.read_text() and "old" not in doc.read_text()
 
 
 @pytest.mark.parametrize("num_heads", [1, 4, 16])

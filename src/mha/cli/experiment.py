@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     h.add_argument("--tasks", nargs="+", help="tasks: lags, recall, markov")
     h.add_argument("--markdown", metavar="FILE", help="also write the Markdown table to FILE "
                    "(only between the heads-table markers when FILE has them)")
+    h.add_argument("--section", metavar="NAME", help="with --markdown: fill the "
+                   "heads-table:NAME markers instead of the unnamed ones")
     h.add_argument("--from-results", metavar="JSON", help="do not train: render the table, "
                    "plot and Markdown from this results.json")
     h.set_defaults(func=run)
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         con.print(table)
     report.write_markdown(results, out / "table.md")
     if args.markdown:
-        report.write_markdown(results, args.markdown)
+        report.write_markdown(results, args.markdown, section=args.section)
     report.plot(results, out / "heads.png")
     report.plot_curves(results, out / "curves.png")
     written = [] if args.from_results else [out / "results.json"]

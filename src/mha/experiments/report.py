@@ -14,6 +14,14 @@ from pathlib import Path
 BEGIN, END = "<!-- heads-table:begin -->", "<!-- heads-table:end -->"
 
 
+def markers(section: str | None = None) -> tuple[str, str]:
+    """The comment lines that delimit a generated table in a document; ``section`` names one
+    of several (``<!-- heads-table:NAME:begin -->``)."""
+    if section is None:
+        return BEGIN, END
+    return f"<!-- heads-table:{section}:begin -->", f"<!-- heads-table:{section}:end -->"
+
+
 def load(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -148,16 +156,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(results: dict, path: str | Path) -> None:
-    """Write the Markdown tables to ``path``; when the file holds the markers
-    ``<!-- heads-table:begin -->`` / ``<!-- heads-table:end -->``, replace only what lies
-    between them (so a document can be regenerated in place)."""
+def write_markdown(results: dict, path: str | Path, section: str | None = None) -> None:
+    """Write the Markdown tables to ``path``; when the file holds the :func:`markers` of
+    ``section``, replace only what lies between them (a document regenerated in place)."""
     path = Path(path)
     table = markdown(results)
-    if path.exists() and BEGIN in (text := path.read_text()) and END in text:
-        new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
-                     lambda _: f"{BEGIN}\n{table}\n{END}", text, flags=re.S)
+    begin, end = markers(section)
+    if path.exists() and begin in (text := path.read_text()) and end in text:
+        new = re.sub(re.escape(begin) + ".*?" + re.escape(end),
+                     lambda _: f"{begin}\n{table}\n{end}", text, flags=re.S)
         path.write_text(new)
+    elif section is not None and path.exists():
+        raise ValueError(f"section: {path} has no {begin} ... {end} markers")
     else:
         path.write_text(table + "\n")
 
