@@ -161,6 +161,14 @@ MHA_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 #endif
 }
 
+// Ask for one row (n elements) to be brought into the cache ahead of its use.
+template <typename T>
+MHA_INLINE void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 // Sixteen 16-lane partial sums -> one vector of their 16 totals. With the accumulators
 // assigned as below (acc[i] holds key 4 * (i % 4) + i / 4), lane t of the result is key t.
 MHA_INLINE __m512 reduce16(const __m512* a) {
@@ -185,11 +193,14 @@ void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t 
   for (int64_t j = 0; j < n; j += 16) {
     const int64_t nt = std::min<int64_t>(16, n - j);
     const T* kp[16];
-    for (int i = 0; i < 16; ++i)  // accumulator i holds key 4 * (i % 4) + i / 4 (see reduce16)
-      kp[i] = k + (j + std::min<int64_t>(4 * (i % 4) + i / 4, nt - 1)) * kst;
+    for (int t = 0; t < 16; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
+    if (j + 32 < n)  // the block after next: keeps the memory stream ahead of the loads
+      for (int t = 0; t < 16; ++t) prefetch_row(kp[t] + 32 * kst, dk);
     for (int64_t r = 0; r < G; ++r) {  // the 16 K rows stay in L1 across the G query rows
       __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = dot_lanes(q + r * dk, kp[i], dk);
+      // keys are read in memory order; reduce16 wants accumulator i to hold key
+      // 4 * (i % 4) + i / 4, so the (compile-time) index is permuted instead of the loads
+      for (int t = 0; t < 16; ++t) acc[4 * (t % 4) + t / 4] = dot_lanes(q + r * dk, kp[t], dk);
       _mm512_mask_storeu_ps(scores + r * kChunk + j, tail16(nt),
                             _mm512_mul_ps(reduce16(acc), vscale));
     }
@@ -208,6 +219,7 @@ void pv_tile(const float* p, int64_t n, const T* v, int64_t vst, int64_t col, __
     __m512 pr[R];
     for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
     const T* vt = v + t * vst + col;
+    if (t + 16 < n) prefetch_row(vt + 16 * vst, 16 * NV);
     for (int c = 0; c < NV; ++c) {
       const __m512 x = load_f32(vt + 16 * c, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF));
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
@@ -441,7 +453,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   {
     std::vector<float> scores(P.G * kChunk), acc(P.dv);
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
 #endif
     for (int64_t it = 0; it < items; ++it) work(scores, acc, it);
   }
