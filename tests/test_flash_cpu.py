@@ -97,15 +97,31 @@ def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengt
     assert torch.allclose(lse.double()[finite], want[finite], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_path_matches_reference(dtype):
-    q, k, v = _inputs(2, 4, 2, 33, 47, 40, 24, dtype)
-    m = _mask("full", 2, 4, 33, 47, 1)
-    out, lse = torch.ops.mha._flash_attention_fwd_portable(q, k, v, None, m, True, 0.2)
-    exact = _ref(q, k, v, causal=True, mask=m, scale=0.2)
-    naive = _ref(q, k, v, causal=True, mask=m, scale=0.2, upcast=False)
-    err = (out.double() - exact.double()).abs().max().item()
-    assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype]
+def _kernel_cases():
+    """(kernel, dtype) for every tile kernel compiled in; avx512bf16 and amx serve bfloat16."""
+    native.load()
+    isa = native.isa().split(",")
+    cases = [(k, dt) for k in ("portable", "avx512f") if k in isa
+             for dt in (torch.float32, torch.bfloat16)]
+    return cases + [(k, torch.bfloat16) for k in ("avx512bf16", "amx") if k in isa]
+
+
+@pytest.mark.parametrize("kernel,dtype", _kernel_cases())
+def test_every_compiled_kernel_matches_reference(kernel, dtype):
+    """Each compiled kernel, not only the one this CPU picks (see mha.native.kernels())."""
+    for causal, m, kl, shape in [(True, "full", None, (2, 4, 2, 33, 47, 40, 24)),
+                                 (False, "keys", [5, 0], (2, 2, 1, 70, 150, 64, 80)),
+                                 (True, None, [150, 77], (2, 8, 2, 130, 150, 128, 16))]:
+        B, h, h_kv, Tq, Tk, d_k, d_v = shape
+        q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype)
+        mask = _mask(m, B, h, Tq, Tk, 1)
+        kl = None if kl is None else torch.tensor(kl)
+        out, lse = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, kl, mask, causal, 0.2,
+                                                             kernel)
+        exact = _ref(q, k, v, causal=causal, key_lengths=kl, mask=mask, scale=0.2)
+        naive = _ref(q, k, v, causal=causal, key_lengths=kl, mask=mask, scale=0.2, upcast=False)
+        err = (out.double() - exact.double()).abs().max().item()
+        assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype]
 
 
 def test_exp2_polynomial_accuracy():

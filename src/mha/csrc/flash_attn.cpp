@@ -11,7 +11,7 @@
 //
 // Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
 // group. The item packs its head's K (transposed) and V once into thread-local buffers, then
-// walks 36-row query blocks; each block streams key blocks of Nb <= 128 keys through
+// walks 48-row query blocks; each block streams key blocks of Nb <= 128 keys through
 // S = Q K^T (register tiles), the online-softmax update, and O = alpha O + P V. Key blocks past
 // the last visible key (causal, key_lengths) are never touched. Items are handed out from an
 // atomic counter, costliest first; each item is computed by one thread in a fixed order, so the
@@ -32,7 +32,7 @@
 namespace mha_flash {
 namespace {
 
-constexpr int64_t kRowsPerBlock = 36;  // query rows per block: 6 register tiles of 6 rows
+constexpr int64_t kRowsPerBlock = 48;  // query rows per block: 8 register tiles of 6 rows
 constexpr int64_t kMaxKeysPerBlock = 128;
 constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
@@ -184,17 +184,18 @@ struct Worker {
   Scratch<K>& sc;
 
   Worker(const Problem<T>& p, Scratch<K>& scratch) : P(p), sc(scratch) {
-    Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), kLanes));
-    dkp = K::kPairs ? round_up(P.dk, 2) : P.dk;
+    Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), K::kKeyAlign));
+    dkp = round_up(P.dk, K::kDkAlign);
     dvp = round_up(P.dv, kLanes);
     g = P.h / P.hkv;
   }
 
   // K transposed per key block: [dkp][Nb] (fp32) or [dkp/2][Nb][2] (bf16 pairs of d_k).
   // V: [keys][dvp] (fp32) or [keys/2][dvp][2] (bf16 pairs of keys). Zeros past kend / d.
-  // Keys are packed up to kend rounded to 16 (the tiles never read further); zeros past kend.
+  // Keys are packed up to kend rounded to 16 (32 for AMX; the tiles never read further); zeros
+  // past kend.
   void pack_kv(int64_t b, int64_t kh, int64_t kend, packed_t* kt, packed_t* vp) const {
-    const int64_t nkeys = round_up(kend, kLanes);
+    const int64_t nkeys = round_up(kend, K::kKeyAlign);
     const T* kbase = P.k + b * P.ks[0] + kh * P.ks[1];
     const T* vbase = P.v + b * P.vs[0] + kh * P.vs[1];
     int64_t j = 0;
@@ -276,10 +277,11 @@ struct Worker {
     const int rows = int(i1 - i0);
     const int64_t kend = P.key_limit(b, i1 - 1), first_lim = P.key_limit(b, i0);
     if (kend == 0) return zero_rows(b, hq, i0, i1);
-    packed_t* q = sc.q.get(rows * dkp);
-    float* s = sc.s.get(rows * Nb);
-    p_t* p = sc.p.get(rows * Nb);
-    float* o = sc.o.get(rows * dvp);
+    const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
+    packed_t* q = sc.q.get(rp * dkp);
+    float* s = sc.s.get(rp * Nb);
+    p_t* p = sc.p.get(rp * Nb);
+    float* o = sc.o.get(rp * dvp);
     float* m = sc.m.get(rows);
     float* alpha = sc.alpha.get(rows);
     float* lsum = sc.lsum.get(rows * kLanes);
@@ -296,7 +298,9 @@ struct Worker {
       m[r] = kNegInf;
     }
     std::fill(lsum, lsum + rows * kLanes, 0.f);
-    std::fill(o, o + rows * dvp, 0.f);
+    std::fill(o, o + rp * dvp, 0.f);
+    std::fill(q + rows * dkp, q + rp * dkp, packed_t(0));  // AMX padding rows
+    std::fill(p + rows * Nb, p + rp * Nb, p_t(0));
     const bool* mrow0 = P.mask ? P.mask + b * P.ms[0] + hq * P.ms[1] : nullptr;
     for (int64_t j0 = 0; j0 < kend; j0 += Nb) {
       const int jn = int(std::min(Nb, kend - j0));
@@ -349,14 +353,21 @@ struct Worker {
                  float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
                  uint16_t* bits) {
     constexpr int W = NV * kLanes;
-    for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
-      const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
-      float* sc = s + c0 * kLanes;
-      switch (std::min(4, NV - c0)) {
-        case 1: for_row_tiles<rows_for(1)>(rows, QkTile<K, 1>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-        case 2: for_row_tiles<rows_for(2)>(rows, QkTile<K, 2>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-        case 3: for_row_tiles<rows_for(3)>(rows, QkTile<K, 3>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-        default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) {
+      K::qk_block(q, dkp, kt, Nb, (rows + 15) / 16, NV, s, Nb);
+    } else
+#endif
+    {
+      for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
+        const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
+        float* sc = s + c0 * kLanes;
+        switch (std::min(4, NV - c0)) {
+          case 1: for_row_tiles<rows_for(1)>(rows, QkTile<K, 1>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+          case 2: for_row_tiles<rows_for(2)>(rows, QkTile<K, 2>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+          case 3: for_row_tiles<rows_for(3)>(rows, QkTile<K, 3>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+          default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        }
       }
     }
     const bool unmasked = mrow0 == nullptr && j0 + W <= first_lim;
@@ -382,6 +393,19 @@ struct Worker {
                                           lsum + (r0 + r) * kLanes, alpha + r0 + r,
                                           p + (r0 + r) * Nb, Nb);
     }
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) {  // P V in 32-key chunks: zero P's odd 16-key tail, rescale O
+      if (NV % 2)
+        for (int r = 0; r < rows; ++r) std::fill(p + r * Nb + W, p + r * Nb + W + kLanes, p_t(0));
+      for (int r = 0; r < rows; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t c = 0; c < dvp; c += kLanes)
+          _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
+      }
+      K::pv_block(p, Nb, v, dvp, (jn + 31) / 32, (rows + 15) / 16, o);
+      return;
+    }
+#endif
     const int nvt = int(dvp / kLanes);
     for (int c0 = 0; c0 < nvt; c0 += 4) {
       const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);
@@ -428,10 +452,16 @@ void run_forward(const Problem<T>& P) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch<K> scratch;
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) K::configure();
+#endif
     Worker<K, T> w(P, scratch);
     for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
       w.run_item(items[idx]);
     scratch.trim();
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) K::release();
+#endif
   });
 }
 
@@ -445,6 +475,9 @@ std::string flash_attention_isa() {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   isa += ",avx512bf16";
+#endif
+#if defined(MHA_FLASH_AMX)
+  isa += ",amx";
 #endif
   return isa;
 }
@@ -463,6 +496,9 @@ const std::string& default_kernel(at::ScalarType dtype) {
 #endif
   static const std::string bf16 = [] {
     if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env);
+#if defined(MHA_FLASH_AMX)
+    if (amx_permitted()) return std::string("amx");
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     __builtin_cpu_init();
     if (__builtin_cpu_is("amd")) return std::string("avx512bf16");
@@ -554,6 +590,13 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>)
       if (kn == "avx512bf16") return run_forward<Avx512Bf16>(P);
+#endif
+#if defined(MHA_FLASH_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (kn == "amx") {
+        TORCH_CHECK(amx_permitted(), "flash_attention: the OS does not grant AMX to this process");
+        return run_forward<AmxBf16>(P);
+      }
 #endif
     TORCH_CHECK(false, "flash_attention: kernel '", kn, "' is not available for ", q.scalar_type(),
                 " in this build (", flash_attention_isa(), ")");

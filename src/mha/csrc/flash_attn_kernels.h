@@ -26,6 +26,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <algorithm>
 
 namespace mha_flash {
 
@@ -47,6 +52,8 @@ struct PortableF32 {
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "portable";
+  static constexpr bool kAmx = false;
+  static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
   static void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp, float* s,
@@ -192,6 +199,8 @@ struct Avx512F32 {
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "avx512f";
+  static constexpr bool kAmx = false;
+  static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
   static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
@@ -269,6 +278,8 @@ struct Avx512Bf16 {
   using p_t = uint16_t;
   static constexpr bool kPairs = true;
   static constexpr const char* kName = "avx512bf16";
+  static constexpr bool kAmx = false;
+  static constexpr int kDkAlign = 2, kKeyAlign = kLanes;
 
   // kt: [dkp/2][ldk][2]; q rows: dkp bf16 (dkp even).
   template <int R, int NV>
@@ -337,5 +348,98 @@ struct Avx512Bf16 {
   static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
 };
 #endif  // __AVX512BF16__
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MHA_FLASH_AMX 1
+// Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
+// operands in the same pair layouts as Avx512Bf16); packing and the softmax are Avx512Bf16's.
+// Tiles: 0-3 accumulators (4 x 16 columns), 4 the A operand, 5-6 B operands.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the AMX register state only on request, once per process.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct AmxBf16 : Avx512Bf16 {
+  static constexpr const char* kName = "amx";
+  static constexpr bool kAmx = true;
+  static constexpr int kDkAlign = 32, kKeyAlign = 32;
+
+  static void configure() {  // per thread, at the start of each parallel region
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+  }
+  static void release() { _tile_release(); }
+
+  // S[16 g + i][16 c] for row groups g < groups, 16-key chunks c < nchunks:
+  // q rows of dkp bf16 (dkp % 32 == 0), kt [dkp/2][ldk][2], s rows of lds floats.
+  static void qk_block(const uint16_t* q, int64_t dkp, const uint16_t* kt, int64_t ldk,
+                       int groups, int nchunks, float* s, int64_t lds) {
+    for (int g = 0; g < groups; ++g) {
+      const uint16_t* qg = q + g * 16 * dkp;
+      float* sg = s + g * 16 * lds;
+      for (int c0 = 0; c0 < nchunks; c0 += 4) {
+        const int nc = std::min(4, nchunks - c0);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kc = 0; kc < dkp / 32; ++kc) {
+          _tile_loadd(4, qg + kc * 32, dkp * 2);
+          const uint16_t* kb = kt + (kc * 16 * ldk + c0 * 16) * 2;
+          _tile_loadd(5, kb, ldk * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nc > 1) { _tile_loadd(6, kb + 32, ldk * 4); _tile_dpbf16ps(1, 4, 6); }
+          if (nc > 2) { _tile_loadd(5, kb + 64, ldk * 4); _tile_dpbf16ps(2, 4, 5); }
+          if (nc > 3) { _tile_loadd(6, kb + 96, ldk * 4); _tile_dpbf16ps(3, 4, 6); }
+        }
+        float* sc = sg + c0 * 16;
+        _tile_stored(0, sc, lds * 4);
+        if (nc > 1) _tile_stored(1, sc + 16, lds * 4);
+        if (nc > 2) _tile_stored(2, sc + 32, lds * 4);
+        if (nc > 3) _tile_stored(3, sc + 48, lds * 4);
+      }
+    }
+  }
+
+  // O[16 g + i][:] += P[16 g + i][0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2],
+  // o rows of dvp floats (dvp % 16 == 0).
+  static void pv_block(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp,
+                       int kchunks, int groups, float* o) {
+    const int nvc = int(dvp / 16);
+    for (int g = 0; g < groups; ++g) {
+      for (int c0 = 0; c0 < nvc; c0 += 4) {
+        const int nc = std::min(4, nvc - c0);
+        float* og = o + g * 16 * dvp + c0 * 16;
+        _tile_loadd(0, og, dvp * 4);
+        if (nc > 1) _tile_loadd(1, og + 16, dvp * 4);
+        if (nc > 2) _tile_loadd(2, og + 32, dvp * 4);
+        if (nc > 3) _tile_loadd(3, og + 48, dvp * 4);
+        for (int kc = 0; kc < kchunks; ++kc) {
+          _tile_loadd(4, p + g * 16 * ldp + kc * 32, ldp * 2);
+          const uint16_t* vb = v + (int64_t(kc) * 16 * dvp + c0 * 16) * 2;
+          _tile_loadd(5, vb, dvp * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nc > 1) { _tile_loadd(6, vb + 32, dvp * 4); _tile_dpbf16ps(1, 4, 6); }
+          if (nc > 2) { _tile_loadd(5, vb + 64, dvp * 4); _tile_dpbf16ps(2, 4, 5); }
+          if (nc > 3) { _tile_loadd(6, vb + 96, dvp * 4); _tile_dpbf16ps(3, 4, 6); }
+        }
+        _tile_stored(0, og, dvp * 4);
+        if (nc > 1) _tile_stored(1, og + 16, dvp * 4);
+        if (nc > 2) _tile_stored(2, og + 32, dvp * 4);
+        if (nc > 3) _tile_stored(3, og + 48, dvp * 4);
+      }
+    }
+  }
+};
+#endif  // AMX
 
 }  // namespace mha_flash
