@@ -184,7 +184,7 @@ def cases(ctx: Context) -> list[Case]:
     if ctx.quick:
         return [minilm_case(8, 64, padded=True), gpt2_case(1, 16, 8)]
     return [minilm_case(32, 128, padded=False), minilm_case(32, 128, padded=True),
-            gpt2_case(1, 32, 64), gpt2_case(8, 32, 32)]
+            gpt2_case(1, 32, 32), gpt2_case(8, 32, 16)]
 
 
 __all__ = ["TITLE", "cases", "minilm_case", "gpt2_case"]
