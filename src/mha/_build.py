@@ -44,6 +44,18 @@ def compiler() -> str | None:
     return shutil.which(cxx)
 
 
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (what -march=native compiles for)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
 def _key(name: str, sources: list[Path]) -> str:
     h = hashlib.sha256()
     for s in sorted(sources):
@@ -54,6 +66,7 @@ def _key(name: str, sources: list[Path]) -> str:
     h.update(" ".join(FLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
+    h.update(_cpu_identity().encode())  # -march=native: a build is only valid on its CPU kind
     return f"{name}-{h.hexdigest()[:16]}"
 
 
