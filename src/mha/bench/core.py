@@ -27,8 +27,9 @@ a zero-argument callable that performs exactly one call (and waits for its resul
 ``block_until_ready``). Compile inside ``make`` (call the compiled function once there), so the
 first timed call measures memory and speed rather than the compiler. A string attribute
 ``fn.note`` on the returned callable is added to the row's note (e.g. the compile time), and
-``fn.check`` is kept as the row's ``check`` (how the result was verified, e.g. the max error
-against a reference).
+``fn.verify(output) -> str``, when present, is given the output of the first (memory-probe)
+call: it raises if the result is wrong (the row becomes an error) and otherwise returns how it
+was checked, kept as the row's ``check`` (e.g. the max error against a reference).
 Inputs shared by several impls can be memoized by the suite and released by ``Case.teardown``,
 which the harness calls once the case is measured. ``make`` may raise :class:`Skip` (``"install mha[onnx]"``,
 ``"would need 16 GiB"``); the row then shows ``skipped`` with that reason. Any other exception
@@ -235,17 +236,17 @@ def _reset_hwm() -> bool:
         return False
 
 
-def call_with_memory(fn: Callable[[], object]) -> tuple[float, int | None]:
-    """Run ``fn`` once: ``(seconds, resident-set growth in bytes or None)``."""
-    ok = _reset_hwm()
+def call_with_memory(fn: Callable[[], object], probe: bool = True):
+    """Run ``fn`` once: ``(output, seconds, resident-set growth in bytes or None)``."""
+    ok = probe and _reset_hwm()
     before = _status_kib("VmRSS") if ok else None
     t0 = time.perf_counter()
-    fn()
+    out = fn()
     dt = time.perf_counter() - t0
     hwm = _status_kib("VmHWM") if ok else None
     if before is None or hwm is None:
-        return dt, None
-    return dt, max(0, hwm - before) * 1024
+        return out, dt, None
+    return out, dt, max(0, hwm - before) * 1024
 
 
 def _load1() -> float | None:
@@ -286,7 +287,6 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
                 extra = getattr(fn, "note", "")
                 if extra:
                     rows[impl.name].note = "; ".join(x for x in (rows[impl.name].note, extra) if x)
-                rows[impl.name].check = getattr(fn, "check", "")
             except Skip as e:
                 rows[impl.name] = row(impl, status="skipped", reason=str(e))
             except Exception as e:  # noqa: BLE001 — reported, never hidden
@@ -295,8 +295,12 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
         per_call: dict[str, float] = {}
         for name, fn in list(live.items()):  # first call alone: memory, and compile if lazy
             try:
-                first, mem = call_with_memory(fn) if ctx.measure_memory else (_timed(fn, 1), None)
+                out, first, mem = call_with_memory(fn, ctx.measure_memory)
                 rows[name].mem_bytes = mem
+                verify = getattr(fn, "verify", None)
+                if verify is not None:
+                    rows[name].check = verify(out)
+                del out
                 # warm-up: ~0.2 s in all, at least one more call unless the first took > 0.5 s
                 t, warm, n = first, first, 0
                 while n < (first < 0.5) or warm < min(0.2, ctx.min_time / 4):

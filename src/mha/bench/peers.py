@@ -50,19 +50,20 @@ def flex(q, k, v, causal: bool):
     except ImportError as e:
         raise Skip(f"FlexAttention not in this torch: {e}") from e
     B, h, T, _ = q.shape
-    block_mask = None
-    if causal:
-        def causal_mod(b, hh, q_idx, kv_idx):
-            return q_idx >= kv_idx  # True = may attend
-
-        block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=T, KV_LEN=T,
-                                       device="cpu")
     # A fresh compile per case: dynamo stops compiling after config.recompile_limit (8) shapes
     # and silently runs flex_attention eagerly (unfused, materializing) — never time that.
     torch._dynamo.reset()
+    block_mask = None
+    t0 = time.perf_counter()
     try:
+        if causal:
+            def causal_mod(b, hh, q_idx, kv_idx):
+                return q_idx >= kv_idx  # True = may attend
+
+            # compiled: the eager version materializes the (T, T) mask (32 GiB at T = 65536)
+            block_mask = torch.compile(create_block_mask)(causal_mod, None, None, T, T,
+                                                          device="cpu")
         compiled = torch.compile(flex_attention, dynamic=False)
-        t0 = time.perf_counter()
         compiled(q, k, v, block_mask=block_mask)
         took = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 — inductor needs a working C++ toolchain

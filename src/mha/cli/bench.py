@@ -26,9 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=None, help="minimum timed samples per impl "
                    "(default 5; quick 3)")
     p.add_argument("--min-time", type=float, default=None, help="minimum seconds of timed "
-                   "calls per impl and case (default 1.0; quick 0.1)")
+                   "calls per impl and case (default 0.5; quick 0.1)")
     p.add_argument("--max-case-time", type=float, default=None, help="stop adding rounds to a "
-                   "case after this many seconds, keeping >= 3 samples (default 40; quick 5)")
+                   "case after this many seconds, keeping >= 3 samples (default 25; quick 5)")
     p.add_argument("--threads", type=int, default=2, help="threads for every implementation")
     p.add_argument("--mem-budget", type=float, default=3.0, metavar="GIB",
                    help="skip implementations that would allocate more than this (GiB)")
@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     q = args.quick
     ctx = Context(quick=q, filter=tuple(args.filter), impl_filter=tuple(args.impl),
                   repeat=args.repeat or (3 if q else 5),
-                  min_time=args.min_time if args.min_time is not None else (0.1 if q else 1.0),
-                  sample_time=0.01 if q else 0.05,
-                  max_case_time=args.max_case_time or (5.0 if q else 40.0),
+                  min_time=args.min_time if args.min_time is not None else (0.1 if q else 0.5),
+                  sample_time=0.01 if q else 0.03,
+                  max_case_time=args.max_case_time or (5.0 if q else 25.0),
                   mem_budget=args.mem_budget * 2**30, measure_memory=not args.no_memory)
     names = args.suite or list(SUITES)
     plan = _collect(ctx, names, console)
