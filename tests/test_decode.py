@@ -81,6 +81,9 @@ def test_rows_without_keys_are_zeros():
                               mask=torch.zeros(1, 1, 3, 40, dtype=torch.bool).index_fill_(
                                   3, torch.tensor([5]), True))
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # no key at all
+    empty = torch.zeros(2, 2, 0, 32)  # Tk = 0: the op itself returns zeros too
+    assert torch.equal(torch.ops.mha.flash_decode(q, empty, empty, None, None, 1.0, False),
+                       torch.zeros(2, 4, 3, 32))
     assert torch.allclose(out[1], v[1, :, 5:6].repeat_interleave(2, 0).expand(4, 3, 32))
 
 

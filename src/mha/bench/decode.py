@@ -21,7 +21,8 @@ P prompt length, N new tokens.
 * ``generate …``: greedy :meth:`mha.models.TinyDecoder.generate` (seeded random weights) in
   tokens/s: ``mha cache`` (preallocated, in place) against ``torch.cat + sdpa`` (the baseline:
   cache grown by concatenation, attention forced to SDPA) and ``torch.cat`` (same growth, mha's
-  kernels: isolates the cost of copying the history). All must produce the same tokens.
+  kernels: isolates the cost of copying the history). In fp32 all must produce the same
+  tokens (else an error row); in bf16 the check column gives the share of equal tokens.
 """
 
 from __future__ import annotations
@@ -141,9 +142,14 @@ def _generate_case(label: str, cfg: dict, B: int, P: int, N: int,
             out = run()
             if "tokens" not in shared:
                 shared["tokens"] = out
-            elif not torch.equal(out, shared["tokens"]):
-                raise RuntimeError("greedy tokens differ from the first implementation's")
-            run.check = "same greedy tokens as the other rows"
+                run.check = "reference tokens for the other rows"
+                return run
+            same = (out[:, P:] == shared["tokens"][:, P:]).float().mean().item()
+            if dtype == torch.float32 and same < 1.0:
+                raise RuntimeError(f"greedy tokens differ from mha cache's ({100 * same:.0f}% "
+                                   "equal)")
+            # bf16: different kernels round differently, so near-ties may flip a greedy pick
+            run.check = f"{100 * same:.0f}% of new tokens equal to mha cache's"
             return run
         return mk
 
@@ -170,9 +176,9 @@ def all_cases(ctx: Context) -> list[Case]:
         out.append(_step_case(4096, torch.bfloat16, ctx, h_kv=8))
         mid = dict(vocab_size=1024, d_model=512, n_layers=4, num_heads=8)
         wide = dict(vocab_size=1024, d_model=1024, n_layers=2, num_heads=16)
-        out += [_generate_case("4x512", mid, B=1, P=512, N=128),
-                _generate_case("2x1024", wide, B=1, P=2048, N=64),
-                _generate_case("2x1024", wide, B=1, P=2048, N=64, dtype=torch.bfloat16)]
+        out += [_generate_case("4x512", mid, B=1, P=512, N=64),
+                _generate_case("2x1024", wide, B=1, P=2048, N=32),
+                _generate_case("2x1024", wide, B=1, P=2048, N=32, dtype=torch.bfloat16)]
     return out
 
 

@@ -422,6 +422,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   std::unique_ptr<float[]> buf(new float[rows * (P.dv + 2)]);  // every entry is written
   Partials part{buf.get(), buf.get() + rows * P.dv, buf.get() + rows * (P.dv + 1)};
   at::Tensor out = at::empty({P.B, P.h, P.Tq, P.dv}, q.options());  // (B, h, Tq, d_v)
+  if (P.S == 0) return out.zero_();  // no keys at all: every row sees nothing
   T* outp = out.data_ptr<T>();
 
   // Items (b, kv head, split) are taken dynamically by the threads (robust to a busy machine);
