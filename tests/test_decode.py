@@ -170,3 +170,17 @@ def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
         monkeypatch.undo()
         decode._load.cache_clear()
     assert decode.unavailable() is None
+
+
+def test_bench_suite_states_bandwidth_against_the_faster_read_row():
+    from mha.bench.core import Context, Row
+    from mha.bench.decode import READS, all_cases, relative_to_read
+
+    names = [c.name for c in all_cases(Context(quick=True))]
+    assert "step B1 h32 d128 Tk4096 float32" in names and "step B1 h32 d128 Tk4096 bfloat16" in names
+    case = next(c for c in all_cases(Context(quick=True)) if c.name.endswith("Tk4096 float32"))
+    assert {i.name for i in case.impls} >= {"mha", "torch sdpa", "torch.cat + sdpa", *READS}
+    rows = [Row("decode", "c", name, seconds=s, bytes=1e9, metric="gbs")
+            for name, s in (("mha", 0.05), (READS[0], 0.04), (READS[1], 0.025))]
+    relative_to_read(rows)
+    assert [round(r.pct_peak) for r in rows] == [50, 62, 100]  # vs the faster read (40 GB/s)
