@@ -217,6 +217,29 @@ struct Worker {
         }
       }
     }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    // bf16 pair layouts: a (d, d+1) pair of K is one 32-bit word of a K row, so K^T pairs are
+    // 32-bit gathers; V pairs interleave two rows 16 columns at a time.
+    if constexpr (std::is_same_v<T, at::BFloat16> && K::kPairs) {
+      if (P.dk % 2 == 0 && P.ks[3] == 1 && P.vs[3] == 1 && P.ks[2] * 2 * kLanes < (int64_t(1) << 30)) {
+        const __m512i idx = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(int32_t(P.ks[2] * 2)));
+        for (; j < nkeys; j += kLanes) {
+          const __mmask16 real = lanes_below(int(std::min<int64_t>(kend - j, kLanes)));
+          uint16_t* kblk = reinterpret_cast<uint16_t*>(kt) + (j / Nb) * dkp * Nb + (j % Nb) * 2;
+          const char* kbj = reinterpret_cast<const char*>(kbase + j * P.ks[2]);
+          for (int64_t pr = 0; pr < dkp / 2; ++pr) {
+            const __m512i w = pr < P.dk / 2
+                ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, idx, kbj + pr * 4, 1)
+                : _mm512_setzero_si512();
+            _mm512_storeu_si512(kblk + pr * Nb * 2, w);
+          }
+          for (int64_t jj = j; jj < j + kLanes; jj += 2) pack_v_pair_bf16(vbase, jj, kend, vp);
+        }
+      }
+    }
+#endif
 #endif
     for (; j < nkeys; ++j) {
       const bool real = j < kend;
@@ -231,6 +254,23 @@ struct Worker {
       pack_v_row(vbase + j * P.vs[2], j, real, vp);
     }
   }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  // V rows j, j + 1 (j even) into [j/2][dvp][2]; rows at or past kend are zeros.
+  void pack_v_pair_bf16(const T* vbase, int64_t j, int64_t kend, packed_t* vp) const {
+    const auto* r0 = reinterpret_cast<const uint16_t*>(vbase + j * P.vs[2]);
+    const auto* r1 = reinterpret_cast<const uint16_t*>(vbase + (j + 1) * P.vs[2]);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp) + (j / 2) * dvp * 2;
+    for (int64_t c = 0; c < dvp; c += kLanes) {
+      const __mmask16 m = lanes_below(int(std::min<int64_t>(P.dv - c, kLanes)));
+      const __m256i a = j < kend ? _mm256_maskz_loadu_epi16(m, r0 + c) : _mm256_setzero_si256();
+      const __m256i b = j + 1 < kend ? _mm256_maskz_loadu_epi16(m, r1 + c) : _mm256_setzero_si256();
+      const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      _mm512_storeu_si512(dst + c * 2, w);
+    }
+  }
+#endif
 
   void pack_v_row(const T* vrow, int64_t j, bool real, packed_t* vp) const {
     if constexpr (!K::kPairs) {
