@@ -64,8 +64,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
     ap.add_argument("--no-naive", action="store_true", help="skip naive torch (memory heavy)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     native.load()
     print(f"threads={torch.get_num_threads()} isa={native.isa()}")
     print(f"{'shape':>18} {'case':>12} {'flash':>8} {'sdpa':>8} {'naive':>8} "

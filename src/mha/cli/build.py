@@ -1,7 +1,8 @@
 """``mha build``: compile the native kernels ahead of time and say what they target.
 
-Prints, per extension, the instruction sets compiled in (e.g. AVX-512F, AVX512_BF16), the
-compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
+Builds ``mha_flash`` (``mha.native``) and ``mha_decode`` (``mha.decode``). Prints the
+instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
+each dtype runs, the compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
 """
 
 from __future__ import annotations
@@ -34,4 +35,22 @@ def run(args) -> int:
     print(f"  AVX-512F:    {'yes' if 'avx512f' in isa else 'no (portable loops)'}")
     print(f"  AVX512_BF16: {'yes' if 'avx512bf16' in isa else 'no (bf16 widened to fp32)'}")
     print(f"  compiled in: {', '.join(isa)}")
+    picked = native.kernels()
+    print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
+    return _build_decode()
+
+
+def _build_decode() -> int:
+    """The decode kernel (``mha.decode``, its own extension) is compiled here too."""
+    import time
+
+    from mha import _build, decode
+
+    start = time.perf_counter()
+    try:
+        lib = _build.load(decode.EXTENSION, decode.SOURCES)
+    except _build.BuildError as e:
+        print(f"{decode.EXTENSION}: build FAILED: {e}")
+        return 1
+    print(f"{decode.EXTENSION}: {lib} ({time.perf_counter() - start:.1f} s)")
     return 0
