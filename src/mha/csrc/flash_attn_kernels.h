@@ -3,11 +3,13 @@
 // Shape legend: R query rows of one register tile, NV/CV 16-lane fp32 vectors of one tile's
 // columns, Nb keys per key block (multiple of 16, <= 128), dkp/dvp packed head dims.
 //
-// Three kernels share one interface, so the driver is written once:
+// The kernels share one interface, so the driver is written once:
 //   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
 //   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V.
 //   Avx512Bf16   — vdpbf16ps tiles: K packed as key-column pairs [dkp/2][Nb][2], V as key
 //                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax.
+//   AmxBf16      — Avx512Bf16's layouts and softmax, with whole-block Q K^T and P V on Intel
+//                  AMX tiles (qk_block / pv_block; the driver calls those when kAmx).
 //
 // Interface of a kernel K:
 //   packed_t        element of the packed Q/K/V buffers;  p_t  element of the P buffer
