@@ -45,6 +45,13 @@ def isa() -> str:
     return torch.ops.mha.flash_attention_isa()
 
 
+def kernels() -> dict[str, str]:
+    """The tile kernel each dtype runs on this CPU, e.g. ``{"float32": "avx512f", ...}``."""
+    load()
+    f32, bf16 = torch.ops.mha.flash_attention_kernels()
+    return {"float32": f32, "bfloat16": bf16}
+
+
 def _fwd_fake(q, k, v, key_lengths, mask, causal, scale):
     B, h, Tq, _ = q.shape
     torch._check(k.shape[0] == B and v.shape[0] == B, lambda: "q, k, v must share B")
