@@ -292,8 +292,11 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 mk = tail16(n - j);
     const __m512 x = _mm512_maskz_loadu_ps(mk, s + j);
-    const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, x, ninf, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_vec(_mm512_sub_ps(x, vm)));
+    // below 2^-125 (relative to the row max) the weight is flushed to an exact 0: -inf
+    // (masked) keys, and no denormal results, which can cost floating-point assists
+    const __m512 dx = _mm512_sub_ps(x, vm);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_vec(dx));
     _mm512_mask_storeu_ps(s + j, mk, e);
     sum = _mm512_add_ps(sum, e);
   }
