@@ -22,10 +22,14 @@ STEPS = ("input", "project Q", "project K", "project V", "split heads Q", "split
          "split heads V", "attention weights", "heads", "concat heads", "output")
 
 
-def expected_shapes(B, Tq, Tk, d_model, h, h_kv, d_k, d_v) -> dict[str, tuple[int, ...]]:
-    """Seed 004's flow, written out by hand for a configuration."""
+def expected_shapes(B, Tq, Tk, d_model, h, h_kv, d_k, d_v, *,
+                    cross=False) -> dict[str, tuple[int, ...]]:
+    """Seed 004's flow, written out by hand for a configuration (cross-attention also records
+    the key/value input, here of width d_model)."""
+    kv_input = {"key/value input": (B, Tk, d_model)} if cross else {}
     return {
         "input": (B, Tq, d_model),
+        **kv_input,
         "project Q": (B, Tq, h * d_k),
         "project K": (B, Tk, h_kv * d_k),
         "project V": (B, Tk, h_kv * d_v),
@@ -74,10 +78,11 @@ def test_recorded_shapes_match_configuration(cfg):
     B, Tq, Tk, d_model, h, h_kv, d_k, d_v = cfg
     _, _, _, tr = run_trace(*cfg)
     Tk_ = Tq if Tk is None else Tk
-    want = expected_shapes(B, Tq, Tk_, d_model, h, h_kv, d_k, d_v)
-    assert [s.step for s in tr] == list(STEPS)
+    want = expected_shapes(B, Tq, Tk_, d_model, h, h_kv, d_k, d_v, cross=Tk is not None)
+    assert [s.step for s in tr] == list(want)
     assert {s.step: s.shape for s in tr} == want
-    letters = dict(B=B, Tq=Tq, Tk=Tk_, d_model=d_model, h=h, h_kv=h_kv, d_k=d_k, d_v=d_v)
+    letters = dict(B=B, Tq=Tq, Tk=Tk_, d_model=d_model, kdim=d_model, h=h, h_kv=h_kv, d_k=d_k,
+                   d_v=d_v)
     for s in tr:  # the symbolic column says the same thing as the recorded one
         assert legend_shape(s.legend, letters) == s.shape, s
         assert s.dtype == "float32"
@@ -91,7 +96,8 @@ def test_recorded_shapes_property(B, Tq, Tk, h_kv, group, d_k, d_v, d_model, cau
     h = h_kv * group
     m, x, kv, tr = run_trace(B, Tq, Tk, d_model, h, h_kv, d_k, d_v, causal=causal)
     Tk_ = Tq if Tk is None else Tk
-    assert {s.step: s.shape for s in tr} == expected_shapes(B, Tq, Tk_, d_model, h, h_kv, d_k, d_v)
+    assert {s.step: s.shape for s in tr} == expected_shapes(B, Tq, Tk_, d_model, h, h_kv, d_k, d_v,
+                                                            cross=Tk is not None)
     # ...and they are the shapes of what the module actually returns
     y, w = m(x, kv, kv, causal=causal, need_weights=True)
     shapes = {s.step: s.shape for s in tr}
@@ -128,14 +134,15 @@ def test_trace_does_not_change_the_result():
     torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
     torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
     torch.testing.assert_close(got_plain, plain, rtol=1e-5, atol=1e-6)
-    assert len(tr) == 2 * len(STEPS)
+    assert len(tr) == 2 * (len(STEPS) + 1)  # cross-attention also records the K/V input
 
 
 def test_to_json_parses():
     _, _, _, tr = run_trace(2, 3, 5, 24, 6, 2, 4, 5)
     data = json.loads(tr.to_json())
     assert data["backend"] == tr.backend
-    assert [d["step"] for d in data["steps"]] == list(STEPS)
+    assert [d["step"] for d in data["steps"]] == list(expected_shapes(2, 3, 5, 24, 6, 2, 4, 5,
+                                                                      cross=True))
     for d, s in zip(data["steps"], tr, strict=True):
         assert d["shape"] == list(s.shape)
         assert d["legend"] == s.legend and d["formula"] == s.formula
@@ -149,7 +156,7 @@ def test_cli_json(capsys):
     assert main([*SHAPES_ARGS, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     got = {d["step"]: tuple(d["shape"]) for d in data["steps"]}
-    assert got == expected_shapes(2, 3, 7, 24, 6, 3, 5, 9)
+    assert got == expected_shapes(2, 3, 7, 24, 6, 3, 5, 9, cross=True)
     assert data["backend"] in mha.backends.ORDER
 
 
@@ -166,7 +173,7 @@ def test_cli_table(capsys):
     # every recorded shape appears as a row of the table (rich may wrap long cells, so the
     # check strips the box drawing and whitespace)
     flat = re.sub(r"[\s│┃┆]", "", out)
-    for shape in expected_shapes(2, 3, 7, 24, 6, 3, 5, 9).values():
+    for shape in expected_shapes(2, 3, 7, 24, 6, 3, 5, 9, cross=True).values():
         assert str(list(shape)).replace(" ", "") in flat
     assert re.search(r"attention backend used for the trace: (\w+)", out).group(1) in mha.backends.ORDER
 

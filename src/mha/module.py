@@ -154,11 +154,14 @@ class MultiHeadAttention(nn.Module):
         rec = trace.active()
         if rec:
             trace.record("input", "X", query, "(B, Tq, d_model)")
+            if not self_attention:
+                trace.record("key/value input", "X_kv", key, "(B, Tk, kdim)")
         q, k, v = self.project(query, key, value, self_attention)
         if rec:
             trace.record("project Q", "Q = X W^Q", q, "(B, Tq, h*d_k)")
-            trace.record("project K", "K = X W^K", k, "(B, Tk, h_kv*d_k)")
-            trace.record("project V", "V = X W^V", v, "(B, Tk, h_kv*d_v)")
+            src = "X" if self_attention else "X_kv"
+            trace.record("project K", f"K = {src} W^K", k, "(B, Tk, h_kv*d_k)")
+            trace.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
         q = self.split_heads(q, self.num_heads)  # (B, Tq, h*d_k) -> (B, h, Tq, d_k)
         k = self.split_heads(k, self.num_kv_heads)  # (B, Tk, h_kv*d_k) -> (B, h_kv, Tk, d_k)
         v = self.split_heads(v, self.num_kv_heads)  # (B, Tk, h_kv*d_v) -> (B, h_kv, Tk, d_v)
