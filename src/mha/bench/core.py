@@ -49,7 +49,7 @@ called once alone to measure its memory, warmed up, and then timed in interleave
 back-to-back calls to last ~``ctx.sample_time``; rounds continue until every impl has at least
 ``ctx.repeat`` samples and ``ctx.min_time`` seconds of timed calls (or ``ctx.max_case_time``
 has passed, but never fewer than 3 samples). The row reports the median time per call and the
-half inter-quartile range relative to it (``spread``).
+half inter-quartile range relative to it (``spread``; half the range below 4 samples).
 
 Peak memory (``mem_bytes``): the growth of the process's resident set during one call, over
 what it held just before that call (inputs, weights and compiled code excluded). Measured on
@@ -116,7 +116,7 @@ class Row:
     status: str = "ok"  # ok | skipped | error
     reason: str = ""  # why skipped / the error
     seconds: float | None = None  # median time per call
-    spread: float | None = None  # half inter-quartile range / median
+    spread: float | None = None  # half inter-quartile range / median (half range if < 4 samples)
     samples: int = 0
     calls: int = 0  # timed calls in total
     flops: float | None = None
@@ -169,9 +169,9 @@ class Context:
     filter: tuple[str, ...] = ()  # substrings of case names (any matches); empty = all
     impl_filter: tuple[str, ...] = ()  # substrings of impl names (any matches); empty = all
     repeat: int = 5  # minimum timed samples per impl
-    min_time: float = 1.0  # minimum seconds of timed calls per impl
-    sample_time: float = 0.05  # target seconds per sample (calls are batched up to it)
-    max_case_time: float = 60.0  # stop adding rounds after this (still >= 3 samples)
+    min_time: float = 0.5  # minimum seconds of timed calls per impl
+    sample_time: float = 0.03  # target seconds per sample (calls are batched up to it)
+    max_case_time: float = 25.0  # stop adding rounds after this (still >= 3 samples)
     mem_budget: float = 3 * 2**30  # impls that would allocate more are skipped, with the figure
     measure_memory: bool = True
     peaks: dict = field(default_factory=dict)  # name -> mha.bench.peaks.Peak
@@ -345,6 +345,8 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
         if len(ss) >= 4:
             q = statistics.quantiles(ss, n=4)
             r.spread = (q[2] - q[0]) / 2 / r.seconds
+        elif len(ss) >= 2:  # too few samples for quartiles: half the range
+            r.spread = (max(ss) - min(ss)) / 2 / r.seconds
     finish(list(rows.values()), ctx)
     return list(rows.values())
 

@@ -131,15 +131,14 @@ def markdown(run: dict) -> str:
         lines.append(f"| {p['label']} | {v} | {p['how']} |")
     for suite, cases in by_suite(rows).items():
         impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
-        some = next((r for rs in cases.values() for r in rs if r.ok), None)
-        unit = rate_unit(some) if some else ""
         bases = ", ".join(OrderedDict.fromkeys(r.baseline for rs in cases.values() for r in rs
                                                if r.baseline))
-        lines += ["", f"### Suite `{suite}`: {unit} (in brackets: speed relative to "
-                      f"{bases or 'the baseline'}, > 1 is faster)", "",
-                  "| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
+        lines += ["", f"### Suite `{suite}`", "", f"Rate in the unit shown; in brackets the speed "
+                  f"relative to the case's baseline ({bases or 'none'}), > 1 is faster.", "",
+                  "| case | unit | " + " | ".join(impls) + " |", "|---" * (len(impls) + 2) + "|"]
         for case, rs in cases.items():
             got = {r.impl: r for r in rs}
+            unit = next((rate_unit(r) for r in rs if r.ok), "")
             cells = []
             for name in impls:
                 r = got.get(name)
@@ -150,7 +149,7 @@ def markdown(run: dict) -> str:
                     cells.append(f"{fmt_rate(r)}{ratio}")
                 else:
                     cells.append("skip" if r.status == "skipped" else "error")
-            lines.append(f"| {case} | " + " | ".join(cells) + " |")
+            lines.append(f"| {case} | {unit} | " + " | ".join(cells) + " |")
         lines += ["", "<details><summary>every row: time, spread, % of peak, memory, notes"
                   "</summary>", "",
                   "| case | impl | time | ± % | rate | × base | % peak | peak mem | note, check |",
