@@ -190,8 +190,12 @@ def plot(run: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = rows_from_run(run)
-    suites = OrderedDict((k, v) for k, v in by_suite(rows).items()
-                         if any(r.rate() is not None for rs in v.values() for r in rs))
+    suites: OrderedDict = OrderedDict()  # one panel per (suite, unit): decode mixes GB/s, tokens/s
+    for suite, cases in by_suite(rows).items():
+        for case, rs in cases.items():
+            unit = next((rate_unit(r) for r in rs if r.rate() is not None), None)
+            if unit is not None:
+                suites.setdefault(f"{suite} ({unit})", OrderedDict())[case] = rs
     if not suites:
         raise ValueError("nothing to plot: no implementation produced a measurement")
     fig, axes = plt.subplots(len(suites), 1, figsize=(16, 6 * len(suites)), squeeze=False)

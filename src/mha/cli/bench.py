@@ -66,14 +66,19 @@ def _versions() -> dict:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit, with "+dirty: files" when tracked files under src/ were modified
+    (the run measured the working tree, not exactly the commit)."""
     import subprocess
 
     try:
-        res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        return res.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                "src"], capture_output=True, text=True, timeout=5).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
+    files = [f for f in dirty if "/" in f]
+    return (head + (f" +dirty: {', '.join(files)}" if files else "")) or None
 
 
 def _collect(ctx, names, console):
