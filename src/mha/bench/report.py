@@ -123,7 +123,8 @@ def markdown(run: dict) -> str:
     lines = [f"Run {meta.get('started', '?')} UTC, `{meta.get('command', 'mha bench')}`, "
              f"{meta.get('threads', '?')} threads, {meta.get('cpu', '')}; load average "
              f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')} "
-             f"(the machine is shared: see the ± column). torch {meta.get('torch', '?')}, "
+             f"(the machine is shared: see the ± column). Commit {meta.get('git') or '?'}; "
+             f"torch {meta.get('torch', '?')}, "
              f"onnxruntime {meta.get('onnxruntime', '-')}, jax {meta.get('jax', '-')}.", "",
              "| peak | value | how |", "|---|---|---|"]
     for p in run["peaks"].values():
