@@ -155,7 +155,7 @@ def test_gradients_match_the_oracle(backend):
     torch.manual_seed(4)
     q = torch.randn(2, 4, 5, 16, dtype=torch.float64)
     k = torch.randn(2, 2, 7, 16, dtype=torch.float64)
-    v = torch.randn(2, 2, 7, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 7, 24, dtype=torch.float64)
     if backend not in {vd.backend for vd in mha.explain(q, k, v, causal=True) if vd.ok}:
         q, k, v = q.float(), k.float(), v.float()
     reasons = mha.backends.get(backend).not_supported_reasons(make_call(q, k, v, causal=True))
@@ -163,7 +163,7 @@ def test_gradients_match_the_oracle(backend):
         pytest.skip(f"{backend} cannot serve this call: {reasons}")
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    g = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    g = torch.randn(2, 4, 5, 24, dtype=torch.float64)
     (mha.attention(*ins, causal=True, backend=backend) * g.to(q.dtype)).sum().backward()
     (oracle(*ref, allowed=causal_mask(5, 7))[0] * g).sum().backward()
     tol = 1e-9 if q.dtype == torch.float64 else 1e-4
