@@ -172,6 +172,7 @@ class Context:
     min_time: float = 0.5  # minimum seconds of timed calls per impl
     sample_time: float = 0.03  # target seconds per sample (calls are batched up to it)
     max_case_time: float = 25.0  # stop adding rounds after this (still >= 3 samples)
+    settle: float = 0.05  # pause after each sample: other runtimes' spinning threads wind down
     mem_budget: float = 3 * 2**30  # impls that would allocate more are skipped, with the figure
     measure_memory: bool = True
     peaks: dict = field(default_factory=dict)  # name -> mha.bench.peaks.Peak
@@ -325,6 +326,8 @@ def measure(case: Case, ctx: Context, suite: str = "") -> list[Row]:
                     continue
                 samples[name].append(s)
                 spent[name] += s * batch[name]
+                if ctx.settle:  # XLA's pool spins after a call and would slow the next impl
+                    time.sleep(ctx.settle)
             n_min = min((len(samples[n]) for n in live), default=0)
             enough = n_min >= ctx.repeat and all(spent[n] >= ctx.min_time for n in live)
             over = time.perf_counter() - t_start > ctx.max_case_time and n_min >= 3
