@@ -44,8 +44,10 @@ lint: $(STAMP)
 build: $(STAMP)
 	$(VENV)/bin/mha build
 
-# Benchmarks run with the environment's OpenBLAS overrides removed (numpy's AVX-512 kernels).
+# Benchmarks run with the environment's OpenBLAS overrides removed (numpy's AVX-512 kernels),
+# with the optional peers (ONNX Runtime, JAX) installed.
 bench: $(STAMP)
+	$(PIP) install --quiet -e ".[$(EXTRAS),onnx,jax]"
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench
 
 clean:
