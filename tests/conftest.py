@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -41,3 +42,20 @@ def pytest_sessionfinish(session, exitstatus):
         for line in _missing_dependency_skips:
             print("  " + line)
         session.exitstatus = 1
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record the keyword arguments (and q/k shapes) of every mha.attention call that the
+    Hugging Face integration makes, while still running it."""
+    import mha.integrations.transformers as hf
+
+    calls: list[dict] = []
+    real = hf.attention
+
+    def recording(q, k, v, **kw):
+        calls.append(dict(kw, q=tuple(q.shape), k=tuple(k.shape)))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hf, "attention", recording)
+    return calls

@@ -41,20 +41,6 @@ def minilm():
     return model, eager, tok
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """Record the keyword arguments of every mha.attention call the integration makes."""
-    calls: list[dict] = []
-    real = hf.attention
-
-    def recording(q, k, v, **kw):
-        calls.append(dict(kw, q=tuple(q.shape), k=tuple(k.shape)))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(hf, "attention", recording)
-    return calls
-
-
 def test_register_is_idempotent():
     hf.register()
     hf.register()

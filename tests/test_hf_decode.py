@@ -64,19 +64,6 @@ def pair(arch):
     return out
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls: list[dict] = []
-    real = hf.attention
-
-    def recording(q, k, v, **kw):
-        calls.append(dict(kw, q=tuple(q.shape), k=tuple(k.shape)))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(hf, "attention", recording)
-    return calls
-
-
 def generate(model, **kw):
     with torch.no_grad():
         return model.generate(input_ids=PROMPTS, attention_mask=(PROMPTS != 0).long(),
