@@ -101,11 +101,7 @@ def minilm_case(B: int, T: int, padded: bool) -> Case:
             return run
         return make
 
-    impls = []
-    for name in IMPLS:
-        impl = Impl(name, lambda: None)
-        impl.make = make_for(name, impl)
-        impls.append(impl)
+    impls = _impls(make_for)
     kind = "padded" if padded else "full"
     return Case(name=f"minilm {B}x{T} {kind}", impls=impls, items=B, item_unit="sentences",
                 metric="items", baseline="sdpa",
@@ -168,11 +164,7 @@ def gpt2_case(B: int, P: int, N: int) -> Case:
             return run
         return make
 
-    impls = []
-    for name in IMPLS:
-        impl = Impl(name, lambda: None)
-        impl.make = make_for(name, impl)
-        impls.append(impl)
+    impls = _impls(make_for)
     pad = " left-padded" if B > 1 else ""
     return Case(name=f"gpt2 B{B} P{P}+{N} generate", impls=impls, items=B * N,
                 item_unit="tokens", metric="items", baseline="sdpa",
@@ -188,3 +180,13 @@ def cases(ctx: Context) -> list[Case]:
 
 
 __all__ = ["TITLE", "cases", "minilm_case", "gpt2_case"]
+
+
+def _impls(make_for) -> list[Impl]:
+    """One Impl per attention implementation, built lazily by ``make_for(name, impl)``."""
+    impls = []
+    for name in IMPLS:
+        impl = Impl(name, lambda: None)
+        impl.make = make_for(name, impl)
+        impls.append(impl)
+    return impls
