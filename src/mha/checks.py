@@ -26,6 +26,10 @@ def check_tensor(name: str, t, ndim: int, expected: str) -> None:
 
 def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
     """All tensors share one dtype and one device."""
+    first = tensors[0]
+    dtype, device = first.dtype, first.device
+    if all(t.dtype == dtype and t.device == device for t in tensors[1:]):
+        return  # the common case, without building sets
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         got = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors, strict=True))
@@ -43,16 +47,17 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check_tensor("v", v, 4, "(B, h_kv, Tk, d_v)")
     check_same(("q", "k", "v"), (q, k, v))
     B, h, _, d_k = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    kB, h_kv, Tk, kd = k.shape
+    vB, vh, vT, _ = v.shape
+    if kB != B or vB != B:
         raise ValueError(f"q, k, v must share the batch size B: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[3] != d_k:
+    if kd != d_k:
         raise ValueError(f"k must have shape (B, h_kv, Tk, d_k) with d_k={d_k} as in q "
                          f"(B, h, Tq, d_k) = {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+    if vh != h_kv or vT != Tk:
         raise ValueError(f"k and v must have the same heads and length: k (B, h_kv, Tk, d_k) = "
                          f"{tuple(k.shape)}, v (B, h_kv, Tk, d_v) = {tuple(v.shape)}")
-    h_kv = k.shape[1]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
                          f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "

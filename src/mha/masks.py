@@ -31,7 +31,7 @@ ask for :meth:`MaskSpec.materialize`, the dense ``(B|1, h|1, Tq, Tk)`` bool tens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,18 +56,19 @@ class MaskSpec:
     causal: bool = False
     key_lengths: torch.Tensor | None = None  # (B,) int64, 0 <= n <= Tk
     mask: torch.Tensor | None = None  # bool, 4-D view broadcastable to (B, h, Tq, Tk)
+    #: The mask kinds present: a subset of {"causal", "key_lengths", "mask"} (set at construction).
+    kinds: frozenset[str] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = frozenset((("causal",) if self.causal else ())
+                          + (("key_lengths",) if self.key_lengths is not None else ())
+                          + (("mask",) if self.mask is not None else ()))
+        object.__setattr__(self, "kinds", kinds)
 
     @property
     def is_empty(self) -> bool:
         """True when nothing is masked (every query may attend every key)."""
         return not self.causal and self.key_lengths is None and self.mask is None
-
-    @property
-    def kinds(self) -> frozenset[str]:
-        """The mask kinds present: a subset of {"causal", "key_lengths", "mask"}."""
-        present = {"causal": self.causal, "key_lengths": self.key_lengths is not None,
-                   "mask": self.mask is not None}
-        return frozenset(k for k, on in present.items() if on)
 
     def materialize(self, B: int, h: int, Tq: int, Tk: int,
                     device: torch.device | str | None = None) -> torch.Tensor | None:

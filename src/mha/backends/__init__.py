@@ -25,9 +25,15 @@ def get(name: str) -> Backend:
     return _loaded[name]
 
 
-def all_backends() -> list[Backend]:
-    """Every backend, in dispatch order."""
-    return [get(n) for n in ORDER]
+_all: tuple[Backend, ...] = ()
+
+
+def all_backends() -> tuple[Backend, ...]:
+    """Every backend, in dispatch order (imported on the first call, then kept)."""
+    global _all
+    if len(_all) != len(ORDER):
+        _all = tuple(get(n) for n in ORDER)
+    return _all
 
 
 __all__ = ["AttentionCall", "Backend", "Capabilities", "ORDER", "get", "all_backends"]

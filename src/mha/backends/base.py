@@ -19,54 +19,25 @@ from mha.masks import MaskSpec
 ALL_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
 
 
-@dataclass(frozen=True)
 class AttentionCall:
     """One validated attention call. q ``(B, h, Tq, d_k)``, k ``(B, h_kv, Tk, d_k)``,
-    v ``(B, h_kv, Tk, d_v)``."""
+    v ``(B, h_kv, Tk, d_v)``.
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    masks: MaskSpec
-    scale: float
-    dropout_p: float = 0.0
-    return_weights: bool = False
+    Read-only by convention (made by :func:`mha.functional.make_call` after validation). The
+    sizes, dtype and device are read off the tensors once, here: dispatch asks for them many
+    times per call, and a slotted attribute is cheaper than ``tensor.shape[i]``.
+    """
 
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
+    __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights",
+                 "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
 
-    @property
-    def h(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def h_kv(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def Tq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def Tk(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def d_k(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def d_v(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
+                 scale: float, dropout_p: float = 0.0, return_weights: bool = False) -> None:
+        self.q, self.k, self.v, self.masks = q, k, v, masks
+        self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
+        self.B, self.h, self.Tq, self.d_k = q.shape
+        self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
+        self.dtype, self.device = q.dtype, q.device
 
     @property
     def needs_grad(self) -> bool:
