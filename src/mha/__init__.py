@@ -6,6 +6,7 @@ lengths, d_k query/key head dim, d_v value head dim, d_model model width.
 Public API:
     attention(q, k, v, *, mask, causal, key_lengths, scale, dropout_p, return_weights, backend)
     explain(q, k, v, **kwargs)           every backend's verdict, in words
+    varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
     MultiHeadAttention(d_model, num_heads, ...)
     trace(module, x)                     shapes recorded from a real run
     reference                            the seeds' per-head loop (the test oracle)
@@ -20,8 +21,9 @@ from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
 from mha.module import MultiHeadAttention
 from mha.trace import trace
+from mha.varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "explain", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
+__all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
            "reference", "io", "BackendError", "KVCache", "__version__"]

@@ -101,6 +101,25 @@ def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> tor
     return key_lengths.to(torch.int64)
 
 
+def check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[int]:
+    """Packed-sequence offsets ``(S + 1,)``: integers, ``0 = c_0 <= ... <= c_S = total``.
+    Returns the lengths ``[c_1 - c_0, ..., c_S - c_{S-1}]``."""
+    if not isinstance(cu, torch.Tensor):
+        cu = torch.as_tensor(cu)
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (S + 1,), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must have shape (S + 1,) with S >= 0, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    offsets = cu.tolist()
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    if offsets[0] != 0 or offsets[-1] != total or any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must start at 0, never decrease and end at the token count "
+                         f"{total}, got {offsets if len(offsets) <= 12 else offsets[:12] + ['...']}")
+    return lengths
+
+
 def check_scalar(name: str, value, *, low: float, high: float | None = None,
                  high_open: bool = False) -> float:
     """A real number in ``[low, high]`` (``[low, high)`` when ``high_open``)."""

@@ -19,6 +19,7 @@ from torch import nn
 from mha import trace
 from mha.checks import check_same, check_tensor
 from mha.functional import attention
+from mha.varlen import varlen_attention
 
 
 class MultiHeadAttention(nn.Module):
@@ -132,7 +133,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
                 key_lengths=None, need_weights: bool = False, backend: str | None = None,
-                cache=None):
+                cache=None, cu_seqlens=None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
         to query (self-attention). ``mask``/``causal``/``key_lengths`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
@@ -142,9 +143,16 @@ class MultiHeadAttention(nn.Module):
         the new tokens ``query (B, Tn, d_model)`` are projected; their K/V are appended to the
         cache in place, and they attend causally (bottom-right per row) to everything cached.
         Prefill (Tn = prompt length) and single-token steps are the same call. Self-attention
-        only; the cache supplies the masking, so ``mask``/``key_lengths`` must be None."""
+        only; the cache supplies the masking, so ``mask``/``key_lengths`` must be None.
+
+        ``cu_seqlens`` ``(S + 1,)``: packed sequences (see :func:`mha.varlen_attention`). The
+        query is ``(1, N, d_model)``, S sequences end to end, and each token attends only within
+        its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
+        cache or weights."""
         if cache is not None:
             _check_cache_call(key, value, mask, key_lengths)
+        if cu_seqlens is not None:
+            _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache)
         self_attention = key is None and value is None
         if key is None:
             key = query
@@ -171,7 +179,14 @@ class MultiHeadAttention(nn.Module):
             trace.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
         dropout_p = self.dropout if self.training else 0.0
         want_weights = need_weights or rec
-        if cache is None:
+        if cu_seqlens is not None:  # packed: the batch of one holds S sequences end to end
+            result = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # (N, h, d)
+                                      v[0].transpose(0, 1), cu_seqlens, causal=causal,
+                                      dropout_p=dropout_p, backend=backend)  # (N, h, d_v)
+            result = result.transpose(0, 1).unsqueeze(0)  # (N, h, d_v) -> (1, h, N, d_v)
+            if rec:
+                result = (result, None)
+        elif cache is None:
             result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
                                dropout_p=dropout_p, return_weights=want_weights, backend=backend)
         else:  # append the new K/V in place; undone if attention raises
@@ -180,8 +195,9 @@ class MultiHeadAttention(nn.Module):
                                    return_weights=want_weights, backend=backend, **masks)
         out, weights = result if want_weights else (result, None)  # (B, h, Tq, d_v)
         if rec:
-            trace.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
-                         "(B, h, Tq, Tk)")
+            if weights is not None:  # packed sequences return no weights
+                trace.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
+                             "(B, h, Tq, Tk)")
             trace.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
         concat = self.merge_heads(out)  # (B, h, Tq, d_v) -> (B, Tq, h*d_v)
         y = self.out_proj(concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
@@ -273,6 +289,21 @@ class MultiHeadAttention(nn.Module):
         from mha.interop import to_torch
 
         return to_torch(self)
+
+
+def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache) -> None:
+    """With ``cu_seqlens``: one packed row of self-attention, the offsets define the masking."""
+    if key is not None or value is not None:
+        raise ValueError("cu_seqlens: packed sequences serve self-attention only "
+                         "(key and value must be None)")
+    if mask is not None or key_lengths is not None or cache is not None:
+        raise ValueError("cu_seqlens: the offsets define which tokens see which; mask, "
+                         "key_lengths and cache must be None")
+    if need_weights:
+        raise ValueError("cu_seqlens: need_weights is not supported for packed sequences")
+    if isinstance(query, torch.Tensor) and query.dim() == 3 and query.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: query must be one packed row (1, N, d_model), "
+                         f"got {tuple(query.shape)}")
 
 
 def _check_cache_call(key, value, mask, key_lengths) -> None:

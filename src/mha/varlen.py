@@ -1,0 +1,168 @@
+"""``mha.varlen_attention``: attention over packed sequences of different lengths (no padding).
+
+Shape legend: S sequences, N_q / N_k packed query / key tokens (all sequences end to end),
+h query heads, h_kv key/value heads (h_kv divides h), d_k / d_v head dims, n_q[s] / n_k[s] the
+lengths of sequence s, max_q / max_k the longest ones.
+
+The layout is the one of FlashAttention's ``flash_attn_varlen_func``: tokens of every sequence
+one after the other, and ``cu_seqlens`` ``(S + 1,)`` the running offsets, so sequence ``s`` is
+rows ``cu_seqlens[s] : cu_seqlens[s + 1]``. Tokens of one sequence never see another's.
+``causal`` is bottom-right *per sequence* (query ``r`` of sequence ``s`` sees its keys
+``j <= r + n_k[s] - n_q[s]``), as in :func:`mha.attention`.
+
+Two exact ways to run it, chosen per call by a cost model (or forced with ``strategy``):
+
+* ``"pad"`` — one batched :func:`mha.attention` call over ``(S, h, max, d)`` (a view, no copy,
+  when all sequences have one length). Padding goes after each sequence (the kernel skips
+  keys past ``key_lengths``), except for causal calls with ``n_q != n_k``: there every sequence
+  is right-aligned (its padding in front), so the bottom-right causal diagonal of the padded
+  problem is each sequence's own; a ``(S, 1, 1, max_k)`` key mask hides the padding keys.
+  With padding, q, k, v are copied in and the output back (O(S max d)); compute grows to
+  ``S * max_q * max_k`` score elements.
+* ``"loop"`` — one call per sequence on strided views of the packed tensors (no copy in);
+  compute is exactly ``sum_s n_q[s] * n_k[s]``, plus one call's overhead per sequence.
+
+Both are differentiable and give the same values (tested against each other and against the
+float64 per-head loop, one sequence at a time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha.checks import check_cu_seqlens, check_tensor
+
+#: Cost model: seconds per attention FLOP, per call, and per padded element copied (zeroed new
+#: buffers, page faults included). Rough figures of this CPU (~150 GFLOP/s attention, ~40 us a
+#: call, ~0.5 G elements/s); only the choice of strategy depends on them, never the result.
+_SECONDS_PER_FLOP = 1 / 150e9
+_SECONDS_PER_CALL = 40e-6
+_SECONDS_PER_COPIED = 2e-9
+
+STRATEGIES = ("auto", "pad", "loop")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *,
+                     causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
+                     backend: str | None = None, strategy: str = "auto") -> torch.Tensor:
+    """Attention within each of several packed sequences.
+
+    Args:
+        q: ``(N_q, h, d_k)`` the queries of all sequences, end to end.
+        k: ``(N_k, h_kv, d_k)``; v: ``(N_k, h_kv, d_v)``.
+        cu_seqlens_q: ``(S + 1,)`` integers, ``0 = c_0 <= c_1 <= ... <= c_S = N_q``.
+        cu_seqlens_k: the same for keys; None means ``cu_seqlens_q`` (self-attention).
+        causal: bottom-right causal within each sequence.
+        scale, dropout_p, backend: as in :func:`mha.attention`.
+        strategy: ``"pad"``, ``"loop"`` or ``"auto"`` (the cheaper by the cost model above).
+
+    Returns:
+        ``(N_q, h, d_v)``. A query whose sequence has no visible key gets zeros.
+    """
+    from mha.functional import attention
+
+    check_tensor("q", q, 3, "(N_q, h, d_k)")
+    check_tensor("k", k, 3, "(N_k, h_kv, d_k)")
+    check_tensor("v", v, 3, "(N_k, h_kv, d_v)")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if cu_seqlens_k is None:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"cu_seqlens_k is needed when q and k have different token counts "
+                             f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
+        cu_seqlens_k = cu_seqlens_q
+    n_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    n_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(n_q) != len(n_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(n_q)} and {len(n_k)}")
+    kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p, backend=backend)
+    if strategy == "auto":
+        strategy = _choose(n_q, n_k, q.shape[1] * (q.shape[2] + v.shape[2]))
+    if strategy == "loop" or not n_q:
+        return _loop(q, k, v, n_q, n_k, attention, kwargs)
+    return _pad(q, k, v, n_q, n_k, attention, kwargs)
+
+
+def _choose(n_q: list[int], n_k: list[int], width: int) -> str:
+    """The strategy with the lower modelled time; ``width`` = h * (d_k + d_v)."""
+    S = len(n_q)
+    if S <= 1:
+        return "loop"  # a single sequence: a view, no padding, one call
+    exact = sum(a * b for a, b in zip(n_q, n_k, strict=True))
+    padded = S * max(n_q) * max(n_k)
+    t_loop = 2 * width * exact * _SECONDS_PER_FLOP + S * _SECONDS_PER_CALL
+    t_pad = 2 * width * padded * _SECONDS_PER_FLOP + _SECONDS_PER_CALL
+    if min(n_q) < max(n_q) or min(n_k) < max(n_k):  # padding: copies in and out
+        t_pad += S * (max(n_q) + max(n_k)) * width * _SECONDS_PER_COPIED
+    return "pad" if t_pad <= t_loop else "loop"
+
+
+def _loop(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
+    """One :func:`mha.attention` call per sequence, on views of the packed tensors."""
+    outs = []
+    iq = ik = 0
+    for a, b in zip(n_q, n_k, strict=True):
+        qs = q[iq:iq + a].transpose(0, 1).unsqueeze(0)  # (a, h, d_k) -> (1, h, a, d_k)
+        ks = k[ik:ik + b].transpose(0, 1).unsqueeze(0)  # (b, h_kv, d_k) -> (1, h_kv, b, d_k)
+        vs = v[ik:ik + b].transpose(0, 1).unsqueeze(0)  # (b, h_kv, d_v) -> (1, h_kv, b, d_v)
+        out = attention(qs, ks, vs, **kwargs)  # (1, h, a, d_v)
+        outs.append(out[0].transpose(0, 1))  # (1, h, a, d_v) -> (a, h, d_v)
+        iq, ik = iq + a, ik + b
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[2])  # (0, h, d_v)
+    return torch.cat(outs)  # (N_q, h, d_v)
+
+
+def _rows(n: list[int], width: int, front: bool, device) -> torch.Tensor:
+    """For every packed token, its row in the padded ``(S * width)`` layout: sequence ``s``
+    fills rows ``s * width + [0, n_s)``, or the last ``n_s`` rows of its block when ``front``
+    (padding in front, the sequence right-aligned)."""
+    lengths = torch.tensor(n, dtype=torch.int64, device=device)  # (S,)
+    seq = torch.repeat_interleave(torch.arange(len(n), device=device), lengths)  # (N,)
+    starts = torch.cumsum(lengths, 0) - lengths  # (S,) first packed token of each sequence
+    row = torch.arange(int(lengths.sum()), device=device) - starts[seq]  # (N,) within sequence
+    if front:
+        row = row + (width - lengths[seq])
+    return seq * width + row  # (N,)
+
+
+def _scatter(x: torch.Tensor, rows: torch.Tensor, S: int, width: int) -> torch.Tensor:
+    """``(N, heads, d)`` packed -> ``(S, heads, width, d)`` padded with zeros (a strided view of
+    a ``(S, width, heads, d)`` buffer)."""
+    buf = x.new_zeros(S * width, *x.shape[1:]).index_copy_(0, rows, x)  # (S*width, heads, d)
+    return buf.view(S, width, *x.shape[1:]).transpose(1, 2)  # (S, heads, width, d)
+
+
+def _split(x: torch.Tensor, S: int) -> torch.Tensor:
+    """``(S * n, heads, d)`` -> ``(S, heads, n, d)``, a view (sequences of one length)."""
+    return x.view(S, x.shape[0] // S, *x.shape[1:]).transpose(1, 2)  # (S, heads, n, d)
+
+
+def _pad(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
+    """One batched call over padded ``(S, h, max, d)`` tensors.
+
+    Padding goes after each sequence (keys past ``key_lengths`` are skipped by the kernel)
+    unless the call is causal with ``n_q != n_k`` for some sequence: then every sequence is
+    right-aligned, so the bottom-right diagonal is each sequence's own, and a key mask hides
+    the padding in front.
+    """
+    S, max_q, max_k = len(n_q), max(n_q), max(n_k)
+    if min(n_q) == max_q and min(n_k) == max_k:  # equal lengths: no padding, only views
+        out = attention(_split(q, S), _split(k, S), _split(v, S), **kwargs)  # (S, h, n_q, d_v)
+        return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3])  # (N_q, h, d_v)
+    front = kwargs["causal"] and n_q != n_k
+    rows_q = _rows(n_q, max_q, front, q.device)  # (N_q,)
+    rows_k = _rows(n_k, max_k, front, q.device)  # (N_k,)
+    lengths = torch.tensor(n_k, dtype=torch.int64, device=q.device)  # (S,)
+    masking = {}
+    if front and min(n_k) < max_k:
+        j = torch.arange(max_k, device=q.device)  # (max_k,)
+        masking["mask"] = (j[None, :] >= (max_k - lengths)[:, None])[:, None, None, :]  # (S,1,1,max_k)
+    elif not front and min(n_k) < max_k:
+        masking["key_lengths"] = lengths
+    out = attention(_scatter(q, rows_q, S, max_q), _scatter(k, rows_k, S, max_k),
+                    _scatter(v, rows_k, S, max_k), **masking, **kwargs)  # (S, h, max_q, d_v)
+    flat = out.transpose(1, 2).reshape(S * max_q, *out.shape[1:2], out.shape[3])  # (S*max_q, h, d_v)
+    return flat.index_select(0, rows_q)  # (N_q, h, d_v)
