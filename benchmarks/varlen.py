@@ -6,6 +6,7 @@ Prints the median ms of each, side by side in one process, and what "auto" picke
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -39,10 +40,10 @@ def main() -> None:
         q, k, v = (torch.randn(N, h, d) for _ in range(3))  # (N, h, d)
         padded = [torch.randn(S, h, T, d) for _ in range(3)]  # (S, h, T, d)
         kl = torch.tensor(lengths)
-        fns = {s: (lambda s=s: mha.varlen_attention(q, k, v, cu, causal=True, strategy=s))
+        fns = {s: functools.partial(mha.varlen_attention, q, k, v, cu, causal=True, strategy=s)
                for s in ("pad", "loop")}
-        fns["padded batch + key_lengths"] = lambda: mha.attention(*padded, causal=True,
-                                                                  key_lengths=kl)
+        fns["padded batch + key_lengths"] = functools.partial(mha.attention, *padded,
+                                                              causal=True, key_lengths=kl)
         with torch.no_grad():
             row = timed(fns)
         auto = _choose(lengths, lengths, h * 2 * d)
