@@ -27,8 +27,12 @@ Recipe::
 Masks from elsewhere (a 4-D mask passed by the caller) are converted at the boundary: bool
 as is; a float additive mask becomes ``mask == 0`` after checking it holds only 0 and large
 negative values (a real additive bias is rejected, not rounded). Features mha does not have
-(soft-capping, attention sinks, position bias, packed varlen sequences, paged caches) raise
+(soft-capping, attention sinks, position bias, paged caches) raise
 a ``NotImplementedError`` naming them instead of being ignored.
+
+Packed sequences (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: one row,
+``position_ids`` restarting per sequence, ``cu_seq_lens_q/k`` passed down to attention) run
+through :func:`mha.varlen_attention`, so no token sees another sequence and nothing is padded.
 
 Importing this module does not import transformers; :func:`register` does.
 """
@@ -42,6 +46,7 @@ import torch
 
 from mha.functional import attention
 from mha.masks import MaskSpec
+from mha.varlen import varlen_attention
 
 NAME = "mha"
 
@@ -52,8 +57,6 @@ _UNSUPPORTED = {
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
     "head_mask": "head masking",
-    "cu_seq_lens_q": "packed variable-length sequences (cu_seq_lens_q)",
-    "cu_seq_lens_k": "packed variable-length sequences (cu_seq_lens_k)",
     "cache": "a paged KV cache (continuous batching)",
 }
 # Plumbing that transformers passes down to every attention function; none changes the math.
@@ -62,6 +65,7 @@ _PLUMBING = frozenset({
     "past_key_values", "past_key_value", "return_dict", "num_items_in_batch",
     "output_router_logits", "max_length_q", "max_length_k", "seq_idx", "position_embeddings",
     "layer_idx", "token_type_ids", "encoder_hidden_states", "encoder_attention_mask",
+    "cu_seq_lens_q", "cu_seq_lens_k",  # consumed by the packed path (_packed_forward)
 })
 _warned: set[str] = set()
 _SPEC_ATTR = "_mha_masks"  # attribute of the bool mask tensor holding the native MaskSpec
@@ -174,6 +178,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     when ``output_attentions`` is requested (before dropout).
     """
     _check_kwargs(kwargs)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwargs)
     Tq, Tk = query.shape[2], key.shape[2]
     spec = _spec_for_call(module, attention_mask, Tq, Tk, is_causal)
     window = kwargs.get("sliding_window")
@@ -188,6 +194,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     return_weights=want_weights)
     out, weights = res if want_weights else (res, None)
     return out.transpose(1, 2).contiguous(), weights  # (B, h, Tq, d_v) -> (B, Tq, h, d_v)
+
+
+def _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwargs):
+    """Packed sequences (``DataCollatorWithFlattening``'s ``cu_seq_lens_q/k``): one row of
+    ``S`` sequences end to end, served by :func:`mha.varlen_attention`. The offsets define the
+    masking (as in transformers' flash-attention path), so ``attention_mask`` is not used."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu_k = cu_q if cu_k is None else cu_k
+    cu_q = cu_k if cu_q is None else cu_q
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q/k: packed sequences come as one row (B = 1), got "
+                         f"query {tuple(query.shape)} (B, h, Tq, d_k)")
+    if _wants_weights(kwargs):
+        raise NotImplementedError("attn_implementation='mha' returns no attention weights for "
+                                  "packed sequences (cu_seq_lens_q/k); use unpacked batches")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),  # (N, h, d)
+                           value[0].transpose(0, 1), cu_q.to(query.device),
+                           cu_k.to(query.device), causal=bool(causal), scale=scaling,
+                           dropout_p=float(dropout or 0.0))  # (N_q, h, d_v)
+    return out.unsqueeze(0), None  # (1, N_q, h, d_v)
 
 
 def _spec_for_call(module, attention_mask, Tq: int, Tk: int, is_causal) -> MaskSpec:
