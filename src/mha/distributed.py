@@ -1,0 +1,204 @@
+"""Attention over a sequence split across processes (seed 001's "distributed computation").
+
+Shape legend: W processes (ranks) in the group, r this rank, B batch, h / h_kv heads, n_q / n_k
+this rank's query / key shard length, Tq = W n_q and Tk = W n_k the full lengths, d_k / d_v.
+
+Every rank holds one contiguous shard of the sequence: queries ``q (B, h, n_q, d_k)`` for the
+global rows ``[r n_q, (r + 1) n_q)``, keys/values ``(B, h_kv, n_k, d)`` for ``[r n_k, (r + 1)
+n_k)``; shards have the same shape on every rank. The result is this rank's rows of
+``mha.attention`` on the full sequence — the same numbers, ``causal`` bottom-right on the full
+``(Tq, Tk)`` problem as everywhere in mha.
+
+* :func:`context_parallel_attention` gathers K/V from every rank (an all-gather whose backward
+  sums the key/value gradients back to their owners) and attends over the keys its queries may
+  see — with ``causal``, rank r skips the later shards. Differentiable; K/V memory is the full
+  ``Tk`` per rank.
+* :func:`ring_attention` never holds more than two K/V shards: the shards travel round the
+  ring (rank r sends to r + 1 while it attends to the one it has), and the partial results are
+  merged with their log-sum-exps, ``out = sum_s exp(lse_s - lse) out_s`` with
+  ``lse = log sum_s exp(lse_s)`` — exact, the flash-attention rescaling across processes.
+  Inference only (no autograd through the ring).
+
+Both work with any ``torch.distributed`` backend that has all-gather / all-reduce / send-recv
+(gloo on CPU is what the tests use: two processes on one machine).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from mha.checks import check_qkv
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("mha.distributed needs an initialized process group: call "
+                           "torch.distributed.init_process_group(...) first")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_shards(q, k, v, group) -> tuple[int, int]:
+    """Same shard shapes on every rank (one small all-gather); returns (W, r)."""
+    check_qkv(q, k, v)
+    W, r = _group_info(group)
+    mine = torch.tensor([*q.shape, *k.shape, *v.shape], dtype=torch.int64)  # (12,)
+    every = [torch.empty_like(mine) for _ in range(W)]
+    dist.all_gather(every, mine, group=group)
+    for rank, shapes in enumerate(every):
+        if not torch.equal(shapes, mine):
+            raise ValueError(f"q, k, v shards must have the same shapes on every rank: rank {r} "
+                             f"has q/k/v {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)}, "
+                             f"rank {rank} has {shapes.view(3, 4).tolist()}")
+    return W, r
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence dim (2); backward all-reduces the full gradient and keeps
+    this rank's slice (all-reduce works on every backend, reduce-scatter does not)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        ctx.group, ctx.r, ctx.n = group, r, x.shape[2]
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(W)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)  # W x (B, heads, n, d) -> (B, heads, W n, d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()  # (B, heads, W n, d)
+        dist.all_reduce(grad, group=ctx.group)  # every rank's contribution to every shard
+        return grad[:, :, ctx.r * ctx.n:(ctx.r + 1) * ctx.n], None  # (B, heads, n, d)
+
+
+def _visible_keys(r: int, W: int, n_q: int, n_k: int) -> int:
+    """How many leading keys of the full sequence rank r's last query may see under causal:
+    global query ``i`` sees ``j <= i + Tk - Tq``; its last row is ``(r + 1) n_q - 1``."""
+    return max(0, min(W * n_k, (r + 1) * n_q + W * (n_k - n_q)))
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               causal: bool = False, scale: float | None = None,
+                               dropout_p: float = 0.0, backend: str | None = None,
+                               group=None) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence, K/V gathered from every rank.
+
+    Args:
+        q: ``(B, h, n_q, d_k)`` this rank's query shard; k ``(B, h_kv, n_k, d_k)`` and v
+            ``(B, h_kv, n_k, d_v)`` its key/value shard (the same shapes on every rank).
+        causal, scale, dropout_p, backend: as in :func:`mha.attention`, for the full sequence.
+        group: the process group (None: the default group).
+
+    Returns ``(B, h, n_q, d_v)``, differentiable with respect to q, k and v.
+    """
+    from mha.functional import attention
+
+    W, r = _check_shards(q, k, v, group)
+    k_all = _GatherSeq.apply(k, group)  # (B, h_kv, Tk, d_k)
+    v_all = _GatherSeq.apply(v, group)  # (B, h_kv, Tk, d_v)
+    if causal:  # keys past what the shard's last query sees are never needed
+        J = _visible_keys(r, W, q.shape[2], k.shape[2])
+        k_all, v_all = k_all[:, :, :J], v_all[:, :, :J]  # (B, h_kv, J, d)
+    return attention(q, k_all, v_all, causal=causal, scale=scale, dropout_p=dropout_p,
+                     backend=backend)  # (B, h, n_q, d_v)
+
+
+def _partial(q, k, v, allowed, causal: bool, scale: float):
+    """``(out (B, h, n_q, d_v) float32, lse (B, h, n_q) float32)`` of one K/V shard; lse is
+    -inf for rows that see no key (their out is 0)."""
+    from mha import backends
+    from mha.functional import make_call
+
+    mask = None if allowed is None else allowed[None, None]  # (1, 1, n_q, n_k)
+    call = make_call(q, k, v, mask=mask, causal=causal, scale=scale)
+    if not backends.get("flash_cpu").not_supported_reasons(call):
+        from mha import native
+
+        out, lse = native.flash_attention(q, k, v, causal=causal, mask=mask, scale=scale)
+        return out.float(), lse
+    # Any other device / dtype: the scores of one shard, in float32.
+    B, h, n_q, d_k = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    qg = q.float().reshape(B, h_kv, (h // h_kv) * n_q, d_k)  # (B, h_kv, g n_q, d_k)
+    s = (qg @ k.float().transpose(-2, -1)).view(B, h, n_q, n_k) * scale  # (B, h, n_q, n_k)
+    seen = call.masks.materialize(B, h, n_q, n_k, q.device)
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, h, n_q)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # (B, h, n_q, n_k)
+    p = p.view(B, h_kv, (h // h_kv) * n_q, n_k)  # (B, h_kv, g n_q, n_k)
+    out = (p @ v.float()).view(B, h, n_q, v.shape[3])  # (B, h, n_q, d_v)
+    return out, lse
+
+
+def _merge(acc, part):
+    """Two partial results over disjoint keys, rescaled by their log-sum-exps."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part  # (B, h, n_q, d_v), (B, h, n_q)
+    lse = torch.logaddexp(l1, l2)  # (B, h, n_q)
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing stay 0
+    w1 = torch.exp(l1 - safe)[..., None]  # (B, h, n_q, 1)
+    w2 = torch.exp(l2 - safe)[..., None]
+    return o1 * w1 + o2 * w2, lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   scale: float | None = None, group=None) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence, the K/V shards passed round a
+    ring and merged by log-sum-exp (never more than two shards in memory). Inference only.
+
+    Args and shapes as in :func:`context_parallel_attention`. Returns ``(B, h, n_q, d_v)``.
+    """
+    W, r = _check_shards(q, k, v, group)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("ring_attention is inference-only (no backward through the ring); "
+                           "use context_parallel_attention for training, or torch.no_grad()")
+    n_q, n_k = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    ranks = [dist.get_global_rank(group, i) for i in (nxt, prv)] if group is not None else [nxt, prv]
+    kv = (k.contiguous(), v.contiguous())
+    acc = None
+    for step in range(W):
+        src = (r - step) % W  # the rank whose K/V shard we hold now
+        pending = []
+        if step < W - 1:  # pass our current shard on while we attend to it
+            incoming = tuple(torch.empty_like(t) for t in kv)
+            pending = [dist.isend(t, ranks[0], group=group, tag=i) for i, t in enumerate(kv)]
+            pending += [dist.irecv(t, ranks[1], group=group, tag=i)
+                        for i, t in enumerate(incoming)]
+        part = _shard_part(q, kv, causal, r * n_q - src * n_k + W * (n_k - n_q), scale)
+        if part is not None:
+            acc = _merge(acc, part)
+        for work in pending:
+            work.wait()
+        if step < W - 1:
+            kv = incoming
+    if acc is None:  # under causal, no query of this shard sees any key
+        return q.new_zeros(*q.shape[:3], v.shape[3])  # (B, h, n_q, d_v)
+    return acc[0].to(q.dtype)  # (B, h, n_q, d_v)
+
+
+def _shard_part(q, kv, causal: bool, off: int, scale: float):
+    """The partial result of one K/V shard, or None when no query sees any of its keys.
+    Under causal, query ``i`` (of this rank) sees key ``j`` (of the shard) iff ``j <= i + off``
+    — the global bottom-right rule written in shard coordinates."""
+    n_q, n_k = q.shape[2], kv[0].shape[2]
+    if not causal or off >= n_k - 1:
+        return _partial(q, kv[0], kv[1], None, False, scale)  # every key visible
+    if off + n_q - 1 < 0:
+        return None  # a later shard: nothing visible
+    if off == n_k - n_q:
+        return _partial(q, kv[0], kv[1], None, True, scale)  # exactly mha's own causal
+    return _partial(q, kv[0], kv[1], _offset_mask(n_q, n_k, off, q.device), False, scale)
+
+
+def _offset_mask(n_q: int, n_k: int, off: int, device) -> torch.Tensor:
+    """``(n_q, n_k)`` bool: query i may see key j iff ``j <= i + off``."""
+    i = torch.arange(n_q, device=device).unsqueeze(1)  # (n_q, 1)
+    j = torch.arange(n_k, device=device).unsqueeze(0)  # (1, n_k)
+    return j <= i + off  # (n_q, n_k)
