@@ -32,9 +32,9 @@ def _shard(t, r):
 
 
 def _budget_check(got, q, k, v, causal, r, what):
-    from oracle import FLOOR, max_err, naive, oracle
-
     from mha.masks import causal_mask
+
+    from oracle import FLOOR, max_err, naive, oracle
 
     allowed = causal_mask(q.shape[2], k.shape[2])[None, None] if causal else None
     ref, low = oracle(q, k, v, allowed)[0], naive(q, k, v, allowed)[0]
