@@ -10,7 +10,7 @@ import importlib
 
 from mha.backends.base import AttentionCall, Backend, Capabilities
 
-# Dispatch order. Modules are imported lazily so a broken optional backend cannot break import.
+# Dispatch order. Each module is imported by name (``get``); none builds anything at import.
 ORDER = ("flash_decode", "flash_cpu", "sdpa", "math", "reference")
 
 _loaded: dict[str, Backend] = {}
@@ -37,3 +37,6 @@ def all_backends() -> tuple[Backend, ...]:
 
 
 __all__ = ["AttentionCall", "Backend", "Capabilities", "ORDER", "get", "all_backends"]
+
+
+all_backends()  # import them now, outside any torch.compile trace (importlib cannot be traced)

@@ -83,6 +83,16 @@ class Backend:
     unavailable: Callable[[], str | None] = field(default=lambda: None)
     extra_reasons: Callable[[AttentionCall], list[str]] = field(default=lambda call: [])
 
+    def __post_init__(self) -> None:
+        # Whether a native build loaded does not change within a process: under torch.compile
+        # the answer is taken once at trace time instead of tracing into the build cache.
+        probe = self.unavailable
+
+        def unavailable() -> str | None:  # a plain function: dynamo sees through lru caches
+            return probe()
+
+        self.unavailable = torch.compiler.assume_constant_result(unavailable)
+
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         """Every reason, in words, why this backend cannot serve ``call`` (empty: it can)."""
         c = self.caps
