@@ -120,6 +120,19 @@ def check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[in
     return lengths
 
 
+def check_window(window, causal: bool) -> int:
+    """A sliding window: a positive int, used together with ``causal=True``."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int (keys each query sees), "
+                        f"got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
+    if not causal:
+        raise ValueError("window is a sliding causal window: pass causal=True with it "
+                         "(for other patterns pass a bool mask)")
+    return window
+
+
 def check_scalar(name: str, value, *, low: float, high: float | None = None,
                  high_open: bool = False) -> float:
     """A real number in ``[low, high]`` (``[low, high)`` when ``high_open``)."""

@@ -12,13 +12,14 @@ import torch
 
 from mha import dispatch, trace
 from mha.backends.base import AttentionCall
-from mha.checks import check_key_lengths, check_mask, check_qkv, check_scalar
+from mha.checks import check_key_lengths, check_mask, check_qkv, check_scalar, check_window
 from mha.masks import MaskSpec
 
 
 def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
-              dropout_p: float = 0.0, return_weights: bool = False) -> AttentionCall:
+              dropout_p: float = 0.0, return_weights: bool = False,
+              window: int | None = None) -> AttentionCall:
     """Validate the arguments of :func:`attention` and bundle them into one call."""
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
@@ -29,12 +30,16 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    return AttentionCall(q, k, v, MaskSpec(causal, kl, m), scale, dropout_p, bool(return_weights))
+    if window is not None:
+        check_window(window, causal)
+    return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
+                         bool(return_weights))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
-              dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None):
+              dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None,
+              window: int | None = None):
     """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
 
     Args:
@@ -50,6 +55,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
                 1 1 1 1 1
 
         key_lengths: ``(B,)`` integers, the number of real keys per batch row (padding last).
+        window: with ``causal``, sliding-window attention: each query sees only the ``window``
+            most recent keys up to its diagonal (``j > i + Tk - Tq - window``), as Mistral's
+            and Qwen2's local layers do. See :mod:`mha.masks`.
         scale: multiplies the scores; None means ``1 / sqrt(d_k)``.
         dropout_p: dropout on the attention weights (training); 0 means none.
         return_weights: also return the softmax weights ``(B, h, Tq, Tk)`` (before dropout).
@@ -62,7 +70,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
     """
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
-                     dropout_p=dropout_p, return_weights=return_weights)
+                     dropout_p=dropout_p, return_weights=return_weights, window=window)
     if call.Tq == 0 or call.Tk == 0 or call.B == 0:
         out, weights = _empty(call)
     else:

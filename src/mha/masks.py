@@ -24,6 +24,14 @@ that all combine with AND:
 * ``key_lengths`` ``(B,)`` — the number of real keys in each batch row; keys
   ``j >= key_lengths[b]`` are padding.
 * ``mask`` — a bool tensor broadcastable to ``(B, h, Tq, Tk)``.
+* ``window`` (with ``causal``) — sliding-window attention: query ``i`` sees only the ``window``
+  most recent keys up to its diagonal, ``i + (Tk - Tq) - window < j``. For ``Tq = Tk = 4``,
+  ``window = 2``::
+
+      q0  1 0 0 0
+      q1  1 1 0 0
+      q2  0 1 1 0
+      q3  0 0 1 1
 
 Backends either consume the parts natively (a kernel skipping blocks above the diagonal) or
 ask for :meth:`MaskSpec.materialize`, the dense ``(B|1, h|1, Tq, Tk)`` bool tensor.
@@ -43,6 +51,16 @@ def causal_mask(Tq: int, Tk: int, *, device: torch.device | str | None = None) -
     return j <= i + (Tk - Tq)  # (Tq, Tk)
 
 
+def window_mask(Tq: int, Tk: int, window: int, *,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """``(Tq, Tk)`` bool: True where key j is among the ``window`` most recent keys of query i's
+    bottom-right diagonal, ``j > i + (Tk - Tq) - window`` (the left edge only; AND it with
+    :func:`causal_mask`)."""
+    i = torch.arange(Tq, device=device).unsqueeze(1)  # (Tq, 1)
+    j = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
+    return j > i + (Tk - Tq) - window  # (Tq, Tk)
+
+
 def lengths_mask(key_lengths: torch.Tensor, Tk: int) -> torch.Tensor:
     """``(B, 1, 1, Tk)`` bool: True for real keys ``j < key_lengths[b]``."""
     j = torch.arange(Tk, device=key_lengths.device)  # (Tk,)
@@ -56,19 +74,21 @@ class MaskSpec:
     causal: bool = False
     key_lengths: torch.Tensor | None = None  # (B,) int64, 0 <= n <= Tk
     mask: torch.Tensor | None = None  # bool, 4-D view broadcastable to (B, h, Tq, Tk)
-    #: The mask kinds present: a subset of {"causal", "key_lengths", "mask"} (set at construction).
+    window: int | None = None  # with causal: only the `window` most recent keys
+    #: The mask kinds present, a subset of {"causal", "key_lengths", "mask", "window"}.
     kinds: frozenset[str] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = frozenset((("causal",) if self.causal else ())
                           + (("key_lengths",) if self.key_lengths is not None else ())
-                          + (("mask",) if self.mask is not None else ()))
+                          + (("mask",) if self.mask is not None else ())
+                          + (("window",) if self.window is not None else ()))
         object.__setattr__(self, "kinds", kinds)
 
     @property
     def is_empty(self) -> bool:
         """True when nothing is masked (every query may attend every key)."""
-        return not self.causal and self.key_lengths is None and self.mask is None
+        return not self.kinds
 
     def materialize(self, B: int, h: int, Tq: int, Tk: int,
                     device: torch.device | str | None = None) -> torch.Tensor | None:
@@ -81,6 +101,9 @@ class MaskSpec:
         allowed: torch.Tensor | None = None
         if self.causal:
             allowed = causal_mask(Tq, Tk, device=device)[None, None]  # (1, 1, Tq, Tk)
+        if self.window is not None:
+            wm = window_mask(Tq, Tk, self.window, device=device)[None, None]  # (1, 1, Tq, Tk)
+            allowed = wm if allowed is None else allowed & wm
         if self.key_lengths is not None:
             lm = lengths_mask(self.key_lengths.to(device), Tk)  # (B, 1, 1, Tk)
             allowed = lm if allowed is None else allowed & lm

@@ -133,9 +133,9 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
                 key_lengths=None, need_weights: bool = False, backend: str | None = None,
-                cache=None, cu_seqlens=None):
+                cache=None, cu_seqlens=None, window: int | None = None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
-        to query (self-attention). ``mask``/``causal``/``key_lengths`` as in
+        to query (self-attention). ``mask``/``causal``/``key_lengths``/``window`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
         ``(output, weights (B, h, Tq, Tk))`` when ``need_weights``.
 
@@ -151,6 +151,9 @@ class MultiHeadAttention(nn.Module):
         cache or weights."""
         if cache is not None:
             _check_cache_call(key, value, mask, key_lengths)
+            if window is not None:
+                raise ValueError("window: sliding windows over a KV cache are not supported; "
+                                 "call without cache=")
         if cu_seqlens is not None:
             _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache)
         self_attention = key is None and value is None
@@ -180,6 +183,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         want_weights = need_weights or rec
         if cu_seqlens is not None:  # packed: the batch of one holds S sequences end to end
+            if window is not None:
+                raise ValueError("window: sliding windows over packed sequences are not "
+                                 "supported; call without cu_seqlens=")
             result = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # (N, h, d)
                                       v[0].transpose(0, 1), cu_seqlens, causal=causal,
                                       dropout_p=dropout_p, backend=backend)  # (N, h, d_v)
@@ -188,7 +194,8 @@ class MultiHeadAttention(nn.Module):
                 result = (result, None)
         elif cache is None:
             result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
-                               dropout_p=dropout_p, return_weights=want_weights, backend=backend)
+                               dropout_p=dropout_p, return_weights=want_weights, backend=backend,
+                               window=window)
         else:  # append the new K/V in place; undone if attention raises
             with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
                 result = attention(q, k_all, v_all, dropout_p=dropout_p,

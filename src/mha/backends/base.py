@@ -16,7 +16,8 @@ import torch
 
 from mha.masks import MaskSpec
 
-ALL_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
+BASIC_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
+ALL_MASK_KINDS = BASIC_MASK_KINDS | {"window"}
 
 
 class AttentionCall:
@@ -57,7 +58,7 @@ class Capabilities:
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
-    mask_kinds: frozenset[str] = ALL_MASK_KINDS
+    mask_kinds: frozenset[str] = BASIC_MASK_KINDS  # ALL_MASK_KINDS adds sliding windows
     min_head_dim: int | None = None
     max_head_dim: int | None = None
     gqa: bool = True  # h_kv < h without the caller repeating K/V

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.masks import open_empty_rows
 
 
@@ -40,6 +40,7 @@ BACKEND = Backend(
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        mask_kinds=ALL_MASK_KINDS,
         dropout=True, weights=True, grad=True,
     ),
     forward=_forward,

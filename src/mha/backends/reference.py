@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mha import reference
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 
 
 def _forward(call: AttentionCall):
@@ -21,6 +21,7 @@ BACKEND = Backend(
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        mask_kinds=ALL_MASK_KINDS,
         dropout=True, weights=True, grad=True,
     ),
     forward=_forward,

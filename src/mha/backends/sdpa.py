@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.masks import open_empty_rows
 
 
@@ -38,6 +38,7 @@ BACKEND = Backend(
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        mask_kinds=ALL_MASK_KINDS,
         dropout=True, weights=False, grad=True,
     ),
     forward=_forward,
