@@ -507,7 +507,7 @@ void run_forward(const Problem<T>& P) {
 
 }  // namespace
 }  // namespace mha_flash
-#include "flash_small.h"  // the small-problem path (Tk <= 64); uses the definitions above
+#include "flash_small.h"  // the small-problem path (short keys); uses the definitions above
 namespace mha_flash {
 namespace {
 
@@ -630,7 +630,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.causal = causal;
     const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
 #if defined(MHA_FLASH_SMALL)
-    if (kernel == "small" || (kernel == "auto" && small_path_applies(P))) {
+    if (kernel == "small" || (kernel == "auto" && small_path_applies(P, kn))) {
       TORCH_CHECK(small_path_applies(P), "flash_attention: the small path serves Tk <= ",
                   kSmallMaxKeys, " and head dims <= ", kSmallMaxDim, ", got Tk=", Tk);
       return run_small(P);

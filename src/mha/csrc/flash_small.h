@@ -4,7 +4,7 @@
 // lengths, d_k/d_v head dims; Q^T (d_k, 16 NV) a chunk of <= kSmallCols query rows transposed.
 //
 // Included by flash_attn.cpp after Problem, Buffer, lanes_below and exp2_avx512 (it uses them).
-// When Tk <= kSmallMaxKeys the tile driver's per-block machinery costs more than the math
+// When Tk is small (<= 64; bf16 on AMX <= 32) the tile driver's per-block machinery costs more than the math
 // (measured at B=32, h=8, T=20, d=64: gathers packing K^T, V row copies, buffer fills, the
 // online-softmax rescale, an atomic per item). Here the scores are computed transposed,
 // S^T (keys, query rows), so:
@@ -27,13 +27,19 @@
 namespace mha_flash {
 namespace {
 
-constexpr int64_t kSmallMaxKeys = 64;  // largest Tk served here (measured crossover, see docs)
+constexpr int64_t kSmallMaxKeys = 64;  // largest Tk this path can serve
 constexpr int kSmallCols = 64;         // query rows per chunk: 4 vectors of 16
 constexpr int64_t kSmallMaxDim = 256;
 
+// Whether the path can serve P; with `tiles` (the tile kernel the call would otherwise run)
+// whether it should, by the measured crossover (1 thread, d=64, docs/kernel.md "Small
+// problems"): faster than the fp32 tiles up to Tk=64 at every Tq measured, faster than the
+// bf16 AMX tiles up to Tk=32 (slower from Tk=48).
 template <typename T>
-bool small_path_applies(const Problem<T>& P) {
-  return P.Tk <= kSmallMaxKeys && P.dk <= kSmallMaxDim && P.dv <= kSmallMaxDim;
+bool small_path_applies(const Problem<T>& P, const std::string& tiles = "") {
+  if (tiles == "portable") return false;  // asked for the reference loops (MHA_FLASH_BF16)
+  const int64_t max_keys = tiles == "amx" ? 32 : kSmallMaxKeys;
+  return P.Tk <= max_keys && P.dk <= kSmallMaxDim && P.dv <= kSmallMaxDim;
 }
 
 // In place: rows r[0..15] of a 16 x 16 fp32 block become its columns.
