@@ -43,7 +43,7 @@ bool small_path_applies(const Problem<T>& P, const std::string& tiles = "") {
 }
 
 // In place: rows r[0..15] of a 16 x 16 fp32 block become its columns.
-inline void transpose16(__m512 r[16]) {
+__attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {  // interleave row pairs: 2 x 2 blocks
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -239,6 +239,7 @@ struct SmallWorker {
       for (int64_t c = 0; c < P.dk; c += kLanes) {
         __m512 blk[16];
         const int nc = int(std::min<int64_t>(kLanes, P.dk - c));
+#pragma GCC unroll 16
         for (int r = 0; r < kLanes; ++r) {
           const int row = rv * kLanes + r;
           blk[r] = row < nq ? load_row16(qbase + row * P.qs[2], P.qs[3], c, nc) : _mm512_setzero_ps();
