@@ -4,7 +4,8 @@
 // lengths, d_k/d_v head dims; Q^T (d_k, 16 NV) a chunk of <= kSmallCols query rows transposed.
 //
 // Included by flash_attn.cpp after Problem, Buffer, lanes_below and exp2_avx512 (it uses them).
-// When Tk is small (<= 64; bf16 on AMX <= 32) the tile driver's per-block machinery costs more than the math
+// When Tk is small (<= 64; bf16 on AMX <= 32) the tile driver's per-block machinery costs more
+// than the math
 // (measured at B=32, h=8, T=20, d=64: gathers packing K^T, V row copies, buffer fills, the
 // online-softmax rescale, an atomic per item). Here the scores are computed transposed,
 // S^T (keys, query rows), so:
@@ -70,7 +71,7 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
   }
 }
 
-// Up to 16 elements [c0, c0 + n) of a row as fp32 (zeros past n); stride = the row's last-dim stride.
+// Up to 16 elements [c0, c0 + n) of a row as fp32 (zeros past n); stride: the last dim's.
 template <typename T>
 inline __m512 load_row16(const T* row, int64_t stride, int64_t c0, int n) {
   const __mmask16 m = lanes_below(n);
@@ -193,7 +194,8 @@ struct SmallWorker {
       for (int64_t j = 0; j < kend; ++j)
         for (int64_t c = 0; c < P.dk; c += kLanes)
           _mm512_mask_storeu_ps(kf + j * P.dk + c, lanes_below(int(P.dk - c)),
-                                load_row16(kbase + j * P.ks[2], P.ks[3], c, int(std::min<int64_t>(kLanes, P.dk - c))));
+                                load_row16(kbase + j * P.ks[2], P.ks[3], c,
+                                           int(std::min<int64_t>(kLanes, P.dk - c))));
       k = kf, ldk = P.dk;
     }
     // V rows: read past d_v up to dvp by the tiles, so in place only when d_v % 16 == 0.
@@ -207,7 +209,8 @@ struct SmallWorker {
       for (int64_t j = 0; j < kend; ++j)
         for (int64_t c = 0; c < dvp; c += kLanes)
           _mm512_storeu_ps(vf + j * dvp + c,
-                           load_row16(vbase + j * P.vs[2], P.vs[3], c, int(std::clamp<int64_t>(P.dv - c, 0, kLanes))));
+                           load_row16(vbase + j * P.vs[2], P.vs[3], c,
+                                      int(std::clamp<int64_t>(P.dv - c, 0, kLanes))));
       v = vf, ldv = dvp;
     }
     for (int64_t hq = kh * g; hq < (kh + 1) * g; ++hq)
@@ -223,7 +226,7 @@ struct SmallWorker {
         for (int64_t c = 0; c < bytes; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(base + r * stride) + c, _MM_HINT_T0);
     };
-    if (P.qs[3] != 1 || P.ks[3] != 1 || P.vs[3] != 1) return;  // strided rows: let the hardware guess
+    if (P.qs[3] != 1 || P.ks[3] != 1 || P.vs[3] != 1) return;  // strided rows: left to the hardware
     const int64_t nk = P.key_limit(b, P.Tq - 1), nq = std::min<int64_t>(P.Tq, kSmallCols);
     for (int64_t hq = kh * g; hq < (kh + 1) * g; ++hq)
       rows(P.q + b * P.qs[0] + hq * P.qs[1], nq, P.qs[2], P.dk * int64_t(sizeof(T)));
@@ -242,10 +245,12 @@ struct SmallWorker {
 #pragma GCC unroll 16
         for (int r = 0; r < kLanes; ++r) {
           const int row = rv * kLanes + r;
-          blk[r] = row < nq ? load_row16(qbase + row * P.qs[2], P.qs[3], c, nc) : _mm512_setzero_ps();
+          blk[r] = row < nq ? load_row16(qbase + row * P.qs[2], P.qs[3], c, nc)
+                            : _mm512_setzero_ps();
         }
         transpose16(blk);
-        for (int cc = 0; cc < nc; ++cc) _mm512_store_ps(qt + (c + cc) * kSmallCols + rv * kLanes, blk[cc]);
+        for (int cc = 0; cc < nc; ++cc)
+          _mm512_store_ps(qt + (c + cc) * kSmallCols + rv * kLanes, blk[cc]);
       }
   }
 
@@ -306,7 +311,9 @@ struct SmallWorker {
     int64_t ldv, dv, c0;
     T* const* orows;
     template <int R>
-    void run(int r0) const { small_pv<R, CV>(pt + r0, nkeys, v, ldv, inv + r0, dv, orows + r0, c0); }
+    void run(int r0) const {
+      small_pv<R, CV>(pt + r0, nkeys, v, ldv, inv + r0, dv, orows + r0, c0);
+    }
   };
   template <int R, int CV>
   void rows(const float* pt, int nkeys, const float* v, int64_t ldv, const float* inv, int nq,
@@ -324,10 +331,14 @@ struct SmallWorker {
     const int64_t kl = P.key_lengths ? P.key_lengths[b] : P.Tk;
     for (int vq = 0; vq < nvq; ++vq) {
       // per-lane key limit: keys j < lim are visible (before the bool mask); rows >= nq see none
-      const __m512i row = _mm512_add_epi32(_mm512_set1_epi32(int32_t(i0 + vq * kLanes)),
-                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+      const __m512i row = _mm512_add_epi32(
+          _mm512_set1_epi32(int32_t(i0 + vq * kLanes)),
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
       __m512i lim = _mm512_set1_epi32(int32_t(kl));
-      if (P.causal) lim = _mm512_min_epi32(lim, _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(P.Tk - P.Tq + 1))));
+      if (P.causal) {  // query i sees keys j <= i + Tk - Tq
+        const __m512i diag = _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(P.Tk - P.Tq + 1)));
+        lim = _mm512_min_epi32(lim, diag);
+      }
       lim = _mm512_maskz_mov_epi32(lanes_below(nq - vq * kLanes), lim);
       __m512 m = neg;
       float* col = st + vq * kLanes;
@@ -380,7 +391,8 @@ struct SmallWorker {
 template <typename T>
 void run_small(const Problem<T>& P) {
   const int64_t items = P.B * P.hkv;  // (b, K/V head), all g query heads each
-  const double item_flops = 2.0 * double(P.h / P.hkv) * double(P.Tq) * double(P.Tk) * double(P.dk + P.dv);
+  const double item_flops =
+      2.0 * double(P.h / P.hkv) * double(P.Tq) * double(P.Tk) * double(P.dk + P.dv);
   // at least ~1 MFLOP per thread's range: below that the parallel region costs more than it saves
   const int64_t grain = std::max<int64_t>(1, int64_t(1e6 / std::max(item_flops, 1.0)));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
