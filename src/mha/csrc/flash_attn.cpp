@@ -505,6 +505,12 @@ void run_forward(const Problem<T>& P) {
   });
 }
 
+}  // namespace
+}  // namespace mha_flash
+#include "flash_small.h"  // the small-problem path (short keys); uses the definitions above
+namespace mha_flash {
+namespace {
+
 std::string flash_attention_isa() {
   std::string isa = "portable";
 #if defined(__AVX512F__)
@@ -623,6 +629,13 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.scale = float(scale);
     P.causal = causal;
     const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
+#if defined(MHA_FLASH_SMALL)
+    if (kernel == "small" || (kernel == "auto" && small_path_applies(P, kn))) {
+      TORCH_CHECK(small_path_applies(P), "flash_attention: the small path serves Tk <= ",
+                  kSmallMaxKeys, " and head dims <= ", kSmallMaxDim, ", got Tk=", Tk);
+      return run_small(P);
+    }
+#endif
     if (kn == "portable") return run_forward<PortableF32>(P);
 #if defined(__AVX512F__)
     if (kn == "avx512f") return run_forward<Avx512F32>(P);  // bf16 inputs widened when packed
@@ -653,7 +666,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
   return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto");
 }
 
-// The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16"), for tests.
+// The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16", "amx", or
+// "small": the small-problem path of flash_small.h), for tests.
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
