@@ -330,8 +330,9 @@ struct Worker {
     const T* qbase = P.q + b * P.qs[0] + hq * P.qs[1];
     for (int r = 0; r < rows; ++r) {
       const T* qrow = qbase + (i0 + r) * P.qs[2];
-      constexpr bool same_bits = std::is_same_v<T, packed_t> ||
-                                 (std::is_same_v<T, at::BFloat16> && std::is_same_v<packed_t, uint16_t>);
+      constexpr bool same_bits =  // packing copies the bits (fp32, or bf16 kept as bf16)
+          std::is_same_v<T, packed_t> ||
+          (std::is_same_v<T, at::BFloat16> && std::is_same_v<packed_t, uint16_t>);
       if (same_bits && P.qs[3] == 1 && dkp == P.dk) {
         std::memcpy(q + r * dkp, qrow, dkp * sizeof(packed_t));
       } else {
@@ -443,15 +444,19 @@ struct Worker {
       const int nv = (jn + kLanes - 1) / kLanes;
       const float* st = s + (t & 1) * 16 * Nb;
       switch (nv) {
-#define MHA_KEY_STEP(NV) \
-  case NV: softmax_group<NV>(b, i0 + r0, rg, j0, mrow0, st, p, m + r0, alpha + r0, lsum + r0 * kLanes, bits); break;
+#define MHA_KEY_STEP(NV)                                                                   \
+  case NV:                                                                                 \
+    softmax_group<NV>(b, i0 + r0, rg, j0, mrow0, st, p, m + r0, alpha + r0,                \
+                      lsum + r0 * kLanes, bits);                                           \
+    break;
         MHA_KEY_STEP(1) MHA_KEY_STEP(2) MHA_KEY_STEP(3) MHA_KEY_STEP(4)
         MHA_KEY_STEP(5) MHA_KEY_STEP(6) MHA_KEY_STEP(7) MHA_KEY_STEP(8)
 #undef MHA_KEY_STEP
         default: TORCH_CHECK(false, "flash_attention: bad key block width");
       }
       if (nv % 2)  // P V takes 32-key chunks: zero P's odd 16-key tail
-        for (int r = 0; r < rg; ++r) std::fill(p + r * Nb + nv * kLanes, p + r * Nb + (nv + 1) * kLanes, p_t(0));
+        for (int r = 0; r < rg; ++r)
+          std::fill(p + r * Nb + nv * kLanes, p + r * Nb + (nv + 1) * kLanes, p_t(0));
       for (int r = r0; r < r0 + rg; ++r) {  // only rows whose running max moved (lazy rescale)
         if (alpha[r] == 1.f) continue;
         const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -478,7 +483,8 @@ struct Worker {
       int nvalid[RS];
       for (int r = r0; r < r0 + rs; ++r) {
         nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, ia + r) - j0, 0, W));
-        if (mrow0) mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
+        if (mrow0)
+          mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
       }
       const uint16_t* rb = mrow0 ? bits + r0 * kMaxVecsPerBlock : nullptr;
       if (rs == RS)

@@ -473,8 +473,11 @@ struct AmxBf16 : Avx512Bf16 {
 
   // S[16 g + i][16 c] for row groups g < groups, 16-key chunks c < nchunks:
   // q rows of dkp bf16 (dkp % 32 == 0), kt [dkp/2][ldk][2], s rows of lds floats.
-  static void qk_block(const uint16_t* q, int64_t dkp, const uint16_t* kt, int64_t ldk,
-                       int groups, int nchunks, float* s, int64_t lds) {
+  // (qk_block and pv_block are not inlined: one symbol each in a profile, ~16 tile products
+  // per call.)
+  __attribute__((noinline)) static void qk_block(const uint16_t* q, int64_t dkp,
+                                                 const uint16_t* kt, int64_t ldk, int groups,
+                                                 int nchunks, float* s, int64_t lds) {
     for (int g = 0; g < groups; ++g) {
       const uint16_t* qg = q + g * 16 * dkp;
       float* sg = s + g * 16 * lds;
@@ -501,8 +504,9 @@ struct AmxBf16 : Avx512Bf16 {
 
   // O[16 g + i][:] += P[16 g + i][0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2],
   // o rows of dvp floats (dvp % 16 == 0).
-  static void pv_block(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp,
-                       int kchunks, int groups, float* o) {
+  __attribute__((noinline)) static void pv_block(const uint16_t* p, int64_t ldp,
+                                                 const uint16_t* v, int64_t dvp, int kchunks,
+                                                 int groups, float* o) {
     const int nvc = int(dvp / 16);
     for (int g = 0; g < groups; ++g) {
       for (int c0 = 0; c0 < nvc; c0 += 4) {
