@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mha import native
 
-SHAPES = ((1, 8, 4096, 64), (1, 32, 2048, 128), (32, 8, 20, 64))
+SHAPES = ((1, 8, 4096, 64), (1, 32, 2048, 128), (4, 16, 2048, 64), (32, 8, 20, 64))
 CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
 
 

@@ -315,12 +315,13 @@ struct Worker {
   void query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, const packed_t* kt,
                    const packed_t* vp) {
     const int rows = int(i1 - i0);
-    const int64_t kend = P.key_limit(b, i1 - 1), first_lim = P.key_limit(b, i0);
+    const int64_t kend = P.key_limit(b, i1 - 1);
     if (kend == 0) return zero_rows(b, hq, i0, i1);
     const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
     packed_t* q = sc.q.get(rp * dkp);
-    float* s = sc.s.get(rp * Nb);
-    p_t* p = sc.p.get(rp * Nb);
+    // AMX: two 16-row S buffers (steps t and t + 1) and one 16-row P; else rows of each
+    float* s = sc.s.get(K::kAmx ? 32 * Nb : rp * Nb);
+    p_t* p = sc.p.get(K::kAmx ? 16 * Nb : rp * Nb);
     float* o = sc.o.get(rp * dvp);
     float* m = sc.m.get(rows);
     float* alpha = sc.alpha.get(rows);
@@ -329,7 +330,10 @@ struct Worker {
     const T* qbase = P.q + b * P.qs[0] + hq * P.qs[1];
     for (int r = 0; r < rows; ++r) {
       const T* qrow = qbase + (i0 + r) * P.qs[2];
-      if (std::is_same_v<T, packed_t> && P.qs[3] == 1 && dkp == P.dk) {
+      constexpr bool same_bits =  // packing copies the bits (fp32, or bf16 kept as bf16)
+          std::is_same_v<T, packed_t> ||
+          (std::is_same_v<T, at::BFloat16> && std::is_same_v<packed_t, uint16_t>);
+      if (same_bits && P.qs[3] == 1 && dkp == P.dk) {
         std::memcpy(q + r * dkp, qrow, dkp * sizeof(packed_t));
       } else {
         for (int64_t kk = 0; kk < dkp; ++kk)
@@ -340,8 +344,13 @@ struct Worker {
     std::fill(lsum, lsum + rows * kLanes, 0.f);
     std::fill(o, o + rp * dvp, 0.f);
     std::fill(q + rows * dkp, q + rp * dkp, packed_t(0));  // AMX padding rows
-    std::fill(p + rows * Nb, p + rp * Nb, p_t(0));
     const bool* mrow0 = P.mask ? P.mask + b * P.ms[0] + hq * P.ms[1] : nullptr;
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) {
+      std::fill(p, p + 16 * Nb, p_t(0));  // rows of a partial last group stay finite
+      key_loop_amx(b, i0, rows, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits);
+    } else
+#endif
     for (int64_t j0 = 0; j0 < kend; j0 += Nb) {
       const int jn = int(std::min(Nb, kend - j0));
       const int nv = (jn + kLanes - 1) / kLanes;
@@ -349,7 +358,7 @@ struct Worker {
       const packed_t* vb = vp + j0 * dvp;  // same offset for both V layouts (j0 is even)
       switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
-  case NV: key_block<NV>(b, i0, rows, j0, jn, first_lim, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+  case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
         MHA_KEY_BLOCK(1) MHA_KEY_BLOCK(2) MHA_KEY_BLOCK(3) MHA_KEY_BLOCK(4)
         MHA_KEY_BLOCK(5) MHA_KEY_BLOCK(6) MHA_KEY_BLOCK(7) MHA_KEY_BLOCK(8)
 #undef MHA_KEY_BLOCK
@@ -387,65 +396,124 @@ struct Worker {
     for (; c < P.dv; ++c) orow[c] = T(o[c] * inv);
   }
 
-  template <int NV>
-  void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn, int64_t first_lim,
-                 const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
-                 float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
-                 uint16_t* bits) {
-    constexpr int W = NV * kLanes;
+  // The online-softmax update of RS rows of one key block (rows of s and p are Nb long; bit
+  // masks kMaxVecsPerBlock words per row). AMX: the one-pass bf16 softmax with lazy rescaling
+  // (for scale > 0; the masked variant only where some lane may be masked).
+  template <int NV, int RS>
+  void softmax(bool unmasked, const float* s, const int* nvalid, const uint16_t* bits, float c,
+               float* m, float* lsum, float* alpha, p_t* p) const {
 #if defined(MHA_FLASH_AMX)
     if constexpr (K::kAmx) {
-      K::qk_block(q, dkp, kt, Nb, (rows + 15) / 16, NV, s, Nb);
-    } else
+      if (c > 0.f) {
+        if (unmasked)
+          K::template softmax_lazy<NV, RS, false>(s, Nb, nvalid, bits, kMaxVecsPerBlock, c, m,
+                                                  lsum, alpha, p, Nb);
+        else
+          K::template softmax_lazy<NV, RS, true>(s, Nb, nvalid, bits, kMaxVecsPerBlock, c, m,
+                                                 lsum, alpha, p, Nb);
+        return;
+      }
+    }
 #endif
-    {
-      for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
-        const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
-        float* sc = s + c0 * kLanes;
-        switch (std::min(4, NV - c0)) {
-          case 1: for_row_tiles<rows_for(1)>(rows, QkTile<K, 1>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-          case 2: for_row_tiles<rows_for(2)>(rows, QkTile<K, 2>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-          case 3: for_row_tiles<rows_for(3)>(rows, QkTile<K, 3>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-          default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
-        }
-      }
-    }
-    const bool unmasked = mrow0 == nullptr && j0 + W <= first_lim;
-    const float c = P.scale * kLog2e;
-    constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
-    for (int r0 = 0; r0 < rows; r0 += RS) {
-      const int rs = std::min(RS, rows - r0);
-      int nvalid[RS];
-      for (int r = r0; r < r0 + rs; ++r) {
-        const int64_t i = i0 + r;
-        nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, i) - j0, 0, W));
-        if (mrow0) mask_bits(mrow0 + i * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
-      }
-      const uint16_t* rb = mrow0 ? bits + r0 * kMaxVecsPerBlock : nullptr;
-      if (rs == RS)
-        K::template softmax_rows<NV, RS>(s + r0 * Nb, Nb, nvalid, rb, kMaxVecsPerBlock, c, m + r0,
-                                         lsum + r0 * kLanes, alpha + r0, p + r0 * Nb, Nb);
-      else
-        for (int r = 0; r < rs; ++r)
-          K::template softmax_rows<NV, 1>(s + (r0 + r) * Nb, Nb, nvalid + r,
-                                          rb ? rb + r * kMaxVecsPerBlock : nullptr,
-                                          kMaxVecsPerBlock, c, m + r0 + r,
-                                          lsum + (r0 + r) * kLanes, alpha + r0 + r,
-                                          p + (r0 + r) * Nb, Nb);
-    }
+    K::template softmax_rows<NV, RS>(s, Nb, nvalid, bits, kMaxVecsPerBlock, c, m, lsum, alpha,
+                                     p, Nb);
+  }
+
 #if defined(MHA_FLASH_AMX)
-    if constexpr (K::kAmx) {  // P V in 32-key chunks: zero P's odd 16-key tail, rescale O
-      if (NV % 2)
-        for (int r = 0; r < rows; ++r) std::fill(p + r * Nb + W, p + r * Nb + W + kLanes, p_t(0));
-      for (int r = 0; r < rows; ++r) {
+  // AMX: steps t = (key block, 16-row group), software-pipelined: the tile unit computes
+  // S = Q K^T of step t + 1 (into the other S buffer) while the vector units run the softmax
+  // of step t; then O rows of the group are rescaled where their max moved, and O += P V.
+  // s: 2 x [16][Nb] floats, p: [16][Nb] bf16, o: [rp][dvp], per-row m / alpha / lsum.
+  void key_loop_amx(int64_t b, int64_t i0, int rows, int64_t kend, const bool* mrow0,
+                    const packed_t* q, const packed_t* kt, const packed_t* vp, float* s, p_t* p,
+                    float* o, float* m, float* alpha, float* lsum, uint16_t* bits) {
+    const int groups = (rows + 15) / 16;
+    const int64_t steps = (kend + Nb - 1) / Nb * groups;
+    auto qk = [&](int64_t t) {  // S[16][jn] of step t
+      const int64_t j0 = t / groups * Nb;
+      const int nchunks = int((std::min(Nb, kend - j0) + kLanes - 1) / kLanes);
+      K::qk_block(q + (t % groups) * 16 * dkp, dkp, kt + (j0 / Nb) * dkp * Nb, Nb, 1, nchunks,
+                  s + (t & 1) * 16 * Nb, Nb);
+    };
+    qk(0);
+    for (int64_t t = 0; t < steps; ++t) {
+      if (t + 1 < steps) qk(t + 1);
+      const int64_t j0 = t / groups * Nb;
+      const int r0 = int(t % groups) * 16, rg = std::min(16, rows - r0);
+      const int jn = int(std::min(Nb, kend - j0));
+      const int nv = (jn + kLanes - 1) / kLanes;
+      const float* st = s + (t & 1) * 16 * Nb;
+      switch (nv) {
+#define MHA_KEY_STEP(NV)                                                                   \
+  case NV:                                                                                 \
+    softmax_group<NV>(b, i0 + r0, rg, j0, mrow0, st, p, m + r0, alpha + r0,                \
+                      lsum + r0 * kLanes, bits);                                           \
+    break;
+        MHA_KEY_STEP(1) MHA_KEY_STEP(2) MHA_KEY_STEP(3) MHA_KEY_STEP(4)
+        MHA_KEY_STEP(5) MHA_KEY_STEP(6) MHA_KEY_STEP(7) MHA_KEY_STEP(8)
+#undef MHA_KEY_STEP
+        default: TORCH_CHECK(false, "flash_attention: bad key block width");
+      }
+      if (nv % 2)  // P V takes 32-key chunks: zero P's odd 16-key tail
+        for (int r = 0; r < rg; ++r)
+          std::fill(p + r * Nb + nv * kLanes, p + r * Nb + (nv + 1) * kLanes, p_t(0));
+      for (int r = r0; r < r0 + rg; ++r) {  // only rows whose running max moved (lazy rescale)
+        if (alpha[r] == 1.f) continue;
         const __m512 a = _mm512_set1_ps(alpha[r]);
         for (int64_t c = 0; c < dvp; c += kLanes)
           _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
       }
-      K::pv_block(p, Nb, v, dvp, (jn + 31) / 32, (rows + 15) / 16, o);
-      return;
+      K::pv_block(p, Nb, vp + j0 * dvp, dvp, (jn + 31) / 32, 1, o + r0 * dvp);
     }
+  }
 #endif
+
+  // The softmax of rows [ia, ia + rg) (a query block, or one AMX group) for the key block at
+  // j0 (NV vectors): scores st (rows of Nb), P into p (rows of Nb); m, alpha, lsum of the rows.
+  template <int NV>
+  void softmax_group(int64_t b, int64_t ia, int rg, int64_t j0, const bool* mrow0,
+                     const float* st, p_t* p, float* m, float* alpha, float* lsum,
+                     uint16_t* bits) const {
+    constexpr int W = NV * kLanes;
+    const bool unmasked = mrow0 == nullptr && j0 + W <= P.key_limit(b, ia);
+    const float c = P.scale * kLog2e;
+    constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
+    for (int r0 = 0; r0 < rg; r0 += RS) {
+      const int rs = std::min(RS, rg - r0);
+      int nvalid[RS];
+      for (int r = r0; r < r0 + rs; ++r) {
+        nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, ia + r) - j0, 0, W));
+        if (mrow0)
+          mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
+      }
+      const uint16_t* rb = mrow0 ? bits + r0 * kMaxVecsPerBlock : nullptr;
+      if (rs == RS)
+        softmax<NV, RS>(unmasked, st + r0 * Nb, nvalid, rb, c, m + r0, lsum + r0 * kLanes,
+                        alpha + r0, p + r0 * Nb);
+      else
+        for (int r = 0; r < rs; ++r)
+          softmax<NV, 1>(unmasked, st + (r0 + r) * Nb, nvalid + r,
+                         rb ? rb + r * kMaxVecsPerBlock : nullptr, c, m + r0 + r,
+                         lsum + (r0 + r) * kLanes, alpha + r0 + r, p + (r0 + r) * Nb);
+    }
+  }
+
+  template <int NV>
+  void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn,
+                 const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
+                 float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
+                 uint16_t* bits) {
+    for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
+      const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
+      float* sc = s + c0 * kLanes;
+      switch (std::min(4, NV - c0)) {
+        case 1: for_row_tiles<rows_for(1)>(rows, QkTile<K, 1>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        case 2: for_row_tiles<rows_for(2)>(rows, QkTile<K, 2>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        case 3: for_row_tiles<rows_for(3)>(rows, QkTile<K, 3>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+        default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
+      }
+    }
+    softmax_group<NV>(b, i0, rows, j0, mrow0, s, p, m, alpha, lsum, bits);
     const int nvt = int(dvp / kLanes);
     for (int c0 = 0; c0 < nvt; c0 += 4) {
       const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);

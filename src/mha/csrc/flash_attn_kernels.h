@@ -146,6 +146,35 @@ inline __mmask16 lanes_below(int n) {
   return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
 }
 
+// Register-tile accumulators acc[R][NV] (NV 16-lane columns): zero, alpha-scaled load from
+// rows of ld floats, and store (the loops every AVX-512 tile kernel starts and ends with).
+template <int R, int NV>
+__attribute__((always_inline)) inline void acc_zero(__m512 (&acc)[R][NV]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+}
+template <int R, int NV>
+__attribute__((always_inline)) inline void acc_load_scaled(__m512 (&acc)[R][NV], const float* o,
+                                                           int64_t ld, const float* alpha) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + v * kLanes), a);
+  }
+}
+template <int R, int NV>
+__attribute__((always_inline)) inline void acc_store(const __m512 (&acc)[R][NV], float* o,
+                                                     int64_t ld) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ld + v * kLanes, acc[r][v]);
+}
+
 // The online-softmax update of RS rows (interleaved, so their reduction and exp latency
 // chains overlap), shared by both AVX-512 kernels. Scores become base-2 logits t = s * c
 // (c = scale * log2 e); masked lanes are -inf. P is written as fp32 or rounded to bf16.
@@ -211,10 +240,7 @@ struct Avx512F32 {
   static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
                         float* s, int64_t lds) {
     __m512 acc[R][NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    acc_zero(acc);
     for (int kk = 0; kk < dkp; ++kk) {
       __m512 kv[NV];
 #pragma GCC unroll 4
@@ -226,10 +252,7 @@ struct Avx512F32 {
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, kv[v], acc[r][v]);
       }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
+    acc_store(acc, s, lds);
   }
 
   template <int NV, int RS>
@@ -243,13 +266,7 @@ struct Avx512F32 {
   static inline void pv(const float* p, int64_t ldp, const float* v, int64_t dvp, int n,
                         float* o, int64_t ldo, const float* alpha) {
     __m512 acc[R][CV];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), a);
-    }
+    acc_load_scaled(acc, o, ldo, alpha);
     for (int j = 0; j < n; ++j) {
       __m512 vv[CV];
 #pragma GCC unroll 4
@@ -261,10 +278,7 @@ struct Avx512F32 {
         for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
       }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    acc_store(acc, o, ldo);
   }
 
   static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
@@ -291,10 +305,7 @@ struct Avx512Bf16 {
   static inline void qk(const uint16_t* q, int64_t ldq, const uint16_t* kt, int64_t ldk, int dkp,
                         float* s, int64_t lds) {
     __m512 acc[R][NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    acc_zero(acc);
     for (int k2 = 0; k2 < dkp / 2; ++k2) {
       __m512bh kv[NV];
 #pragma GCC unroll 4
@@ -307,10 +318,7 @@ struct Avx512Bf16 {
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, kv[v]);
       }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * lds + v * kLanes, acc[r][v]);
+    acc_store(acc, s, lds);
   }
 
   template <int NV, int RS>
@@ -325,13 +333,7 @@ struct Avx512Bf16 {
   static inline void pv(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp, int n,
                         float* o, int64_t ldo, const float* alpha) {
     __m512 acc[R][CV];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), a);
-    }
+    acc_load_scaled(acc, o, ldo, alpha);
     for (int j2 = 0; j2 < (n + 1) / 2; ++j2) {
       __m512bh vv[CV];
 #pragma GCC unroll 4
@@ -344,17 +346,15 @@ struct Avx512Bf16 {
         for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, vv[c]);
       }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    acc_store(acc, o, ldo);
   }
 
   static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
 };
 #endif  // __AVX512BF16__
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define MHA_FLASH_AMX 1
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
 // operands in the same pair layouts as Avx512Bf16); packing and the softmax are Avx512Bf16's.
@@ -374,6 +374,28 @@ inline bool amx_permitted() {
   return ok;
 }
 
+// 2^x for the bf16 P of the AMX kernel, x in [-125, kLazyRescale] (or masked): P is rounded to
+// bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
+// polynomial suffices: 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps),
+// p fitted (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by
+// the vscalefps that also zeroes the lanes outside `keep`. Inputs are clamped at -125 so the
+// result stays a normal number (an underflowing vscalefps takes a slow microcode assist).
+constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
+                kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
+inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F0));
+  return _mm512_maskz_scalef_ps(keep, y, x);
+}
+
+// The running max m of a row moves only when a block's max exceeds it by more than this (in
+// log2 units): until then P = 2^(t - m) <= 2^8 and O, l keep accumulating unscaled. Exact: the
+// final O / l and lse = m + log2 l use the same (stale) m. Saves the O rescale of most blocks.
+constexpr float kLazyRescale = 8.f;
+
 struct AmxBf16 : Avx512Bf16 {
   static constexpr const char* kName = "amx";
   static constexpr bool kAmx = true;
@@ -387,10 +409,75 @@ struct AmxBf16 : Avx512Bf16 {
   }
   static void release() { _tile_release(); }
 
+  // The online-softmax update of RS rows in one pass over the scores, for scale c > 0:
+  // t = s c - m (one FMA; max(s c) = c max(s)), P = 2^t in bf16, lazy rescaling (alpha = 1 and
+  // m unchanged unless the block max exceeds m + kLazyRescale). Masked: lanes past nvalid[r]
+  // or with a 0 bit are excluded (P = 0); otherwise every lane of the block is visible.
+  template <int NV, int RS, bool Masked>
+  static inline void softmax_lazy(const float* s, int64_t lds, const int* nvalid,
+                                  const uint16_t* bits, int bstride, float c, float* m,
+                                  float* lsum, float* alpha, uint16_t* p, int64_t ldp) {
+    const __m512 cv = _mm512_set1_ps(c);
+    __m512 x[RS][NV], mx[RS];
+    __mmask16 keep[RS][NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RS; ++r) {
+      mx[r] = _mm512_set1_ps(kNegInf);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        x[r][v] = _mm512_loadu_ps(s + r * lds + v * kLanes);
+        if constexpr (Masked) {
+          keep[r][v] = lanes_below(nvalid[r] - v * kLanes);
+          if (bits) keep[r][v] &= bits[r * bstride + v];
+          mx[r] = _mm512_mask_max_ps(mx[r], keep[r][v], mx[r], x[r][v]);
+        } else {
+          keep[r][v] = __mmask16(0xFFFF);
+          mx[r] = _mm512_max_ps(mx[r], x[r][v]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RS; ++r) {
+      const float mb = _mm512_reduce_max_ps(mx[r]) * c;  // this block's max logit (or -inf)
+      uint16_t* pr = p + r * ldp;
+      alpha[r] = 1.f;
+      if (mb > m[r] + kLazyRescale) {
+        alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
+        m[r] = mb;
+        _mm512_storeu_ps(lsum + r * kLanes, _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes),
+                                                          _mm512_set1_ps(alpha[r])));
+      }
+      if (m[r] == kNegInf) {  // nothing visible yet in this row
+        std::memset(pr, 0, NV * kLanes * sizeof(uint16_t));
+        continue;
+      }
+      const __m512 mneg = _mm512_set1_ps(-m[r]);
+      __m512 sum = _mm512_loadu_ps(lsum + r * kLanes);
+#pragma GCC unroll 8
+      for (int v = 0; v + 1 < NV; v += 2) {
+        const __m512 e0 = exp2_bf16_avx512(_mm512_fmadd_ps(x[r][v], cv, mneg), keep[r][v]);
+        const __m512 e1 =
+            exp2_bf16_avx512(_mm512_fmadd_ps(x[r][v + 1], cv, mneg), keep[r][v + 1]);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pr + v * kLanes, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      if constexpr (NV % 2 == 1) {
+        const __m512 e = exp2_bf16_avx512(_mm512_fmadd_ps(x[r][NV - 1], cv, mneg), keep[r][NV - 1]);
+        sum = _mm512_add_ps(sum, e);
+        const __m256bh h = _mm512_cvtneps_pbh(e);
+        std::memcpy(pr + (NV - 1) * kLanes, &h, sizeof(h));
+      }
+      _mm512_storeu_ps(lsum + r * kLanes, sum);
+    }
+  }
+
   // S[16 g + i][16 c] for row groups g < groups, 16-key chunks c < nchunks:
   // q rows of dkp bf16 (dkp % 32 == 0), kt [dkp/2][ldk][2], s rows of lds floats.
-  static void qk_block(const uint16_t* q, int64_t dkp, const uint16_t* kt, int64_t ldk,
-                       int groups, int nchunks, float* s, int64_t lds) {
+  // (qk_block and pv_block are not inlined: one symbol each in a profile, ~16 tile products
+  // per call.)
+  __attribute__((noinline)) static void qk_block(const uint16_t* q, int64_t dkp,
+                                                 const uint16_t* kt, int64_t ldk, int groups,
+                                                 int nchunks, float* s, int64_t lds) {
     for (int g = 0; g < groups; ++g) {
       const uint16_t* qg = q + g * 16 * dkp;
       float* sg = s + g * 16 * lds;
@@ -417,8 +504,9 @@ struct AmxBf16 : Avx512Bf16 {
 
   // O[16 g + i][:] += P[16 g + i][0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2],
   // o rows of dvp floats (dvp % 16 == 0).
-  static void pv_block(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp,
-                       int kchunks, int groups, float* o) {
+  __attribute__((noinline)) static void pv_block(const uint16_t* p, int64_t ldp,
+                                                 const uint16_t* v, int64_t dvp, int kchunks,
+                                                 int groups, float* o) {
     const int nvc = int(dvp / 16);
     for (int g = 0; g < groups; ++g) {
       for (int c0 = 0; c0 < nvc; c0 += 4) {
