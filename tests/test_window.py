@@ -1,5 +1,6 @@
 """Sliding-window attention (``window`` with ``causal``): every backend that declares the mask
-kind against the float64 loop; the native kernels reject it in words and dispatch moves on.
+kind against the float64 loop; flash_cpu serves it without gradients, the kernels that do not
+(flash_decode; flash_cpu when training) say why in words and dispatch moves on.
 
 Shape legend: B batch, h / h_kv heads, Tq / Tk lengths, d head dim, w window.
 """
@@ -53,12 +54,23 @@ def test_a_window_as_long_as_the_keys_is_plain_causal():
                                mha.attention(q, k, v, causal=True), rtol=0, atol=1e-6)
 
 
-def test_native_kernels_say_why_and_dispatch_moves_on():
+def test_flash_cpu_serves_the_window_and_flash_decode_says_why_not():
     q, k, v = _qkv(1, 2, 2, 20, 20, 32)
     ex = mha.explain(q, k, v, causal=True, window=4)
     flash = next(v for v in ex if v.backend == "flash_cpu")
-    assert "mask kind 'window' not supported" in "; ".join(flash.reasons)
-    assert ex.chosen in WINDOW_BACKENDS
+    assert not flash.reasons and ex.chosen == "flash_cpu"
+    q1 = q[:, :, -1:]  # a decode step: flash_decode's shape, but it has no window
+    decode = next(v for v in mha.explain(q1, k, v, causal=True, window=4)
+                  if v.backend == "flash_decode")
+    assert "mask kind 'window' not supported" in "; ".join(decode.reasons)
+
+
+def test_training_with_a_window_leaves_flash_cpu_for_a_backend_with_a_backward():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 20, 20, 32))
+    ex = mha.explain(q, k, v, causal=True, window=4)
+    flash = next(v for v in ex if v.backend == "flash_cpu")
+    assert "sliding window has no native backward yet" in "; ".join(flash.reasons)
+    assert ex.chosen != "flash_cpu" and ex.chosen in WINDOW_BACKENDS
 
 
 def test_gradients_are_finite_and_match_the_mask():

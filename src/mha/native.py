@@ -52,7 +52,7 @@ def kernels() -> dict[str, str]:
     return {"float32": f32, "bfloat16": bf16}
 
 
-def _fwd_fake(q, k, v, key_lengths, mask, causal, scale):
+def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0):
     B, h, Tq, _ = q.shape
     torch._check(k.shape[0] == B and v.shape[0] == B, lambda: "q, k, v must share B")
     torch._check(k.shape[3] == q.shape[3], lambda: "k must have d_k like q")
@@ -63,7 +63,9 @@ def _fwd_fake(q, k, v, key_lengths, mask, causal, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_lengths, mask, causal, scale = inputs
+    q, k, v, key_lengths, mask, causal, scale, window = inputs
+    if window > 0:  # the backward below does not apply the window
+        raise NotImplementedError("flash_attention: a sliding window has no native backward yet")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask)
     ctx.causal, ctx.scale = causal, scale
@@ -73,7 +75,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, key_lengths, mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.mha.flash_attention_bwd(grad_out, grad_lse, q, k, v, out, lse,
                                                    key_lengths, mask, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _allowed_chunk(i0: int, i1: int, jmax: int, Tq: int, Tk: int, causal: bool,
@@ -150,7 +152,8 @@ def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     key_lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None = None,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` on the CPU with the native kernel, and its log-sum-exp.
 
     Args:
@@ -166,6 +169,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         mask: bool broadcastable to ``(B, h, Tq, Tk)``, True = may attend; read in place
             through its strides (broadcast dims are not expanded).
         scale: multiplies the scores; None means ``1 / sqrt(d_k)``.
+        window: sliding window (use with ``causal``): query ``i`` sees only keys
+            ``j > i + Tk - Tq - window``; key blocks left of it are skipped. None: no window.
+            Forward only: with inputs that require grad it raises ``NotImplementedError``.
 
     Returns:
         ``out (B, h, Tq, d_v)`` in q's dtype (memory laid out as ``(B, Tq, h, d_v)``) and
@@ -178,7 +184,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if key_lengths is not None:
         key_lengths = torch.as_tensor(key_lengths).to(torch.int64)  # (B,)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    args = (q, k, v, key_lengths, mask, bool(causal), scale)
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"flash_attention: window must be a positive int or None, got {window!r}")
+    args = (q, k, v, key_lengths, mask, bool(causal), scale, int(window or 0))
     if not torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # no graph to record: skip the Python autograd wrapper (~6 us a call, measured on the

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 
 
 @functools.cache
@@ -35,8 +35,15 @@ def _forward(call: AttentionCall):
 
     m = call.masks
     out, _ = native.flash_attention(call.q, call.k, call.v, causal=m.causal,
-                                    key_lengths=m.key_lengths, mask=m.mask, scale=call.scale)
+                                    key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
+                                    window=m.window)
     return out, None  # (B, h, Tq, d_v)
+
+
+def _extra_reasons(call: AttentionCall) -> list[str]:
+    if call.masks.window is not None and call.needs_grad:
+        return ["sliding window has no native backward yet"]
+    return []
 
 
 BACKEND = Backend(
@@ -45,7 +52,8 @@ BACKEND = Backend(
     caps=Capabilities(devices=frozenset({"cpu"}),
                       dtypes=frozenset({torch.float32, torch.bfloat16}),
                       min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
-                      dropout=False, weights=False, grad=True),
+                      dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS),
     forward=_forward,
     unavailable=_unavailable,
+    extra_reasons=_extra_reasons,
 )

@@ -7,13 +7,16 @@
 //
 // Masks (True = may attend, all combined with AND): causal aligned bottom-right (query i sees
 // keys j <= i + Tk - Tq), key_lengths (B,) (keys j >= key_lengths[b] are padding), and a bool
-// mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims).
+// mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims),
+// and a sliding window w > 0 (the left edge: query i sees keys j > i + Tk - Tq - w; used with
+// causal). Query row i thus sees keys [key_start(i), key_limit(b, i)), before the bool mask.
 //
 // Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
 // group. The item packs its head's K (transposed) and V once into thread-local buffers, then
 // walks 48-row query blocks; each block streams key blocks of Nb <= 128 keys through
 // S = Q K^T (register tiles), the online-softmax update, and O = alpha O + P V. Key blocks past
-// the last visible key (causal, key_lengths) are never touched. Items are handed out from an
+// the last visible key (causal, key_lengths) or before the first (window) are never touched:
+// with a window, work and packing are O(Tq w), not O(Tq Tk). Items are handed out from an
 // atomic counter, costliest first; each item is computed by one thread in a fixed order, so the
 // result does not depend on the thread count or the schedule (bitwise deterministic).
 #include <ATen/ATen.h>
@@ -50,12 +53,17 @@ struct Problem {
   int64_t B, h, hkv, Tq, Tk, dk, dv;
   float scale;
   bool causal;
+  int64_t window;  // > 0: sliding window (the left edge); <= 0: none
 
   // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
   int64_t key_limit(int64_t b, int64_t i) const {
     int64_t lim = key_lengths ? key_lengths[b] : Tk;
     if (causal) lim = std::min(lim, i + Tk - Tq + 1);
     return std::max<int64_t>(lim, 0);
+  }
+  // Keys j < start are left of query row i's window (0 without a window); grows with i.
+  int64_t key_start(int64_t i) const {
+    return window > 0 ? std::max<int64_t>(0, i + Tk - Tq - window + 1) : 0;
   }
 };
 
@@ -170,6 +178,14 @@ inline void mask_bits(const bool* row, int64_t stride, int64_t j0, int64_t Tk, i
   }
 }
 
+// Clears the bits of keys left of a row's window: keys j0 + n with n < e (bits as mask_bits).
+inline void clear_left_of(int64_t e, int nv, uint16_t* bits) {
+  for (int v = 0; v < nv; ++v) {
+    const int64_t n = std::clamp<int64_t>(e - int64_t(v) * kLanes, 0, kLanes);
+    bits[v] &= uint16_t(~((1u << n) - 1u));
+  }
+}
+
 struct Item {
   int64_t b, kh, i0, i1;
   double cost;
@@ -192,13 +208,14 @@ struct Worker {
 
   // K transposed per key block: [dkp][Nb] (fp32) or [dkp/2][Nb][2] (bf16 pairs of d_k).
   // V: [keys][dvp] (fp32) or [keys/2][dvp][2] (bf16 pairs of keys). Zeros past kend / d.
-  // Keys are packed up to kend rounded to 16 (32 for AMX; the tiles never read further); zeros
-  // past kend.
-  void pack_kv(int64_t b, int64_t kh, int64_t kend, packed_t* kt, packed_t* vp) const {
+  // Keys [kbeg, kend) are packed (kbeg a multiple of Nb; key kbeg at offset 0), up to kend
+  // rounded to 16 (32 for AMX; the tiles never read further); zeros past kend.
+  void pack_kv(int64_t b, int64_t kh, int64_t kbeg, int64_t kend, packed_t* kt,
+               packed_t* vp) const {
     const int64_t nkeys = round_up(kend, K::kKeyAlign);
     const T* kbase = P.k + b * P.ks[0] + kh * P.ks[1];
     const T* vbase = P.v + b * P.vs[0] + kh * P.vs[1];
-    int64_t j = 0;
+    int64_t j = kbeg;
 #if defined(__AVX512F__)
     // fp32: 16 keys at a time, one (masked) gather per d_k column, contiguous stores into K^T
     if constexpr (std::is_same_v<T, float> && std::is_same_v<packed_t, float>) {
@@ -208,12 +225,13 @@ struct Worker {
             _mm512_set1_epi32(int32_t(P.ks[2])));
         for (; j < nkeys; j += kLanes) {
           const __mmask16 real = lanes_below(int(std::min<int64_t>(kend - j, kLanes)));
-          float* kblk = kt + (j / Nb) * dkp * Nb + j % Nb;
+          float* kblk = kt + ((j - kbeg) / Nb) * dkp * Nb + j % Nb;
           const float* kbj = kbase + j * P.ks[2];
           for (int64_t kk = 0; kk < dkp; ++kk)
             _mm512_storeu_ps(kblk + kk * Nb, _mm512_mask_i32gather_ps(
                                                  _mm512_setzero_ps(), real, idx, kbj + kk * P.ks[3], 4));
-          for (int64_t jj = j; jj < j + kLanes; ++jj) pack_v_row(vbase + jj * P.vs[2], jj, jj < kend, vp);
+          for (int64_t jj = j; jj < j + kLanes; ++jj)
+            pack_v_row(vbase + jj * P.vs[2], jj - kbeg, jj < kend, vp);
         }
       }
     }
@@ -227,7 +245,8 @@ struct Worker {
             _mm512_set1_epi32(int32_t(P.ks[2] * 2)));
         for (; j < nkeys; j += kLanes) {
           const __mmask16 real = lanes_below(int(std::min<int64_t>(kend - j, kLanes)));
-          uint16_t* kblk = reinterpret_cast<uint16_t*>(kt) + (j / Nb) * dkp * Nb + (j % Nb) * 2;
+          uint16_t* kblk =
+              reinterpret_cast<uint16_t*>(kt) + ((j - kbeg) / Nb) * dkp * Nb + (j % Nb) * 2;
           const char* kbj = reinterpret_cast<const char*>(kbase + j * P.ks[2]);
           for (int64_t pr = 0; pr < dkp / 2; ++pr) {
             const __m512i w = pr < P.dk / 2
@@ -235,7 +254,7 @@ struct Worker {
                 : _mm512_setzero_si512();
             _mm512_storeu_si512(kblk + pr * Nb * 2, w);
           }
-          for (int64_t jj = j; jj < j + kLanes; jj += 2) pack_v_pair_bf16(vbase, jj, kend, vp);
+          for (int64_t jj = j; jj < j + kLanes; jj += 2) pack_v_pair_bf16(vbase, jj, kbeg, kend, vp);
         }
       }
     }
@@ -243,7 +262,7 @@ struct Worker {
 #endif
     for (; j < nkeys; ++j) {
       const bool real = j < kend;
-      packed_t* kblk = kt + (j / Nb) * dkp * Nb;
+      packed_t* kblk = kt + ((j - kbeg) / Nb) * dkp * Nb;
       const int64_t n = j % Nb;
       const T* krow = kbase + j * P.ks[2];
       for (int64_t kk = 0; kk < dkp; ++kk) {
@@ -251,16 +270,17 @@ struct Worker {
         if constexpr (K::kPairs) kblk[(kk / 2) * Nb * 2 + n * 2 + (kk & 1)] = x;
         else kblk[kk * Nb + n] = x;
       }
-      pack_v_row(vbase + j * P.vs[2], j, real, vp);
+      pack_v_row(vbase + j * P.vs[2], j - kbeg, real, vp);
     }
   }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-  // V rows j, j + 1 (j even) into [j/2][dvp][2]; rows at or past kend are zeros.
-  void pack_v_pair_bf16(const T* vbase, int64_t j, int64_t kend, packed_t* vp) const {
+  // V rows j, j + 1 (j even) into [(j - kbeg)/2][dvp][2]; rows at or past kend are zeros.
+  void pack_v_pair_bf16(const T* vbase, int64_t j, int64_t kbeg, int64_t kend,
+                        packed_t* vp) const {
     const auto* r0 = reinterpret_cast<const uint16_t*>(vbase + j * P.vs[2]);
     const auto* r1 = reinterpret_cast<const uint16_t*>(vbase + (j + 1) * P.vs[2]);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp) + (j / 2) * dvp * 2;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp) + ((j - kbeg) / 2) * dvp * 2;
     for (int64_t c = 0; c < dvp; c += kLanes) {
       const __mmask16 m = lanes_below(int(std::min<int64_t>(P.dv - c, kLanes)));
       const __m256i a = j < kend ? _mm256_maskz_loadu_epi16(m, r0 + c) : _mm256_setzero_si256();
@@ -272,6 +292,7 @@ struct Worker {
   }
 #endif
 
+  // V row into packed row j (relative to the first packed key).
   void pack_v_row(const T* vrow, int64_t j, bool real, packed_t* vp) const {
     if constexpr (!K::kPairs) {
       if (!real) return std::fill(vp + j * dvp, vp + (j + 1) * dvp, packed_t(0));
@@ -298,25 +319,30 @@ struct Worker {
 
   void run_item(const Item& it) {
     const int64_t kend = P.key_limit(it.b, it.i1 - 1);
+    const int64_t kbeg = P.key_start(it.i0) / Nb * Nb;  // first key block any row sees
     const int64_t h0 = it.kh * g;
-    if (kend == 0) {
+    if (kend <= kbeg) {
       for (int64_t hq = h0; hq < h0 + g; ++hq) zero_rows(it.b, hq, it.i0, it.i1);
       return;
     }
-    const int64_t nkeys = round_up(kend, Nb);
+    const int64_t nkeys = round_up(kend, Nb) - kbeg;
     packed_t* kt = sc.kt.get(nkeys * dkp);
     packed_t* vp = sc.v.get(nkeys * dvp);
-    pack_kv(it.b, it.kh, kend, kt, vp);
+    pack_kv(it.b, it.kh, kbeg, kend, kt, vp);
     for (int64_t hq = h0; hq < h0 + g; ++hq)
       for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock)
-        query_block(it.b, hq, i0, std::min(it.i1, i0 + kRowsPerBlock), kt, vp);
+        query_block(it.b, hq, i0, std::min(it.i1, i0 + kRowsPerBlock), kbeg, kt, vp);
   }
 
-  void query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, const packed_t* kt,
-                   const packed_t* vp) {
+  // kt, vp: keys packed from kbeg (pack_kv).
+  void query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, int64_t kbeg,
+                   const packed_t* kt, const packed_t* vp) {
     const int rows = int(i1 - i0);
     const int64_t kend = P.key_limit(b, i1 - 1);
-    if (kend == 0) return zero_rows(b, hq, i0, i1);
+    const int64_t jlo = P.key_start(i0) / Nb * Nb;  // the block's first key block (>= kbeg)
+    if (kend <= jlo) return zero_rows(b, hq, i0, i1);
+    kt += (jlo - kbeg) / Nb * dkp * Nb;  // key block jlo
+    vp += (jlo - kbeg) * dvp;            // same offset for both V layouts (jlo - kbeg is even)
     const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
     packed_t* q = sc.q.get(rp * dkp);
     // AMX: two 16-row S buffers (steps t and t + 1) and one 16-row P; else rows of each
@@ -348,14 +374,14 @@ struct Worker {
 #if defined(MHA_FLASH_AMX)
     if constexpr (K::kAmx) {
       std::fill(p, p + 16 * Nb, p_t(0));  // rows of a partial last group stay finite
-      key_loop_amx(b, i0, rows, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits);
+      key_loop_amx(b, i0, rows, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits);
     } else
 #endif
-    for (int64_t j0 = 0; j0 < kend; j0 += Nb) {
+    for (int64_t j0 = jlo; j0 < kend; j0 += Nb) {
       const int jn = int(std::min(Nb, kend - j0));
       const int nv = (jn + kLanes - 1) / kLanes;
-      const packed_t* ktb = kt + (j0 / Nb) * dkp * Nb;
-      const packed_t* vb = vp + j0 * dvp;  // same offset for both V layouts (j0 is even)
+      const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb;
+      const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
       switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
   case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
@@ -424,21 +450,23 @@ struct Worker {
   // S = Q K^T of step t + 1 (into the other S buffer) while the vector units run the softmax
   // of step t; then O rows of the group are rescaled where their max moved, and O += P V.
   // s: 2 x [16][Nb] floats, p: [16][Nb] bf16, o: [rp][dvp], per-row m / alpha / lsum.
-  void key_loop_amx(int64_t b, int64_t i0, int rows, int64_t kend, const bool* mrow0,
-                    const packed_t* q, const packed_t* kt, const packed_t* vp, float* s, p_t* p,
-                    float* o, float* m, float* alpha, float* lsum, uint16_t* bits) {
+  // Keys [jlo, kend); kt, vp start at key jlo.
+  void key_loop_amx(int64_t b, int64_t i0, int rows, int64_t jlo, int64_t kend,
+                    const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* vp,
+                    float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
+                    uint16_t* bits) {
     const int groups = (rows + 15) / 16;
-    const int64_t steps = (kend + Nb - 1) / Nb * groups;
+    const int64_t steps = (kend - jlo + Nb - 1) / Nb * groups;
     auto qk = [&](int64_t t) {  // S[16][jn] of step t
-      const int64_t j0 = t / groups * Nb;
+      const int64_t j0 = jlo + t / groups * Nb;
       const int nchunks = int((std::min(Nb, kend - j0) + kLanes - 1) / kLanes);
-      K::qk_block(q + (t % groups) * 16 * dkp, dkp, kt + (j0 / Nb) * dkp * Nb, Nb, 1, nchunks,
-                  s + (t & 1) * 16 * Nb, Nb);
+      K::qk_block(q + (t % groups) * 16 * dkp, dkp, kt + ((j0 - jlo) / Nb) * dkp * Nb, Nb, 1,
+                  nchunks, s + (t & 1) * 16 * Nb, Nb);
     };
     qk(0);
     for (int64_t t = 0; t < steps; ++t) {
       if (t + 1 < steps) qk(t + 1);
-      const int64_t j0 = t / groups * Nb;
+      const int64_t j0 = jlo + t / groups * Nb;
       const int r0 = int(t % groups) * 16, rg = std::min(16, rows - r0);
       const int jn = int(std::min(Nb, kend - j0));
       const int nv = (jn + kLanes - 1) / kLanes;
@@ -463,7 +491,7 @@ struct Worker {
         for (int64_t c = 0; c < dvp; c += kLanes)
           _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
       }
-      K::pv_block(p, Nb, vp + j0 * dvp, dvp, (jn + 31) / 32, 1, o + r0 * dvp);
+      K::pv_block(p, Nb, vp + (j0 - jlo) * dvp, dvp, (jn + 31) / 32, 1, o + r0 * dvp);
     }
   }
 #endif
@@ -475,7 +503,9 @@ struct Worker {
                      const float* st, p_t* p, float* m, float* alpha, float* lsum,
                      uint16_t* bits) const {
     constexpr int W = NV * kLanes;
-    const bool unmasked = mrow0 == nullptr && j0 + W <= P.key_limit(b, ia);
+    // some row's window starts inside this block (rows further down start further right)
+    const bool left = j0 < P.key_start(ia + rg - 1);
+    const bool unmasked = mrow0 == nullptr && !left && j0 + W <= P.key_limit(b, ia);
     const float c = P.scale * kLog2e;
     constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
     for (int r0 = 0; r0 < rg; r0 += RS) {
@@ -483,10 +513,12 @@ struct Worker {
       int nvalid[RS];
       for (int r = r0; r < r0 + rs; ++r) {
         nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, ia + r) - j0, 0, W));
-        if (mrow0)
-          mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, bits + r * kMaxVecsPerBlock);
+        uint16_t* br = bits + r * kMaxVecsPerBlock;
+        if (mrow0) mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, br);
+        else if (left) std::fill(br, br + NV, uint16_t(0xFFFF));
+        if (left) clear_left_of(P.key_start(ia + r) - j0, NV, br);
       }
-      const uint16_t* rb = mrow0 ? bits + r0 * kMaxVecsPerBlock : nullptr;
+      const uint16_t* rb = (mrow0 || left) ? bits + r0 * kMaxVecsPerBlock : nullptr;
       if (rs == RS)
         softmax<NV, RS>(unmasked, st + r0 * Nb, nvalid, rb, c, m + r0, lsum + r0 * kLanes,
                         alpha + r0, p + r0 * Nb);
@@ -543,7 +575,10 @@ std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
     for (int64_t kh = 0; kh < P.hkv; ++kh)
       for (int64_t i0 = 0; i0 < P.Tq; i0 += rows) {
         const int64_t i1 = std::min(P.Tq, i0 + rows);
-        const double keys = 0.5 * double(P.key_limit(b, i0) + P.key_limit(b, i1 - 1));
+        auto seen = [&](int64_t i) {  // keys row i may see (before the bool mask)
+          return double(std::max<int64_t>(0, P.key_limit(b, i) - P.key_start(i)));
+        };
+        const double keys = 0.5 * (seen(i0) + seen(i1 - 1));
         items.push_back({b, kh, i0, i1, double(i1 - i0) * (keys + 16.0)});
       }
   std::stable_sort(items.begin(), items.end(),
@@ -636,7 +671,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& key_lengths,
                                                 const std::optional<at::Tensor>& mask,
                                                 bool causal, double scale,
-                                                const std::string& kernel) {
+                                                const std::string& kernel, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "flash_attention: q, k, v must be 4-D (B, h, T, d), got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -696,6 +731,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
     P.scale = float(scale);
     P.causal = causal;
+    P.window = window > 0 && window < Tk ? window : 0;  // w >= Tk hides no key: no window
     const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
 #if defined(MHA_FLASH_SMALL)
     if (kernel == "small" || (kernel == "auto" && small_path_applies(P, kn))) {
@@ -730,8 +766,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
-    bool causal, double scale) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto");
+    bool causal, double scale, int64_t window) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window);
 }
 
 // The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16", "amx", or
@@ -739,8 +775,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
-    bool causal, double scale, std::string kernel) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel);
+    bool causal, double scale, std::string kernel, int64_t window) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window);
 }
 
 // The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
@@ -770,9 +806,9 @@ at::Tensor flash_exp2(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
-        "bool causal, float scale) -> (Tensor, Tensor)");
+        "bool causal, float scale, int window=0) -> (Tensor, Tensor)");
   m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-        "Tensor? mask, bool causal, float scale, str kernel) -> (Tensor, Tensor)");
+        "Tensor? mask, bool causal, float scale, str kernel, int window=0) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
   m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);

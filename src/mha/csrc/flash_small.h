@@ -15,7 +15,8 @@
 //   * the softmax runs down the key axis with 16 query rows per vector: max and sum are
 //     element-wise (no horizontal reductions) and, with one key block, there is no rescaling;
 //   * masks become per-key lane masks: causal and key_lengths by comparing the key index with
-//     each row's key limit, a bool mask read through its strides;
+//     each row's key limit, a window with each row's first key, a bool mask read through its
+//     strides (a window's keys are still all scored: Tk is small here);
 //   * work items are (b, K/V head) with all g query heads, split into equal contiguous ranges
 //     by at::parallel_for (no atomic counter; the parallel region is skipped when tiny).
 // bf16 inputs are widened to fp32 (fp32 products, sums and softmax; out rounded once).
@@ -340,10 +341,16 @@ struct SmallWorker {
         lim = _mm512_min_epi32(lim, diag);
       }
       lim = _mm512_maskz_mov_epi32(lanes_below(nq - vq * kLanes), lim);
+      // per-lane first key: j >= start (the window's left edge; 0 without a window)
+      __m512i start = _mm512_setzero_si512();
+      if (P.window > 0)
+        start = _mm512_max_epi32(start, _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(
+                                                                 P.Tk - P.Tq - P.window + 1))));
       __m512 m = neg;
       float* col = st + vq * kLanes;
       for (int j = 0; j < nkeys; ++j) {
-        __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(j));
+        __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(j)) &
+                       _mm512_cmple_epi32_mask(start, _mm512_set1_epi32(j));
         if (bits) ok &= bits[j * 4 + vq];
         const __m512 x = _mm512_mask_mul_ps(neg, ok, _mm512_load_ps(col + j * kSmallCols), cv);
         _mm512_store_ps(col + j * kSmallCols, x);
