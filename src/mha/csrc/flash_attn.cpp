@@ -457,20 +457,34 @@ struct Worker {
                     uint16_t* bits) {
     const int groups = (rows + 15) / 16;
     const int64_t steps = (kend - jlo + Nb - 1) / Nb * groups;
-    auto qk = [&](int64_t t) {  // S[16][jn] of step t
+    // Steps whose key block lies wholly left of the group's window or right of its causal
+    // limit are skipped: their softmax would leave m, lsum and O exactly as they are.
+    auto live = [&](int64_t t) {
+      const int64_t j0 = jlo + t / groups * Nb, ia = i0 + (t % groups) * 16;
+      const int64_t iz = std::min<int64_t>(i0 + rows, ia + 16) - 1;  // the group's last row
+      return j0 + Nb > P.key_start(ia) && j0 < P.key_limit(b, iz);
+    };
+    auto next_live = [&](int64_t t) {
+      while (t < steps && !live(t)) ++t;
+      return t;
+    };
+    auto qk = [&](int64_t t, int buf) {  // S[16][jn] of step t into S buffer buf
       const int64_t j0 = jlo + t / groups * Nb;
       const int nchunks = int((std::min(Nb, kend - j0) + kLanes - 1) / kLanes);
       K::qk_block(q + (t % groups) * 16 * dkp, dkp, kt + ((j0 - jlo) / Nb) * dkp * Nb, Nb, 1,
-                  nchunks, s + (t & 1) * 16 * Nb, Nb);
+                  nchunks, s + buf * 16 * Nb, Nb);
     };
-    qk(0);
-    for (int64_t t = 0; t < steps; ++t) {
-      if (t + 1 < steps) qk(t + 1);
+    int buf = 0;
+    int64_t t = next_live(0);
+    if (t < steps) qk(t, buf);
+    for (; t < steps; buf ^= 1) {
+      const int64_t tn = next_live(t + 1);
+      if (tn < steps) qk(tn, buf ^ 1);
       const int64_t j0 = jlo + t / groups * Nb;
       const int r0 = int(t % groups) * 16, rg = std::min(16, rows - r0);
       const int jn = int(std::min(Nb, kend - j0));
       const int nv = (jn + kLanes - 1) / kLanes;
-      const float* st = s + (t & 1) * 16 * Nb;
+      const float* st = s + buf * 16 * Nb;
       switch (nv) {
 #define MHA_KEY_STEP(NV)                                                                   \
   case NV:                                                                                 \
@@ -492,6 +506,7 @@ struct Worker {
           _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
       }
       K::pv_block(p, Nb, vp + (j0 - jlo) * dvp, dvp, (jn + 31) / 32, 1, o + r0 * dvp);
+      t = tn;
     }
   }
 #endif
