@@ -377,10 +377,12 @@ struct Worker {
       key_loop_amx(b, i0, rows, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits);
     } else
 #endif
-    for (int64_t j0 = jlo; j0 < kend; j0 += Nb) {
-      const int jn = int(std::min(Nb, kend - j0));
+    // From the 16 keys holding the first row's window start (0 without a window) to the
+    // end of its packed block, then whole blocks: the tiles read packed K^T at a column offset.
+    for (int64_t j0 = P.key_start(i0) / kLanes * kLanes; j0 < kend; j0 = (j0 / Nb + 1) * Nb) {
+      const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
-      const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb;
+      const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * (K::kPairs ? 2 : 1);
       const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
       switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
