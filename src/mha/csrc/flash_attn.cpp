@@ -452,7 +452,8 @@ struct Worker {
   // S = Q K^T of step t + 1 (into the other S buffer) while the vector units run the softmax
   // of step t; then O rows of the group are rescaled where their max moved, and O += P V.
   // s: 2 x [16][Nb] floats, p: [16][Nb] bf16, o: [rp][dvp], per-row m / alpha / lsum.
-  // Keys [jlo, kend); kt, vp start at key jlo.
+  // Keys [jlo, kend); kt, vp start at key jlo. The first block starts at the 32 keys holding
+  // the first row's window start (P V reads whole 32-key chunks of V).
   void key_loop_amx(int64_t b, int64_t i0, int rows, int64_t jlo, int64_t kend,
                     const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* vp,
                     float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
@@ -461,20 +462,24 @@ struct Worker {
     const int64_t steps = (kend - jlo + Nb - 1) / Nb * groups;
     // Steps whose key block lies wholly left of the group's window or right of its causal
     // limit are skipped: their softmax would leave m, lsum and O exactly as they are.
+    const int64_t jfirst = std::max(jlo, P.key_start(i0) / 32 * 32);
+    auto first_key = [&](int64_t t) { return t < groups ? jfirst : jlo + t / groups * Nb; };
+    auto end_key = [&](int64_t t) { return std::min(jlo + (t / groups + 1) * Nb, kend); };
     auto live = [&](int64_t t) {
-      const int64_t j0 = jlo + t / groups * Nb, ia = i0 + (t % groups) * 16;
+      const int64_t ia = i0 + (t % groups) * 16;
       const int64_t iz = std::min<int64_t>(i0 + rows, ia + 16) - 1;  // the group's last row
-      return j0 + Nb > P.key_start(ia) && j0 < P.key_limit(b, iz);
+      return end_key(t) > P.key_start(ia) && first_key(t) < P.key_limit(b, iz);
     };
     auto next_live = [&](int64_t t) {
       while (t < steps && !live(t)) ++t;
       return t;
     };
     auto qk = [&](int64_t t, int buf) {  // S[16][jn] of step t into S buffer buf
-      const int64_t j0 = jlo + t / groups * Nb;
-      const int nchunks = int((std::min(Nb, kend - j0) + kLanes - 1) / kLanes);
-      K::qk_block(q + (t % groups) * 16 * dkp, dkp, kt + ((j0 - jlo) / Nb) * dkp * Nb, Nb, 1,
-                  nchunks, s + buf * 16 * Nb, Nb);
+      const int64_t j0 = first_key(t);
+      const int nchunks = int((end_key(t) - j0 + kLanes - 1) / kLanes);
+      K::qk_block(q + (t % groups) * 16 * dkp, dkp,
+                  kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2, Nb, 1, nchunks,
+                  s + buf * 16 * Nb, Nb);
     };
     int buf = 0;
     int64_t t = next_live(0);
@@ -482,9 +487,9 @@ struct Worker {
     for (; t < steps; buf ^= 1) {
       const int64_t tn = next_live(t + 1);
       if (tn < steps) qk(tn, buf ^ 1);
-      const int64_t j0 = jlo + t / groups * Nb;
+      const int64_t j0 = first_key(t);
       const int r0 = int(t % groups) * 16, rg = std::min(16, rows - r0);
-      const int jn = int(std::min(Nb, kend - j0));
+      const int jn = int(end_key(t) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
       const float* st = s + buf * 16 * Nb;
       switch (nv) {
