@@ -20,10 +20,16 @@ from oracle import assert_within_budget
 NEEDS_KERNEL = pytest.mark.skipif(decode.unavailable() is not None,
                                   reason=f"decode kernel unavailable: {decode.unavailable()}")
 
-# (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (256 keys each),
-# Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column blocks), Tq = 16.
+# (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (64 … 1024
+# keys each, by shape), Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column
+# blocks), Tq = 16. bf16 with d_k % 32 == 0, d_k <= 128 and G = h / h_kv * Tq <= 16 scores on
+# AMX tiles (32 keys at a time, the rest of a split on AVX-512): G = 1, 4, 6, 8, 16 below; G = 24
+# and 32, and d_k = 40 or 200, take the vdpbf16ps path.
 SHAPES = [
     (1, 4, 4, 1, 1, 16, 16),
+    (1, 4, 4, 1, 1000, 128, 128),
+    (1, 16, 1, 1, 333, 32, 32),
+    (1, 8, 1, 3, 300, 64, 40),
     (2, 8, 2, 1, 300, 64, 64),
     (1, 8, 1, 4, 777, 40, 24),
     (3, 6, 3, 16, 520, 128, 128),
