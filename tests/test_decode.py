@@ -185,8 +185,31 @@ def test_bench_suite_states_bandwidth_against_the_faster_read_row():
     names = [c.name for c in all_cases(Context(quick=True))]
     assert "step B1 h32 d128 Tk4096 float32" in names and "step B1 h32 d128 Tk4096 bfloat16" in names
     case = next(c for c in all_cases(Context(quick=True)) if c.name.endswith("Tk4096 float32"))
-    assert {i.name for i in case.impls} >= {"mha", "torch sdpa", "torch.cat + sdpa", *READS}
+    assert {i.name for i in case.impls} >= {"mha", "torch sdpa", "torch.cat + sdpa",
+                                            "onnxruntime GQA", *READS}
     rows = [Row("decode", "c", name, seconds=s, bytes=1e9, metric="gbs")
             for name, s in (("mha", 0.05), (READS[0], 0.04), (READS[1], 0.025))]
     relative_to_read(rows)
     assert [round(r.pct_peak) for r in rows] == [50, 62, 100]  # vs the faster read (40 GB/s)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16-as-fp16"])
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_ort_gqa_decode_peer_computes_the_same_step(dtype, tol, h_kv):
+    """The ONNX Runtime GroupQueryAttention peer of the decode suite: one step against a past
+    cache gives SDPA's output (over the cache including the new token), call after call."""
+    pytest.importorskip("onnxruntime")
+    from mha.bench import peers
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=g).to(dtype)  # (B, h, 1, d)
+    k = torch.randn(2, h_kv, 70, 32, generator=g).to(dtype)  # (B, h_kv, Tk, d), new token last
+    v = torch.randn(2, h_kv, 70, 32, generator=g).to(dtype)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                           enable_gqa=True)
+    fn = peers.ort_gqa_decode(q, k, v)
+    for _ in range(2):  # the in-place append rewrites the same position: repeatable
+        fn()
+        assert (fn.result() - ref).abs().max().item() <= tol
+    assert ("fp16" in fn.note) == (dtype == torch.bfloat16)
