@@ -429,8 +429,12 @@ MHA_INLINE void amx_store_scores(int tile, int64_t G, float* scores, int64_t j, 
     return;
   }
   if (tile == 0) _tile_stored(0, tmp, 4 * G); else _tile_stored(1, tmp, 4 * G);
-  for (int64_t t = 0; t < 16; ++t)  // (16 keys, G) -> the (G, kChunk) score rows
-    for (int64_t r = 0; r < G; ++r) scores[r * kChunk + j + t] = tmp[t * G + r];
+  // (16 keys, G) -> the (G, kChunk) score rows: one 16-lane gather (stride G) per row
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(G)));
+  for (int64_t r = 0; r < G; ++r)
+    _mm512_storeu_ps(scores + r * kChunk + j, _mm512_i32gather_ps(at, tmp + r, 4));
 }
 
 // scores[r * kChunk + t] = (q_r . k_t) * scale for the first 32 * floor(n / 32) keys; returns
