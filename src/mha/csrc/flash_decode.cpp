@@ -45,10 +45,8 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+
+#include "flash_decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -377,118 +375,6 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
 #endif  // __AVX512F__
 
 
-// ------------------------------------------------------------------ AMX q.k (bf16)
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define MHA_DECODE_AMX 1
-// Intel AMX computes q.k for 16 keys and all G <= 16 query rows of a group per tile product,
-// reading K straight from the cache: K rows are the A operand (16 keys x 32 d, row stride
-// kst), the query rows the B operand (16 d pairs x G, packed once per item), and C is
-// (16 keys, G) fp32. Products of bf16 are exact in fp32 and accumulate in fp32, as with
-// vdpbf16ps. Tiles: 0-1 = C, 2-3 = A, 4..4+dk/32 = B (d_k % 32 == 0, d_k <= 128).
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux grants the AMX register state only on request, once per process.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-bool amx_fits(int64_t G, int64_t dk) { return G <= 16 && dk % 32 == 0 && dk <= 128; }
-
-// Per thread, before its first item (the shapes depend on G only).
-void amx_configure(int64_t G) {
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(4 * G);  // C
-  for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;                            // A
-  for (int t = 4; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(4 * G);  // B
-  // GCC does not see ldtilecfg read the struct and may drop the stores above: escape it
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
-}
-
-// qpack [dk/32][16][G] pairs: qpack[kc][i][r] = (q_r[32 kc + 2 i], q_r[32 kc + 2 i + 1]).
-void amx_pack_q(const bf16* q, int64_t G, int64_t dk, uint32_t* qpack) {
-  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);  // (G, dk / 2) pairs
-  for (int64_t kc = 0; kc < dk / 32; ++kc)
-    for (int64_t i = 0; i < 16; ++i)
-      for (int64_t r = 0; r < G; ++r) qpack[(kc * 16 + i) * G + r] = q32[r * (dk / 2) + kc * 16 + i];
-}
-
-// C tile 0 or 1 (16 keys, G) -> scores[r * kChunk + j + t] for r < G, t < 16.
-MHA_INLINE void amx_store_scores(int tile, int64_t G, float* scores, int64_t j, float* tmp) {
-  if (G == 1) {  // C is 16 contiguous scores
-    if (tile == 0) _tile_stored(0, scores + j, 4); else _tile_stored(1, scores + j, 4);
-    return;
-  }
-  if (tile == 0) _tile_stored(0, tmp, 4 * G); else _tile_stored(1, tmp, 4 * G);
-  // (16 keys, G) -> the (G, kChunk) score rows: one 16-lane gather (stride G) per row
-  const __m512i at = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(G)));
-  for (int64_t r = 0; r < G; ++r)
-    _mm512_storeu_ps(scores + r * kChunk + j, _mm512_i32gather_ps(at, tmp + r, 4));
-}
-
-// scores[r * kChunk + t] = (q_r . k_t) * scale for the first 32 * floor(n / 32) keys; returns
-// how many keys it did (the rest go to qk_vec). Two 16-key blocks per step, in tiles 0 and 1,
-// so that two chains of tile products overlap. tmp: 16 * G floats.
-int64_t qk_amx(const bf16* q, int64_t G, int64_t dk, const bf16* k, int64_t kst, int64_t n,
-               float scale, float* scores, uint32_t* qpack, float* tmp) {
-  const int64_t nkc = dk / 32, full = n / 32 * 32;
-  if (full == 0) return 0;
-  amx_pack_q(q, G, dk, qpack);
-  _tile_loadd(4, qpack, 4 * G);  // B tiles stay loaded for the whole item
-  if (nkc > 1) _tile_loadd(5, qpack + 16 * G, 4 * G);
-  if (nkc > 2) _tile_loadd(6, qpack + 32 * G, 4 * G);
-  if (nkc > 3) _tile_loadd(7, qpack + 48 * G, 4 * G);
-  const int64_t stride = kst * static_cast<int64_t>(sizeof(bf16));
-  for (int64_t j = 0; j < full; j += 32) {
-    const bf16* k0 = k + j * kst;
-    const bf16* k1 = k0 + 16 * kst;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, k0, stride);
-    _tile_loadd(3, k1, stride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
-    if (nkc > 1) {
-      _tile_loadd(2, k0 + 32, stride);
-      _tile_loadd(3, k1 + 32, stride);
-      _tile_dpbf16ps(0, 2, 5);
-      _tile_dpbf16ps(1, 3, 5);
-    }
-    if (nkc > 2) {
-      _tile_loadd(2, k0 + 64, stride);
-      _tile_loadd(3, k1 + 64, stride);
-      _tile_dpbf16ps(0, 2, 6);
-      _tile_dpbf16ps(1, 3, 6);
-    }
-    if (nkc > 3) {
-      _tile_loadd(2, k0 + 96, stride);
-      _tile_loadd(3, k1 + 96, stride);
-      _tile_dpbf16ps(0, 2, 7);
-      _tile_dpbf16ps(1, 3, 7);
-    }
-    amx_store_scores(0, G, scores, j, tmp);
-    amx_store_scores(1, G, scores, j + 16, tmp);
-  }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < G; ++r)
-    for (int64_t j = 0; j < full; j += 16) {
-      float* s = scores + r * kChunk + j;
-      _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_loadu_ps(s), vscale));
-    }
-  return full;
-}
-#endif  // AMX
 
 template <typename T, bool kVec>
 inline void qk(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
@@ -531,7 +417,7 @@ struct AmxScope {
   bool on;
   explicit AmxScope(const Problem& P) : on(P.amx) {
 #ifdef MHA_DECODE_AMX
-    if (on) amx_configure(P.G);
+    if (on) mha_decode_amx::amx_configure(P.G);
 #endif
   }
   ~AmxScope() {
@@ -554,11 +440,12 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   const T* k = static_cast<const T*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
   const T* v = static_cast<const T*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
   // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units
-  int64_t done = 0;  // keys scored on AMX tiles (full blocks of 16), the rest below
+  int64_t done = 0;  // keys scored on AMX tiles (whole steps of 32), the rest below
 #ifdef MHA_DECODE_AMX
   if constexpr (kVec && std::is_same_v<T, bf16>)
-    if (P.amx) done = qk_amx(q, G, P.dk, k, P.kst, n, P.scale_log2, scores, w.qpack.data(),
-                             w.tmp.data());
+    if (P.amx)
+      done = mha_decode_amx::qk_amx(q, G, P.dk, k, P.kst, n, P.scale_log2, scores, kChunk,
+                                    w.qpack.data(), w.tmp.data());
 #endif
   if (done < n)
     qk<T, kVec>(q, G, P.dk, k + done * P.kst, P.kst, n - done, P.scale_log2, scores + done);
@@ -672,7 +559,8 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   }
   P.causal = causal;
 #ifdef MHA_DECODE_AMX
-  P.amx = kVec && std::is_same_v<T, bf16> && amx_fits(P.G, P.dk) && amx_permitted();
+  P.amx = kVec && std::is_same_v<T, bf16> && mha_decode_amx::amx_fits(P.G, P.dk) &&
+          mha_decode_amx::amx_permitted();
 #endif
   P.scale_log2 = static_cast<float>(scale) * kLog2e;
 
