@@ -28,10 +28,15 @@ SOURCES = ("flash_attn.cpp",)
 _CHUNK_ELEMENTS = 1 << 23  # fp32 elements of one (B, h, rows, Tk) score chunk in the backward
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
 def load() -> str:
     """Build (or reuse) and load the extension, then register its Python side. Returns the
     library path; raises :class:`mha._build.BuildError` with the reason when it cannot."""
+    return _load()
+
+
+@functools.cache
+def _load() -> str:
     lib = _build.load(NAME, SOURCES)
     torch.library.register_fake("mha::flash_attention_fwd")(_fwd_fake)
     torch.library.register_autograd("mha::flash_attention_fwd", _backward,
