@@ -41,8 +41,14 @@ namespace mha_flash_bwd {
 namespace {
 
 constexpr int kLanes = 16;       // fp32 lanes of one 512-bit vector
-constexpr int64_t kBr = 64;      // query rows per block
-constexpr int64_t kBc = 64;      // keys per block (a multiple of kLanes)
+#ifndef MHA_BWD_BR
+#define MHA_BWD_BR 64
+#endif
+#ifndef MHA_BWD_BC
+#define MHA_BWD_BC 64
+#endif
+constexpr int64_t kBr = MHA_BWD_BR;  // query rows per block
+constexpr int64_t kBc = MHA_BWD_BC;  // keys per block (a multiple of kLanes)
 constexpr int64_t kMinUnits = 8; // split key blocks until there are this many units (shape only)
 constexpr int kTileRows = 6;     // register tile: 6 rows x 64 columns = 24 zmm accumulators
 constexpr float kLog2e = 1.4426950408889634f;
@@ -225,10 +231,12 @@ void pack_rows(const Problem& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp
       if (P.go) {
         const float* gr = P.go + b * P.gos[0] + hi * P.gos[1] + t * P.gos[2];
         const float* orow = P.out + b * P.os[0] + hi * P.os[1] + t * P.os[2];
+        float part[kLanes] = {};  // 16 partial sums (vectorizable, fixed order)
         for (int64_t c = 0; c < P.dv; ++c) {
           od[c] = gr[c * P.gos[3]];
-          dsum += od[c] * orow[c * P.os[3]];
+          part[c % kLanes] += od[c] * orow[c * P.os[3]];
         }
+        for (int l = 0; l < kLanes; ++l) dsum += part[l];
         std::fill(od + P.dv, od + dvp, 0.f);
       } else {
         std::fill(od, od + dvp, 0.f);
@@ -263,28 +271,32 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
   const int64_t klen = P.key_lengths ? P.key_lengths[b] : P.Tk;
   const int64_t nblocks = (P.Tk + kBc - 1) / kBc;
   for (int64_t jb = s; jb < nblocks; jb += P.splits) {
-    const int64_t j0 = jb * kBc;
-    const int64_t kn = std::min(std::min(P.Tk, klen) - j0, kBc);  // keys of this block in use
-    if (kn <= 0) continue;                                         // all padding: dK = dV = 0
+    const int64_t j0 = jb * kBc, j1 = std::min(P.Tk, j0 + kBc);
+    int64_t kn = std::max<int64_t>(0, std::min(j1, klen) - j0);  // keys in use (not padding)
     const int64_t i_lo = P.causal ? std::max<int64_t>(0, j0 - (P.Tk - P.Tq)) : 0;
-    if (i_lo >= P.Tq) continue;  // no query row sees this block
-    // pack K^T (d_k, Bc), V^T (d_v, Bc) zero-padded past kn, and K (Bc, d_kp)
-    std::fill(w.kt.begin(), w.kt.end(), 0.f);
-    std::fill(w.vt.begin(), w.vt.end(), 0.f);
-    std::fill(w.kr.begin(), w.kr.end(), 0.f);
-    for (int64_t jj = 0; jj < kn; ++jj) {
-      const float* kr = P.k + b * P.ks[0] + kvh * P.ks[1] + (j0 + jj) * P.ks[2];
-      const float* vr = P.v + b * P.vs[0] + kvh * P.vs[1] + (j0 + jj) * P.vs[2];
-      for (int64_t c = 0; c < P.dk; ++c) {
-        const float x = kr[c * P.ks[3]];
-        w.kt[c * kBc + jj] = x;
-        w.kr[jj * dkp + c] = x;
-      }
-      for (int64_t c = 0; c < P.dv; ++c) w.vt[c * kBc + jj] = vr[c * P.vs[3]];
-    }
-    std::fill(w.dk.begin(), w.dk.end(), 0.f);
-    std::fill(w.dv.begin(), w.dv.end(), 0.f);
+    if (i_lo >= P.Tq) kn = 0;  // no query row sees this block
+    // dK = dV = 0 for keys past key_lengths and keys no row sees
+    const int64_t kv0 = (b * P.hkv + kvh) * P.Tk;
+    std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, 0.f);
+    std::fill(P.dval + (kv0 + j0 + kn) * P.dv, P.dval + (kv0 + j1) * P.dv, 0.f);
+    if (kn == 0) continue;
+    // pack K^T (d_k, Bc), V^T (d_v, Bc) zero-padded from kn to a 16-multiple, K (kn, d_kp)
     const int64_t ncols = round_up(kn, kLanes);
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + j0 * P.ks[2];  // key j0, dim 0
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + j0 * P.vs[2];
+    for (int64_t jj = 0; jj < kn; ++jj) {
+      float* krow = w.kr.data() + jj * dkp;
+      for (int64_t c = 0; c < P.dk; ++c) krow[c] = kb[jj * P.ks[2] + c * P.ks[3]];
+      std::fill(krow + P.dk, krow + dkp, 0.f);
+    }
+    for (int64_t c = 0; c < P.dk; ++c)
+      for (int64_t jj = 0; jj < kn; ++jj) w.kt[c * kBc + jj] = w.kr[jj * dkp + c];
+    for (int64_t c = 0; c < P.dv; ++c)
+      for (int64_t jj = 0; jj < kn; ++jj) w.vt[c * kBc + jj] = vb[jj * P.vs[2] + c * P.vs[3]];
+    for (int64_t c = 0; c < P.dk; ++c) std::fill_n(w.kt.data() + c * kBc + kn, ncols - kn, 0.f);
+    for (int64_t c = 0; c < P.dv; ++c) std::fill_n(w.vt.data() + c * kBc + kn, ncols - kn, 0.f);
+    std::fill_n(w.dk.data(), kn * dkp, 0.f);  // dK, dV rows in use
+    std::fill_n(w.dv.data(), kn * dvp, 0.f);
     for (int64_t hh = 0; hh < g; ++hh) {
       const int64_t hi = kvh * g + hh;
       const float* qh = w.q.data() + hh * P.Tq * dkp;
@@ -308,8 +320,8 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
       }
     }
     for (int64_t jj = 0; jj < kn; ++jj) {
-      float* dkr = P.dkey + ((b * P.hkv + kvh) * P.Tk + j0 + jj) * P.dk;
-      float* dvr = P.dval + ((b * P.hkv + kvh) * P.Tk + j0 + jj) * P.dv;
+      float* dkr = P.dkey + (kv0 + j0 + jj) * P.dk;
+      float* dvr = P.dval + (kv0 + j0 + jj) * P.dv;
       for (int64_t c = 0; c < P.dk; ++c) dkr[c] = w.dk[jj * dkp + c] * P.scale;
       for (int64_t c = 0; c < P.dv; ++c) dvr[c] = w.dv[jj * dvp + c];
     }
@@ -361,15 +373,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
                 "flash_attention_bwd: grad_lse must have lse's shape ", lse.sizes(), ", got ",
                 grad_lse->sizes());
   const auto f32 = at::kFloat;
-  at::Tensor dq = at::zeros({B, h, Tq, dk}, q.options().dtype(f32));
-  at::Tensor dkey = at::zeros({B, hkv, Tk, dk}, q.options().dtype(f32));
-  at::Tensor dval = at::zeros({B, hkv, Tk, dv}, q.options().dtype(f32));
+  const bool nothing = (!grad_out.has_value() && !grad_lse.has_value()) || B == 0 || h == 0 ||
+                       Tq == 0 || Tk == 0;
+  // the kernel writes every element (zeros where no row sees a key)
+  auto make = [&](at::IntArrayRef shape) {
+    const auto opt = q.options().dtype(f32);
+    return nothing ? at::zeros(shape, opt) : at::empty(shape, opt);
+  };
+  at::Tensor dq = make({B, h, Tq, dk}), dkey = make({B, hkv, Tk, dk}),
+             dval = make({B, hkv, Tk, dv});
   auto finish = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     return {dq.to(q.scalar_type()), dkey.to(k.scalar_type()), dval.to(v.scalar_type())};
   };
-  if ((!grad_out.has_value() && !grad_lse.has_value()) || B == 0 || h == 0 || Tq == 0 ||
-      Tk == 0)
-    return finish();
+  if (nothing) return finish();
   // bf16 inputs are widened once (O(T d) copies); fp32 inputs are read in place
   const at::Tensor qf = q.to(f32), kf = k.to(f32), vf = v.to(f32), of = out.to(f32),
                    lf = lse.to(f32);
