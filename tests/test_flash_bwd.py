@@ -186,3 +186,18 @@ def test_rejects_bad_shapes_in_words():
     with pytest.raises(RuntimeError, match=r"key_lengths must lie in \[0, Tk=7\]"):
         torch.ops.mha.flash_attention_bwd_fused(go, None, q, k, v, out, lse, torch.tensor([9]),
                                                 None, False, 0.25)
+
+
+def test_bench_train_rows_check_gradients():
+    """The bench's training rows time fwd + bwd of mha and SDPA and check the gradients."""
+    from mha.bench import attention, core
+
+    ctx = core.Context(repeat=2, min_time=0.0, sample_time=0.001, settle=0.0,
+                       measure_memory=False)
+    case = attention.train_case(attention.Shape(2, 2, 40, 16, "fp32", True), ctx)
+    rows = {r.impl: r for r in core.measure(case, ctx)}
+    assert set(rows) == {"torch sdpa", "mha auto"}
+    for r in rows.values():
+        assert r.status == "ok", r.reason
+        assert r.check.startswith("max |grad - SDPA fp32|")
+    assert "flash_cpu" in rows["mha auto"].note
