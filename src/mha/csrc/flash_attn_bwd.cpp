@@ -224,20 +224,28 @@ void pack_rows(const Problem& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp
       const int64_t row = hh * P.Tq + t;
       const float* qr = P.q + b * P.qs[0] + hi * P.qs[1] + t * P.qs[2];
       float* dst = w.q.data() + row * dkp;
-      for (int64_t c = 0; c < P.dk; ++c) dst[c] = qr[c * P.qs[3]];
+      if (P.qs[3] == 1) std::copy(qr, qr + P.dk, dst);
+      else
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = qr[c * P.qs[3]];
       std::fill(dst + P.dk, dst + dkp, 0.f);
       float* od = w.dout.data() + row * dvp;
       float dsum = 0.f;
       if (P.go) {
         const float* gr = P.go + b * P.gos[0] + hi * P.gos[1] + t * P.gos[2];
         const float* orow = P.out + b * P.os[0] + hi * P.os[1] + t * P.os[2];
-        float part[kLanes] = {};  // 16 partial sums (vectorizable, fixed order)
-        for (int64_t c = 0; c < P.dv; ++c) {
-          od[c] = gr[c * P.gos[3]];
-          part[c % kLanes] += od[c] * orow[c * P.os[3]];
+        for (int64_t c = 0; c < P.dv; ++c) od[c] = gr[c * P.gos[3]];
+        std::fill(od + P.dv, od + dvp, 0.f);
+        float part[kLanes] = {};  // 16 partial sums, lane l over c = l mod 16 (a fixed order)
+        for (int64_t c0 = 0; c0 < P.dv; c0 += kLanes) {
+          const int n = int(std::min<int64_t>(kLanes, P.dv - c0));
+          if (P.os[3] == 1 && n == kLanes) {
+#pragma GCC unroll 16
+            for (int l = 0; l < kLanes; ++l) part[l] += od[c0 + l] * orow[c0 + l];
+          } else {
+            for (int l = 0; l < n; ++l) part[l] += od[c0 + l] * orow[(c0 + l) * P.os[3]];
+          }
         }
         for (int l = 0; l < kLanes; ++l) dsum += part[l];
-        std::fill(od + P.dv, od + dvp, 0.f);
       } else {
         std::fill(od, od + dvp, 0.f);
       }
@@ -286,7 +294,9 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
     const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + j0 * P.vs[2];
     for (int64_t jj = 0; jj < kn; ++jj) {
       float* krow = w.kr.data() + jj * dkp;
-      for (int64_t c = 0; c < P.dk; ++c) krow[c] = kb[jj * P.ks[2] + c * P.ks[3]];
+      if (P.ks[3] == 1) std::copy(kb + jj * P.ks[2], kb + jj * P.ks[2] + P.dk, krow);
+      else
+        for (int64_t c = 0; c < P.dk; ++c) krow[c] = kb[jj * P.ks[2] + c * P.ks[3]];
       std::fill(krow + P.dk, krow + dkp, 0.f);
     }
     for (int64_t c = 0; c < P.dk; ++c)
