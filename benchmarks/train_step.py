@@ -11,6 +11,7 @@ ratio columns (SDPA time / mha time: above 1 means mha is faster).
     flock -x /tmp/mha-bench.lock env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
         .venv/bin/python benchmarks/train_step.py --torch-bwd
     .venv/bin/python benchmarks/train_step.py --cases 1,8,2048,64,fp32,causal
+    .venv/bin/python benchmarks/train_step.py --backward-only --cases 4,8,512,64,fp32,causal
 """
 
 from __future__ import annotations
@@ -88,17 +89,52 @@ def contenders(case: str, torch_bwd: bool) -> dict:
     return runs
 
 
+def backward_only(case: str, repeats: int) -> dict[str, float]:
+    """The backward op alone: the fused kernel vs the PyTorch fallback at two chunk sizes."""
+    B, h, T, d, dt, kind = case.split(",")
+    B, h, T, d = int(B), int(h), int(T), int(d)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(B, h, T, d, generator=g).to(DTYPES[dt]) for _ in range(4))
+    causal = kind == "causal"
+    out, lse = native.flash_attention(q, k, v, causal=causal)  # (B, h, T, d), (B, h, T)
+    args = (go, None, q, k, v, out, lse, None, None, causal, d ** -0.5)
+
+    def torch_chunks(n):
+        def run():
+            saved = native._CHUNK_ELEMENTS
+            native._CHUNK_ELEMENTS = n
+            try:
+                native.flash_attention_bwd_torch(*args)
+            finally:
+                native._CHUNK_ELEMENTS = saved
+        return run
+
+    return _time({"fused": lambda: torch.ops.mha.flash_attention_bwd_fused(*args),
+                  "torch 2^20": torch_chunks(1 << 20), "torch 2^23": torch_chunks(1 << 23)},
+                 repeats)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=list(CASES), help="B,h,T,d,fp32|bf16,causal|dense")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--torch-bwd", action="store_true", help="also time the PyTorch backward")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="time the backward op alone: fused vs PyTorch (chunks 2^20 and 2^23)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     native.load()
     native.load_backward()
+    if args.backward_only:
+        print(f"threads {torch.get_num_threads()}; ms per backward (median of {args.repeats})")
+        for case in args.cases:
+            t = backward_only(case, args.repeats)
+            cols = "  ".join(f"{name} {1e3 * s:8.2f}" for name, s in t.items())
+            print(f"{case:28s} {cols}   torch 2^20 / fused {t['torch 2^20'] / t['fused']:5.2f}x",
+                  flush=True)
+        return
     print(f"threads {torch.get_num_threads()}; ms per fwd+bwd step (median of {args.repeats})")
     for case in args.cases:
         t = _time(contenders(case, args.torch_bwd), args.repeats)
