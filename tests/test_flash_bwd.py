@@ -117,9 +117,11 @@ def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, l
 
 
 @pytest.mark.parametrize("use_go,use_gl", [(True, False), (False, True), (True, True)])
-def test_fused_matches_pytorch_backward(use_go, use_gl):
-    """Native vs the PyTorch fallback on one awkward case: GQA, Tq > Tk causal (rows that see
-    nothing), key_lengths with a 0, a broadcast mask, d_v != d_k, non-contiguous inputs."""
+def test_fused_matches_pytorch_backward(use_go, use_gl, monkeypatch):
+    """Native vs the PyTorch fallback (in many chunks) on one awkward case: GQA, Tq > Tk causal
+    (rows that see nothing), key_lengths with a 0, a broadcast mask, d_v != d_k, non-contiguous
+    inputs."""
+    monkeypatch.setattr(native, "_CHUNK_ELEMENTS", 2000)  # ~5 query rows per chunk
     B, h, h_kv, Tq, Tk, d_k, d_v = 2, 6, 2, 97, 70, 40, 24
     q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.float32, "bthd", 1)
     kl = torch.tensor([0, 51])
@@ -135,6 +137,25 @@ def test_fused_matches_pytorch_backward(use_go, use_gl):
     assert fused[0][:, :, : Tq - Tk].abs().max() == 0  # causal rows that see no key
     assert fused[0][0].abs().max() == 0 and fused[1][0].abs().max() == 0  # key_lengths[0] = 0
     assert fused[1][1, :, 51:].abs().max() == 0 and fused[2][1, :, 51:].abs().max() == 0
+
+
+def test_custom_op_falls_back_to_pytorch_when_the_extension_is_missing(monkeypatch):
+    q, k, v, go, gl = _inputs(1, 4, 2, 30, 45, 16, 24, torch.float32, "bthd", 6)
+    spec = MaskSpec(True, torch.tensor([40]), None)
+    fused = _native_grads(q, k, v, go, gl, spec, 0.25)
+    calls = []
+    real = native.flash_attention_bwd_torch
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(native, "load_backward", lambda: "simulated: no compiler")
+    monkeypatch.setattr(native, "flash_attention_bwd_torch", spy)
+    fallback = _native_grads(q, k, v, go, gl, spec, 0.25)
+    assert calls
+    for a, b in zip(fused, fallback, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
 
 
 def test_no_gradients_give_zeros():
