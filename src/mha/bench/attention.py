@@ -338,6 +338,7 @@ def train_case(s: Shape, ctx: Context) -> Case:
                     return torch.autograd.grad(attend(q, k, v), (q, k, v), st["grad"])
             if note:
                 fn.note = note()
+            fn()  # loads (or builds) the backward extension now, not in the first timed call
             if s.scores_bytes(1) <= _CHECK_MAX:
                 fn.verify = verify
             return fn
