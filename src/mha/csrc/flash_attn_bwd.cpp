@@ -147,15 +147,21 @@ inline __m512 exp2_ps(__m512 x) {
 #endif
 
 // ------------------------------------------------------------------------------ problem
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// T is the element type of q, k, v, out, grad_out and of the gradients (float or BFloat16).
+template <typename T>
 struct Problem {
-  const float *q, *k, *v, *out, *go, *lse, *glse;  // go, glse may be null (no gradient)
+  const T *q, *k, *v, *out, *go;  // go may be null (no gradient of out)
+  const float *lse, *glse;         // glse may be null (no gradient of lse)
   int64_t qs[4], ks[4], vs[4], os[4], gos[4], ls[3], gls[3], ms[4];
   const bool* mask = nullptr;           // ms is 0 on broadcast dims
   const int64_t* key_lengths = nullptr;
   int64_t B, h, hkv, Tq, Tk, dk, dv, splits;
   float scale;
   bool causal;
-  float *dq, *dkey, *dval;  // contiguous fp32 outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
+  T *dq, *dkey, *dval;      // contiguous outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
   float* dq_part;           // (S, B, h, Tq, d_k) partial dQ when splits > 1, else null
 };
 
@@ -169,7 +175,8 @@ struct Scratch {
 
 // P and dS of rows [i0, i0 + rows) of head hi against keys [j0, j0 + kn): s holds S on entry
 // and P on exit, dp holds dP (or garbage when there is no grad_out) and dS on exit.
-void softmax_grad(const Problem& P, int64_t b, int64_t hi, int64_t i0, int64_t rows, int64_t j0,
+template <typename T>
+void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_t rows, int64_t j0,
                   int64_t kn, const float* lse2, const float* delta, bool has_go, float* s,
                   float* dp) {
   const float c = P.scale * kLog2e;
@@ -211,33 +218,35 @@ void softmax_grad(const Problem& P, int64_t b, int64_t hi, int64_t i0, int64_t r
 
 // Pack the g query heads of (b, kvh): Q, dO (zero-padded to 16-multiples), lse in base 2
 // (+inf for rows that see nothing, so P = 0), delta = rowsum(dO O) - dlse.
-void pack_rows(const Problem& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp, int64_t dvp) {
+template <typename T>
+void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp, int64_t dvp) {
   const int64_t g = P.h / P.hkv;
   for (int64_t hh = 0; hh < g; ++hh) {
     const int64_t hi = kvh * g + hh;
     for (int64_t t = 0; t < P.Tq; ++t) {
       const int64_t row = hh * P.Tq + t;
-      const float* qr = P.q + b * P.qs[0] + hi * P.qs[1] + t * P.qs[2];
+      const T* qr = P.q + b * P.qs[0] + hi * P.qs[1] + t * P.qs[2];
       float* dst = w.q.data() + row * dkp;
-      if (P.qs[3] == 1) std::copy(qr, qr + P.dk, dst);
+      if (P.qs[3] == 1)
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c]);
       else
-        for (int64_t c = 0; c < P.dk; ++c) dst[c] = qr[c * P.qs[3]];
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c * P.qs[3]]);
       std::fill(dst + P.dk, dst + dkp, 0.f);
       float* od = w.dout.data() + row * dvp;
       float dsum = 0.f;
       if (P.go) {
-        const float* gr = P.go + b * P.gos[0] + hi * P.gos[1] + t * P.gos[2];
-        const float* orow = P.out + b * P.os[0] + hi * P.os[1] + t * P.os[2];
-        for (int64_t c = 0; c < P.dv; ++c) od[c] = gr[c * P.gos[3]];
+        const T* gr = P.go + b * P.gos[0] + hi * P.gos[1] + t * P.gos[2];
+        const T* orow = P.out + b * P.os[0] + hi * P.os[1] + t * P.os[2];
+        for (int64_t c = 0; c < P.dv; ++c) od[c] = widen(gr[c * P.gos[3]]);
         std::fill(od + P.dv, od + dvp, 0.f);
         float part[kLanes] = {};  // 16 partial sums, lane l over c = l mod 16 (a fixed order)
         for (int64_t c0 = 0; c0 < P.dv; c0 += kLanes) {
           const int n = int(std::min<int64_t>(kLanes, P.dv - c0));
           if (P.os[3] == 1 && n == kLanes) {
 #pragma GCC unroll 16
-            for (int l = 0; l < kLanes; ++l) part[l] += od[c0 + l] * orow[c0 + l];
+            for (int l = 0; l < kLanes; ++l) part[l] += od[c0 + l] * widen(orow[c0 + l]);
           } else {
-            for (int l = 0; l < n; ++l) part[l] += od[c0 + l] * orow[(c0 + l) * P.os[3]];
+            for (int l = 0; l < n; ++l) part[l] += od[c0 + l] * widen(orow[(c0 + l) * P.os[3]]);
           }
         }
         for (int l = 0; l < kLanes; ++l) dsum += part[l];
@@ -253,7 +262,8 @@ void pack_rows(const Problem& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp
 }
 
 // One unit: (b, kvh) and key blocks jb = s, s + S, ...
-void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
+template <typename T>
+void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
   const int64_t g = P.h / P.hkv;
   const int64_t dkp = round_up(P.dk, kLanes), dvp = round_up(P.dv, kLanes);
   const bool has_go = P.go != nullptr;
@@ -280,24 +290,27 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
     if (i_lo >= P.Tq) kn = 0;  // no query row sees this block
     // dK = dV = 0 for keys past key_lengths and keys no row sees
     const int64_t kv0 = (b * P.hkv + kvh) * P.Tk;
-    std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, 0.f);
-    std::fill(P.dval + (kv0 + j0 + kn) * P.dv, P.dval + (kv0 + j1) * P.dv, 0.f);
+    std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, T(0.f));
+    std::fill(P.dval + (kv0 + j0 + kn) * P.dv, P.dval + (kv0 + j1) * P.dv, T(0.f));
     if (kn == 0) continue;
     // pack K^T (d_k, Bc), V^T (d_v, Bc) zero-padded from kn to a 16-multiple, K (kn, d_kp)
     const int64_t ncols = round_up(kn, kLanes);
-    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + j0 * P.ks[2];  // key j0, dim 0
-    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + j0 * P.vs[2];
+    const T* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + j0 * P.ks[2];  // key j0, dim 0
+    const T* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + j0 * P.vs[2];
     for (int64_t jj = 0; jj < kn; ++jj) {
       float* krow = w.kr.data() + jj * dkp;
-      if (P.ks[3] == 1) std::copy(kb + jj * P.ks[2], kb + jj * P.ks[2] + P.dk, krow);
+      const T* src = kb + jj * P.ks[2];
+      if (P.ks[3] == 1)
+        for (int64_t c = 0; c < P.dk; ++c) krow[c] = widen(src[c]);
       else
-        for (int64_t c = 0; c < P.dk; ++c) krow[c] = kb[jj * P.ks[2] + c * P.ks[3]];
+        for (int64_t c = 0; c < P.dk; ++c) krow[c] = widen(src[c * P.ks[3]]);
       std::fill(krow + P.dk, krow + dkp, 0.f);
     }
     for (int64_t c = 0; c < P.dk; ++c)
       for (int64_t jj = 0; jj < kn; ++jj) w.kt[c * kBc + jj] = w.kr[jj * dkp + c];
     for (int64_t c = 0; c < P.dv; ++c)
-      for (int64_t jj = 0; jj < kn; ++jj) w.vt[c * kBc + jj] = vb[jj * P.vs[2] + c * P.vs[3]];
+      for (int64_t jj = 0; jj < kn; ++jj)
+        w.vt[c * kBc + jj] = widen(vb[jj * P.vs[2] + c * P.vs[3]]);
     for (int64_t c = 0; c < P.dk; ++c) std::fill_n(w.kt.data() + c * kBc + kn, ncols - kn, 0.f);
     for (int64_t c = 0; c < P.dv; ++c) std::fill_n(w.vt.data() + c * kBc + kn, ncols - kn, 0.f);
     std::fill_n(w.dk.data(), kn * dkp, 0.f);  // dK, dV rows in use
@@ -325,10 +338,10 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
       }
     }
     for (int64_t jj = 0; jj < kn; ++jj) {
-      float* dkr = P.dkey + (kv0 + j0 + jj) * P.dk;
-      float* dvr = P.dval + (kv0 + j0 + jj) * P.dv;
-      for (int64_t c = 0; c < P.dk; ++c) dkr[c] = w.dk[jj * dkp + c] * P.scale;
-      for (int64_t c = 0; c < P.dv; ++c) dvr[c] = w.dv[jj * dvp + c];
+      T* dkr = P.dkey + (kv0 + j0 + jj) * P.dk;
+      T* dvr = P.dval + (kv0 + j0 + jj) * P.dv;
+      for (int64_t c = 0; c < P.dk; ++c) dkr[c] = T(w.dk[jj * dkp + c] * P.scale);
+      for (int64_t c = 0; c < P.dv; ++c) dvr[c] = T(w.dv[jj * dvp + c]);
     }
   }
   // dQ of the group's rows: final (scaled) when unsplit, else this split's partial sum
@@ -337,8 +350,8 @@ void run_unit(const Problem& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
       const int64_t row = (b * P.h + kvh * g + hh) * P.Tq + t;
       const float* src = w.dq.data() + (hh * P.Tq + t) * dkp;
       if (P.splits == 1) {
-        float* dst = P.dq + row * P.dk;
-        for (int64_t c = 0; c < P.dk; ++c) dst[c] = src[c] * P.scale;
+        T* dst = P.dq + row * P.dk;
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = T(src[c] * P.scale);
       } else {
         float* dst = P.dq_part + (s * P.B * P.h * P.Tq + row) * P.dk;
         std::copy(src, src + P.dk, dst);
@@ -377,51 +390,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     TORCH_CHECK(grad_lse->sizes() == lse.sizes(),
                 "flash_attention_bwd: grad_lse must have lse's shape ", lse.sizes(), ", got ",
                 grad_lse->sizes());
-  const auto f32 = at::kFloat;
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "flash_attention_bwd: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "flash_attention_bwd: q, k, v must share one dtype");
+  const auto f32 = at::kFloat, dt = q.scalar_type();
   const bool nothing = (!grad_out.has_value() && !grad_lse.has_value()) || B == 0 || h == 0 ||
                        Tq == 0 || Tk == 0;
-  // the kernel writes every element (zeros where no row sees a key)
+  // gradients in q's dtype; the kernel writes every element (zeros where no row sees a key)
   auto make = [&](at::IntArrayRef shape) {
-    const auto opt = q.options().dtype(f32);
-    return nothing ? at::zeros(shape, opt) : at::empty(shape, opt);
+    return nothing ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
   };
   at::Tensor dq = make({B, h, Tq, dk}), dkey = make({B, hkv, Tk, dk}),
              dval = make({B, hkv, Tk, dv});
-  auto finish = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-    return {dq.to(q.scalar_type()), dkey.to(k.scalar_type()), dval.to(v.scalar_type())};
-  };
-  if (nothing) return finish();
-  // bf16 inputs are widened once (O(T d) copies); fp32 inputs are read in place
-  const at::Tensor qf = q.to(f32), kf = k.to(f32), vf = v.to(f32), of = out.to(f32),
-                   lf = lse.to(f32);
+  if (nothing) return {dq, dkey, dval};
+  // out and grad_out in q's dtype (a copy only if they differ), lse and grad_lse in fp32
+  const at::Tensor of = out.to(dt), lf = lse.to(f32);
   at::Tensor gof, glf, kl, m;
-  Problem P;
-  P.q = qf.data_ptr<float>(), P.k = kf.data_ptr<float>(), P.v = vf.data_ptr<float>();
-  P.out = of.data_ptr<float>(), P.lse = lf.data_ptr<float>();
-  fill_strides(qf, P.qs, 4, false);
-  fill_strides(kf, P.ks, 4, false);
-  fill_strides(vf, P.vs, 4, false);
-  fill_strides(of, P.os, 4, false);
-  fill_strides(lf, P.ls, 3, false);
-  P.go = nullptr, P.glse = nullptr;
-  if (grad_out.has_value()) {
-    gof = grad_out->to(f32);
-    P.go = gof.data_ptr<float>();
-    fill_strides(gof, P.gos, 4, false);
-  }
-  if (grad_lse.has_value()) {
-    glf = grad_lse->to(f32);
-    P.glse = glf.data_ptr<float>();
-    fill_strides(glf, P.gls, 3, false);
-  }
+  if (grad_out.has_value()) gof = grad_out->to(dt);
+  if (grad_lse.has_value()) glf = grad_lse->to(f32);
   if (key_lengths.has_value()) {
     TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B,
                 "flash_attention_bwd: key_lengths must have shape (B,) = (", B, ",), got ",
                 key_lengths->sizes());
     kl = key_lengths->to(at::kLong).contiguous();
-    P.key_lengths = kl.data_ptr<int64_t>();
+    const int64_t* len = kl.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(P.key_lengths[b] >= 0 && P.key_lengths[b] <= Tk,
+      TORCH_CHECK(len[b] >= 0 && len[b] <= Tk,
                   "flash_attention_bwd: key_lengths must lie in [0, Tk=", Tk, "]");
   }
   if (mask.has_value()) {
@@ -434,39 +429,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
                   mask->sizes(), " is not broadcastable to (B, h, Tq, Tk) = (", B, ", ", h, ", ",
                   Tq, ", ", Tk, ")");
     m = *mask;
-    P.mask = m.data_ptr<bool>();
-    fill_strides(m, P.ms, 4, true);
   }
-  P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
-  P.scale = float(scale);
-  P.causal = causal;
   const int64_t groups = B * hkv, nblocks = (Tk + kBc - 1) / kBc;
-  P.splits = std::max<int64_t>(1, std::min(nblocks, (kMinUnits + groups - 1) / groups));
+  const int64_t splits = std::max<int64_t>(1, std::min(nblocks, (kMinUnits + groups - 1) / groups));
   at::Tensor part;
-  if (P.splits > 1) part = at::empty({P.splits, B, h, Tq, dk}, q.options().dtype(f32));
-  P.dq = dq.data_ptr<float>(), P.dkey = dkey.data_ptr<float>(), P.dval = dval.data_ptr<float>();
-  P.dq_part = P.splits > 1 ? part.data_ptr<float>() : nullptr;
-  const int64_t units = groups * P.splits;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    Scratch w;
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t s = u % P.splits, grp = u / P.splits;
-      run_unit(P, grp / hkv, grp % hkv, s, w);
-    }
-  });
-  if (P.splits > 1) {  // dQ = scale * (part_0 + part_1 + ...), in that order
-    const int64_t n = B * h * Tq * dk;
-    const float* src = P.dq_part;
-    float* dst = P.dq;
-    at::parallel_for(0, n, 1 << 14, [&](int64_t e0, int64_t e1) {
-      for (int64_t e = e0; e < e1; ++e) {
-        float acc = src[e];
-        for (int64_t s = 1; s < P.splits; ++s) acc += src[s * n + e];
-        dst[e] = acc * P.scale;
+  if (splits > 1) part = at::empty({splits, B, h, Tq, dk}, q.options().dtype(f32));
+
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> P;
+    P.q = q.data_ptr<T>(), P.k = k.data_ptr<T>(), P.v = v.data_ptr<T>();
+    P.out = of.data_ptr<T>(), P.lse = lf.data_ptr<float>();
+    fill_strides(q, P.qs, 4, false);
+    fill_strides(k, P.ks, 4, false);
+    fill_strides(v, P.vs, 4, false);
+    fill_strides(of, P.os, 4, false);
+    fill_strides(lf, P.ls, 3, false);
+    P.go = gof.defined() ? gof.data_ptr<T>() : nullptr;
+    if (gof.defined()) fill_strides(gof, P.gos, 4, false);
+    P.glse = glf.defined() ? glf.data_ptr<float>() : nullptr;
+    if (glf.defined()) fill_strides(glf, P.gls, 3, false);
+    P.key_lengths = kl.defined() ? kl.data_ptr<int64_t>() : nullptr;
+    P.mask = m.defined() ? m.data_ptr<bool>() : nullptr;
+    if (m.defined()) fill_strides(m, P.ms, 4, true);
+    P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
+    P.scale = float(scale);
+    P.causal = causal;
+    P.splits = splits;
+    P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
+    P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
+    at::parallel_for(0, groups * splits, 1, [&](int64_t u0, int64_t u1) {
+      Scratch w;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t s = u % splits, grp = u / splits;
+        run_unit(P, grp / hkv, grp % hkv, s, w);
       }
     });
-  }
-  return finish();
+    if (splits > 1) {  // dQ = scale * (part_0 + part_1 + ...), in that order
+      const int64_t n = B * h * Tq * dk;
+      const float* src = P.dq_part;
+      T* dst = P.dq;
+      at::parallel_for(0, n, 1 << 14, [&](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e) {
+          float acc = src[e];
+          for (int64_t s = 1; s < splits; ++s) acc += src[s * n + e];
+          dst[e] = T(acc * P.scale);
+        }
+      });
+    }
+  };
+  if (dt == at::kFloat) run(float{});
+  else run(at::BFloat16{});
+  return {dq, dkey, dval};
 }
 
 }  // namespace
