@@ -8,9 +8,10 @@ Three layers, as in flash-attention's interface:
 1. ``torch.ops.mha.flash_attention_fwd`` — C++ (``csrc/flash_attn.cpp``), built on first use
    by :func:`mha._build.load` and cached; its ``register_fake`` twin below only allocates
    shaped outputs, so ``torch.compile`` and ``torch.library.opcheck`` work.
-2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that
-   recomputes the softmax weights from the saved log-sum-exp one chunk of query rows at a time
-   (never the whole ``(Tq, Tk)`` matrix for long sequences).
+2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that runs
+   the fused native kernel (``csrc/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
+   that cannot be built, :func:`flash_attention_bwd_torch`; both recompute the softmax weights
+   from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
 3. :func:`flash_attention` — the typed public function.
 """
 
