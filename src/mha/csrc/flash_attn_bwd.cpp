@@ -40,12 +40,12 @@
 namespace mha_flash_bwd {
 namespace {
 
-constexpr int kLanes = 16;       // fp32 lanes of one 512-bit vector
+constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
 // Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64 (01:00 UTC).
-constexpr int64_t kBr = 64;  // query rows per block
-constexpr int64_t kBc = 64;  // keys per block (a multiple of kLanes)
-constexpr int64_t kMinUnits = 8; // split key blocks until there are this many units (shape only)
-constexpr int kTileRows = 6;     // register tile: 6 rows x 64 columns = 24 zmm accumulators
+constexpr int64_t kBr = 64;       // query rows per block
+constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
+constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
+constexpr int kTileRows = 6;      // register tile: 6 rows x 64 columns = 24 zmm accumulators
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
