@@ -69,7 +69,7 @@ def grid(quick: bool) -> tuple[list[Shape], list[Shape]]:
                 [S(32, 8, 20, 64, "fp32", False)])
     attn = [
         S(32, 8, 20, 64, "fp32", False), S(32, 8, 20, 64, "fp32", True),
-        S(32, 8, 20, 64, "bf16", False),
+        S(32, 8, 20, 64, "bf16", False), S(32, 8, 20, 64, "bf16", True),
         S(1, 8, 512, 64, "fp32", False), S(1, 8, 2048, 64, "fp32", False),
         S(1, 8, 2048, 64, "fp32", True),
         S(1, 8, 4096, 64, "fp32", False), S(1, 8, 4096, 64, "fp32", True),
