@@ -48,7 +48,8 @@ build: $(STAMP)
 # with the optional peers (ONNX Runtime, JAX) installed.
 bench: $(STAMP)
 	$(PIP) install --quiet -e ".[$(EXTRAS),onnx,jax]"
-	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench \
+		--markdown docs/benchmarks.md --headline README.md
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -159,6 +159,17 @@ def test_cli_end_to_end_tiny_grid(tmp_path):
     assert text.startswith("# title\n\nprose\n") and report.MD_BEGIN in text
     assert "32x8x20x64 fp32 dense" in text and "naive torch" in text
 
+    # the README's summary: mha's row against the fastest other implementation of the case
+    readme = tmp_path / "README.md"
+    assert main(["bench", "--from-json", str(tmp_path / "latest.json"), "--out", "",
+                 "--headline", str(readme)]) == 0
+    head = readme.read_text()
+    mine = next(r for r in rows if r["impl"] == "mha auto")
+    best = min((r for r in rows if not r["impl"].startswith("mha")), key=lambda r: r["seconds"])
+    line = next(ln for ln in head.splitlines() if "32x8x20x64 fp32 dense" in ln)
+    assert report.HEAD_BEGIN in head and f"| {best['impl']} | " in line
+    assert line.endswith(f"| {best['seconds'] / mine['seconds']:.2f} |")
+
     # regenerate the markdown from the JSON without measuring: same tables
     md2 = tmp_path / "again.md"
     assert main(["bench", "--from-json", str(tmp_path / "latest.json"), "--out", "",

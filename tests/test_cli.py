@@ -26,3 +26,14 @@ def test_shapes_json_gqa_dv_cross(capsys):
     assert shapes["attention weights"] == [2, 4, 3, 5]
     assert shapes["concat heads"] == [2, 3, 24]
     assert shapes["output"] == [2, 3, 32]
+
+
+def test_build_names_every_extension_and_the_tiles(capsys):
+    import mha.native
+
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mha_flash:", "mha_flash_bwd:", "mha_decode:"):
+        assert name in out
+    picked = mha.native.kernels()
+    assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out

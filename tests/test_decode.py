@@ -20,10 +20,16 @@ from oracle import assert_within_budget
 NEEDS_KERNEL = pytest.mark.skipif(decode.unavailable() is not None,
                                   reason=f"decode kernel unavailable: {decode.unavailable()}")
 
-# (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (256 keys each),
-# Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column blocks), Tq = 16.
+# (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (64 … 1024
+# keys each, by shape), Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column
+# blocks), Tq = 16. bf16 with d_k % 32 == 0, d_k <= 128 and G = h / h_kv * Tq <= 16 scores on
+# AMX tiles (32 keys at a time, the rest of a split on AVX-512): G = 1, 4, 6, 8, 16 below; G = 24
+# and 32, and d_k = 40 or 200, take the vdpbf16ps path.
 SHAPES = [
     (1, 4, 4, 1, 1, 16, 16),
+    (1, 4, 4, 1, 1000, 128, 128),
+    (1, 16, 1, 1, 333, 32, 32),
+    (1, 8, 1, 3, 300, 64, 40),
     (2, 8, 2, 1, 300, 64, 64),
     (1, 8, 1, 4, 777, 40, 24),
     (3, 6, 3, 16, 520, 128, 128),
@@ -179,8 +185,31 @@ def test_bench_suite_states_bandwidth_against_the_faster_read_row():
     names = [c.name for c in all_cases(Context(quick=True))]
     assert "step B1 h32 d128 Tk4096 float32" in names and "step B1 h32 d128 Tk4096 bfloat16" in names
     case = next(c for c in all_cases(Context(quick=True)) if c.name.endswith("Tk4096 float32"))
-    assert {i.name for i in case.impls} >= {"mha", "torch sdpa", "torch.cat + sdpa", *READS}
+    assert {i.name for i in case.impls} >= {"mha", "torch sdpa", "torch.cat + sdpa",
+                                            "onnxruntime GQA", *READS}
     rows = [Row("decode", "c", name, seconds=s, bytes=1e9, metric="gbs")
             for name, s in (("mha", 0.05), (READS[0], 0.04), (READS[1], 0.025))]
     relative_to_read(rows)
     assert [round(r.pct_peak) for r in rows] == [50, 62, 100]  # vs the faster read (40 GB/s)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16-as-fp16"])
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_ort_gqa_decode_peer_computes_the_same_step(dtype, tol, h_kv):
+    """The ONNX Runtime GroupQueryAttention peer of the decode suite: one step against a past
+    cache gives SDPA's output (over the cache including the new token), call after call."""
+    pytest.importorskip("onnxruntime")
+    from mha.bench import peers
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=g).to(dtype)  # (B, h, 1, d)
+    k = torch.randn(2, h_kv, 70, 32, generator=g).to(dtype)  # (B, h_kv, Tk, d), new token last
+    v = torch.randn(2, h_kv, 70, 32, generator=g).to(dtype)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                           enable_gqa=True)
+    fn = peers.ort_gqa_decode(q, k, v)
+    for _ in range(2):  # the in-place append rewrites the same position: repeatable
+        fn()
+        assert (fn.result() - ref).abs().max().item() <= tol
+    assert ("fp16" in fn.note) == (dtype == torch.bfloat16)

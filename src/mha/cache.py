@@ -53,9 +53,10 @@ class KVCache:
 
     Updated in place, and nothing else: :meth:`append` (and the module call, which uses it)
     writes ``k[b, :, lengths[b]:lengths[b]+Tn]``, ``v[b, :, lengths[b]:lengths[b]+Tn]`` and
-    adds Tn to ``lengths``; :meth:`truncate`, :meth:`reset` and :meth:`mark_left_padding`
-    change only ``lengths`` / ``starts`` (the storage is never copied or reallocated, so
-    ``k.data_ptr()`` is fixed for the cache's life). Everything else (capacity, the views
+    adds Tn to ``lengths``; :meth:`reorder` (beam search) copies whole rows into other rows;
+    :meth:`truncate`, :meth:`reset` and :meth:`mark_left_padding` change only ``lengths`` /
+    ``starts`` (speculative-decoding rollback is a truncate). The storage is never
+    reallocated, so ``k.data_ptr()`` is fixed for the cache's life. Everything else (capacity, the views
     attention reads, the masks) is derived on demand.
 
     An append that does not fit raises ValueError naming the capacity and changes nothing.
@@ -184,6 +185,47 @@ class KVCache:
             raise ValueError(f"truncate: n must lie in [0, current length] per row; lengths are "
                              f"{self.lengths.tolist()}, got n={n.tolist()}")
         self.lengths.copy_(n)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Beam search: row ``b`` becomes a copy of row ``index[b]`` (``index`` an integer tensor
+        ``(B,)``, duplicates allowed, like ``index_select`` on the batch dim / HF's
+        ``reorder_cache``), in place; ``lengths`` and ``starts`` follow their rows.
+
+        Only rows that change are written, and of each only the first ``Tk`` positions (the
+        longest row kept): ``O(B * Tk * d)`` bytes, and the storage is never reallocated. The
+        index is checked (dtype, shape, device, range) before anything changes: a refused call
+        leaves the cache exactly as it was.
+        """
+        B = self.batch_size
+        if not isinstance(index, torch.Tensor):
+            raise TypeError(f"reorder: index must be an integer tensor (B,) = ({B},), got "
+                            f"{type(index).__name__}")
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"reorder: index must be an integer tensor (B,) = ({B},), got "
+                            f"{index.dtype}")
+        if index.shape != (B,):
+            raise ValueError(f"reorder: index must have shape (B,) = ({B},), got "
+                             f"{tuple(index.shape)}")
+        if index.device != self.device:
+            raise ValueError(f"reorder: index must be on the cache's device {self.device}, got "
+                             f"{index.device}")
+        if B and (bool((index < 0).any()) or bool((index >= B).any())):
+            raise ValueError(f"reorder: index values must lie in [0, B) = [0, {B}), got "
+                             f"{index.tolist()}")
+        index = index.to(torch.int64)
+        rows = torch.nonzero(index != torch.arange(B, device=self.device)).flatten()  # (n,)
+        if rows.numel() == 0:
+            return
+        src = index[rows]  # (n,) source row of each changed row
+        Tk = int(self.lengths[src].max())
+        # gather first (copies: a source row may itself be overwritten), then write
+        k_rows = self.k[src, :, :Tk]  # (n, h_kv, Tk, d_k)
+        v_rows = self.v[src, :, :Tk]  # (n, h_kv, Tk, d_v)
+        lengths, starts = self.lengths[index], self.starts[index]  # (B,)
+        self.k[:, :, :Tk].index_copy_(0, rows, k_rows)
+        self.v[:, :, :Tk].index_copy_(0, rows, v_rows)
+        self.lengths.copy_(lengths)
+        self.starts.copy_(starts)
 
     def reset(self) -> None:
         """Forget everything (lengths and starts to 0); the storage is kept, not cleared."""

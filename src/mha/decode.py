@@ -56,6 +56,7 @@ def _register() -> None:
         torch.library.register_fake(name)(_fake)
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
 def unavailable() -> str | None:
     """Why the decode kernel cannot run here (build failure), or None when it can."""
     return _load()
@@ -111,7 +112,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
 
 def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable: bool = False):
     """The op itself, on arguments already validated (used by the backend adapter)."""
-    reason = _load()
+    reason = unavailable()
     if reason:
         raise RuntimeError(reason)
     # The kernel needs a contiguous last dim on K/V; a cache view already has one (no copy).

@@ -8,9 +8,10 @@ Three layers, as in flash-attention's interface:
 1. ``torch.ops.mha.flash_attention_fwd`` — C++ (``csrc/flash_attn.cpp``), built on first use
    by :func:`mha._build.load` and cached; its ``register_fake`` twin below only allocates
    shaped outputs, so ``torch.compile`` and ``torch.library.opcheck`` work.
-2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that
-   recomputes the softmax weights from the saved log-sum-exp one chunk of query rows at a time
-   (never the whole ``(Tq, Tk)`` matrix for long sequences).
+2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that runs
+   the fused native kernel (``csrc/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
+   that cannot be built, :func:`flash_attention_bwd_torch`; both recompute the softmax weights
+   from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
 3. :func:`flash_attention` — the typed public function.
 """
 
@@ -25,13 +26,18 @@ from mha import _build
 
 NAME = "mha_flash"
 SOURCES = ("flash_attn.cpp",)
-_CHUNK_ELEMENTS = 1 << 23  # fp32 elements of one (B, h, rows, Tk) score chunk in the backward
+_CHUNK_ELEMENTS = 1 << 20  # fp32 elements of one (B, h, rows, Tk) score chunk, PyTorch backward
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
 def load() -> str:
     """Build (or reuse) and load the extension, then register its Python side. Returns the
     library path; raises :class:`mha._build.BuildError` with the reason when it cannot."""
+    return _load()
+
+
+@functools.cache
+def _load() -> str:
     lib = _build.load(NAME, SOURCES)
     torch.library.register_fake("mha::flash_attention_fwd")(_fwd_fake)
     torch.library.register_autograd("mha::flash_attention_fwd", _backward,
@@ -98,13 +104,45 @@ def _allowed_chunk(i0: int, i1: int, jmax: int, Tq: int, Tk: int, causal: bool,
     return allowed
 
 
+BWD_NAME = "mha_flash_bwd"
+BWD_SOURCES = ("flash_attn_bwd.cpp",)
+
+
+@functools.cache
+def load_backward() -> str | None:
+    """Build (or reuse) and load the fused backward ``csrc/flash_attn_bwd.cpp`` (extension
+    ``mha_flash_bwd``). Returns the reason it is unavailable (warned once), or None."""
+    try:
+        _build.load(BWD_NAME, BWD_SOURCES)
+    except _build.BuildError as e:
+        import warnings
+
+        warnings.warn(f"mha: fused flash backward unavailable ({e}); using the PyTorch "
+                      "backward", RuntimeWarning, stacklevel=3)
+        return str(e)
+    torch.library.register_fake("mha::flash_attention_bwd_fused")(_bwd_fake)
+    return None
+
+
 @torch.library.custom_op("mha::flash_attention_bwd", mutates_args=())
 def flash_attention_bwd(grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, key_lengths: torch.Tensor | None,
                         mask: torch.Tensor | None, causal: bool,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention`, in fp32 arithmetic, recomputing
+    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention`, in fp32 arithmetic: the fused
+    native kernel ``mha::flash_attention_bwd_fused`` when it builds, else
+    :func:`flash_attention_bwd_torch`."""
+    if load_backward() is None:
+        return torch.ops.mha.flash_attention_bwd_fused(grad_out, grad_lse, q, k, v, out, lse,
+                                                       key_lengths, mask, causal, scale)
+    return flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
+                                     causal, scale)
+
+
+def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
+                              causal: bool, scale: float):
+    """The backward in PyTorch ops (fallback and test oracle): recomputes
     ``P = exp(S - lse)`` for chunks of query rows (keys past the causal diagonal skipped)."""
     B, h, Tq, d_k = q.shape
     h_kv, Tk, d_v = k.shape[1], k.shape[2], v.shape[3]

@@ -6,6 +6,8 @@ Cases are ``(B, h, T, d)`` × dtype × dense/causal, named like ``1x8x4096x64 fp
 are ``4·B·h·T²·d`` (two matmuls), half of that when causal (only the FLOPs the mask keeps).
 Module cases (``module ...``) time ``torch.nn.MultiheadAttention`` against
 ``mha.MultiHeadAttention`` with the same weights (projections included in FLOPs and time).
+Training cases (``train ...``) time one forward + backward, ``torch.autograd.grad`` of
+``mha.attention`` vs SDPA, gradients checked against fp32 SDPA's; FLOPs 3.5x the forward's.
 
 Every implementation's output (its first call) is checked against fp32 SDPA (up to
 ``_CHECK_MAX`` score elements); a wrong result is an error row, not a number. The seed-000
@@ -24,7 +26,8 @@ import torch
 from mha.bench import peers
 from mha.bench.core import Case, Context, Impl, Skip
 
-TITLE = "attention forward: mha backends vs torch SDPA, naive, FlexAttention, ONNX Runtime, JAX"
+TITLE = ("attention forward: mha backends vs torch SDPA, naive, FlexAttention, ONNX Runtime, JAX; "
+         "training steps (forward + backward) vs torch SDPA")
 
 GiB = 2**30
 _CHECK_MAX = 2**28  # score elements up to which outputs are checked against SDPA
@@ -66,7 +69,7 @@ def grid(quick: bool) -> tuple[list[Shape], list[Shape]]:
                 [S(32, 8, 20, 64, "fp32", False)])
     attn = [
         S(32, 8, 20, 64, "fp32", False), S(32, 8, 20, 64, "fp32", True),
-        S(32, 8, 20, 64, "bf16", False),
+        S(32, 8, 20, 64, "bf16", False), S(32, 8, 20, 64, "bf16", True),
         S(1, 8, 512, 64, "fp32", False), S(1, 8, 2048, 64, "fp32", False),
         S(1, 8, 2048, 64, "fp32", True),
         S(1, 8, 4096, 64, "fp32", False), S(1, 8, 4096, 64, "fp32", True),
@@ -283,9 +286,93 @@ def module_case(s: Shape, ctx: Context) -> Case:
                 teardown=state.clear)
 
 
+def train_grid(quick: bool) -> list[Shape]:
+    """Shapes of the training rows (forward + backward)."""
+    S = Shape
+    if quick:
+        return [S(32, 8, 20, 64, "fp32", False)]
+    return [S(32, 8, 20, 64, "fp32", False), S(4, 8, 512, 64, "fp32", True),
+            S(1, 8, 2048, 64, "fp32", True), S(1, 8, 2048, 64, "bf16", True),
+            S(1, 8, 4096, 64, "fp32", False)]
+
+
+_TRAIN_TOL = {"fp32": 1e-4, "bf16": 5e-2}  # max grad error vs fp32 SDPA, relative to max |grad|
+
+
+def train_case(s: Shape, ctx: Context) -> Case:
+    """One training step, ``dq, dk, dv = grad(attention(q, k, v), (q, k, v), g)``: torch SDPA vs
+    ``mha.attention`` (its dispatch: flash_cpu's forward and fused backward on the CPU).
+    FLOPs: 3.5x the forward's (the backward's dV, dP, dQ, dK matmuls; not its recomputed S)."""
+    import mha
+
+    inp = _Inputs(s)
+    state: dict = {}
+
+    def setup() -> dict:
+        if not state:
+            state["qkv"] = tuple(t.detach().clone().requires_grad_() for t in inp.qkv())
+            g = torch.Generator().manual_seed(1)
+            state["grad"] = torch.randn(s.B, s.h, s.T, s.d, generator=g).to(_DTYPES[s.dtype])
+        return state
+
+    def verify(grads) -> str:
+        if "want" not in state:
+            q, k, v = (t.detach().float().requires_grad_() for t in state["qkv"])
+            with torch.enable_grad():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                       is_causal=s.causal)
+                state["want"] = torch.autograd.grad(out, (q, k, v), state["grad"].float())
+        err = max(float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                  for a, b in zip(grads, state["want"], strict=True))
+        if not err <= _TRAIN_TOL[s.dtype]:  # also catches NaN
+            raise RuntimeError(f"wrong gradients: max |grad - SDPA fp32| / max |grad| = {err:.3g}")
+        return f"max |grad - SDPA fp32| / max |grad| = {err:.1e}"
+
+    def step(attend, note=None):
+        def make():
+            st = setup()
+            q, k, v = st["qkv"]
+
+            def fn():
+                with torch.enable_grad():  # the harness times under no_grad
+                    return torch.autograd.grad(attend(q, k, v), (q, k, v), st["grad"])
+            if note:
+                fn.note = note()
+            fn()  # loads (or builds) the backward extension now, not in the first timed call
+            if s.scores_bytes(1) <= _CHECK_MAX:
+                fn.verify = verify
+            return fn
+
+        return make
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=s.causal)
+
+    def ours(q, k, v):
+        return mha.attention(q, k, v, causal=s.causal)
+
+    def chosen():
+        q, k, v = setup()["qkv"]
+        return f"dispatch chose {mha.explain(q, k, v, causal=s.causal).chosen}"
+
+    def teardown():
+        state.clear()
+        inp.clear()
+
+    return Case(name=f"train B{s.B} h{s.h} T{s.T} d{s.d} {s.dtype} "
+                     f"{'causal' if s.causal else 'dense'}",
+                impls=[Impl("torch sdpa", step(sdpa)), Impl("mha auto", step(ours, chosen))],
+                flops=3.5 * s.flops, metric="gflops", baseline="torch sdpa", peak=s.dtype,
+                params=dict(B=s.B, h=s.h, T=s.T, d=s.d, dtype=s.dtype, causal=s.causal,
+                            train=True),
+                teardown=teardown)
+
+
 def cases(ctx: Context) -> list[Case]:
     attn, modules = grid(ctx.quick)
-    return [attention_case(s, ctx) for s in attn] + [module_case(s, ctx) for s in modules]
+    return ([attention_case(s, ctx) for s in attn] + [module_case(s, ctx) for s in modules]
+            + [train_case(s, ctx) for s in train_grid(ctx.quick)])
 
 
-__all__ = ["TITLE", "Shape", "grid", "cases", "attention_case", "module_case"]
+__all__ = ["TITLE", "Shape", "grid", "train_grid", "cases", "attention_case", "module_case",
+           "train_case"]

@@ -14,6 +14,10 @@ P prompt length, N new tokens.
     column's baseline);
   - ``torch.cat + sdpa`` — the textbook loop's step: grow K and V by one token with
     ``torch.cat`` (copying the history), then SDPA;
+  - ``onnxruntime GQA`` — ONNX Runtime's ``com.microsoft.GroupQueryAttention`` step with a
+    past K/V cache appended in place (:func:`mha.bench.peers.ort_gqa_decode`), the peer the
+    issue names as the best; fp16 in the bf16 rows (ORT has no bf16 CPU kernel), said in the
+    row's note. Skipped with the reason when onnxruntime is not installed;
   - ``read K+V (torch.sum)`` and ``read K+V (AVX-512 stream)`` — ``torch.sum`` and a native
     four-accumulator AVX-512 read loop (``csrc/stream_read.cpp``, one contiguous part per
     thread) over exactly the K/V bytes (viewed as fp32): the machine's streaming read
@@ -71,6 +75,7 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
 
     def checked(fn, ref):
         out = fn()
+        out = fn.result() if hasattr(fn, "result") else out
         err = (out.float() - ref).abs().max().item()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         if not err <= tol:
@@ -107,6 +112,19 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
 
         return checked(step, ref)
 
+    def make_ort():
+        from mha.bench import peers
+
+        cache, q, ref = inputs()
+        if 3 * kv_bytes > ctx.mem_budget:  # the cache, the cat copy, and ORT's own copy
+            raise Skip(f"would need {3 * kv_bytes / 2**30:.1f} GiB (budget "
+                       f"{ctx.mem_budget / 2**30:.1f} GiB)")
+        fn = checked(peers.ort_gqa_decode(q, cache.keys(), cache.values()), ref)
+        if dtype == torch.bfloat16:
+            fn.note = ("ORT's fp16 step (no bf16 CPU kernel) — the issue's bf16 target is "
+                       "stated against it")
+        return fn
+
     def make_read():
         cache, _, _ = inputs()
         kf, vf = cache.k.view(torch.float32), cache.v.view(torch.float32)  # the same bytes
@@ -128,7 +146,8 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
     if h_kv != h:
         name = name.replace(f"h{h}", f"h{h}/{h_kv}")
     return Case(name=name, impls=[Impl("mha", make_mha), Impl("torch sdpa", make_sdpa),
-                                  Impl("torch.cat + sdpa", make_cat), Impl(READ_SUM, make_read),
+                                  Impl("torch.cat + sdpa", make_cat),
+                                  Impl("onnxruntime GQA", make_ort), Impl(READ_SUM, make_read),
                                   Impl(READ_NATIVE, make_native_read)],
                 bytes=kv_bytes, metric="gbs", baseline="torch sdpa",
                 params=dict(B=B, h=h, h_kv=h_kv, Tq=1, Tk=Tk, d=d, dtype=str(dtype)),

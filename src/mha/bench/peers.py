@@ -162,6 +162,69 @@ def ort_gqa(q, k, v, causal: bool):
     return fn
 
 
+def ort_gqa_decode(q, k, v):
+    """One decoding step through ONNX Runtime ``com.microsoft.GroupQueryAttention`` with a past
+    K/V cache, the way ORT's generation loop runs it.
+
+    q ``(B, h, 1, d)`` is the new token's query; k, v ``(B, h_kv, Tk, d)`` the cache *including*
+    the new token at position Tk - 1. ORT gets the first Tk - 1 positions as ``past_key`` /
+    ``past_value`` (BNSH, capacity Tk) and the new token as ``key`` / ``value``; the present
+    outputs are bound (IOBinding) to the same buffers as the past inputs, so ORT appends in
+    place instead of copying the history (its CPU kernel checks for the shared buffer). Every
+    call rewrites position Tk - 1 with the same values, so repeated calls are identical.
+
+    Returns the timed callable; ``fn.result()`` gives the last output as ``(B, h, 1, d)``.
+    """
+    onnx, ort, helper, TensorProto = _ort_modules()
+    np_dtype, elem, note = _ort_dtype(q)
+    import numpy as np
+
+    B, h, _, d = q.shape
+    h_kv, Tk = k.shape[1], k.shape[2]
+    io_info = [helper.make_tensor_value_info("q", elem, [B, 1, h * d]),
+               helper.make_tensor_value_info("k", elem, [B, 1, h_kv * d]),
+               helper.make_tensor_value_info("v", elem, [B, 1, h_kv * d]),
+               helper.make_tensor_value_info("past_key", elem, [B, h_kv, Tk, d]),
+               helper.make_tensor_value_info("past_value", elem, [B, h_kv, Tk, d]),
+               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [B]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    out_info = [helper.make_tensor_value_info("o", elem, [B, 1, h * d]),
+                helper.make_tensor_value_info("present_key", elem, [B, h_kv, Tk, d]),
+                helper.make_tensor_value_info("present_value", elem, [B, h_kv, Tk, d])]
+    node = helper.make_node("GroupQueryAttention",
+                            ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total"],
+                            ["o", "present_key", "present_value"], domain="com.microsoft",
+                            num_heads=h, kv_num_heads=h_kv)
+    sess = _ort_session([node], io_info, out_info, helper, onnx, ort)
+    # the cache in ORT's layout and dtype, converted once (untimed); (B, h_kv, Tk, d) each
+    past_k = ort.OrtValue.ortvalue_from_numpy(k.float().numpy().astype(np_dtype))
+    past_v = ort.OrtValue.ortvalue_from_numpy(v.float().numpy().astype(np_dtype))
+    binding = sess.io_binding()
+    binding.bind_cpu_input("q", _bsd(q, np_dtype))  # (B, 1, h * d)
+    binding.bind_cpu_input("k", _bsd(k[:, :, Tk - 1:], np_dtype))  # (B, 1, h_kv * d)
+    binding.bind_cpu_input("v", _bsd(v[:, :, Tk - 1:], np_dtype))
+    binding.bind_ortvalue_input("past_key", past_k)
+    binding.bind_ortvalue_input("past_value", past_v)
+    binding.bind_cpu_input("seqlens_k", np.full((B,), Tk - 1, dtype=np.int32))  # total - 1
+    binding.bind_cpu_input("total", np.array(Tk, dtype=np.int32))
+    binding.bind_output("o")
+    binding.bind_ortvalue_output("present_key", past_k)  # the same buffers: append in place
+    binding.bind_ortvalue_output("present_value", past_v)
+    try:
+        sess.run_with_iobinding(binding)
+    except Exception as e:  # noqa: BLE001 — e.g. a dtype this ORT build has no CPU kernel for
+        raise Skip(f"GroupQueryAttention refused this case: {str(e).splitlines()[0][:200]}") from e
+
+    def result():
+        o = torch.from_numpy(binding.get_outputs()[0].numpy().astype("float32"))  # (B, 1, h*d)
+        return o.view(B, 1, h, d).transpose(1, 2)  # (B, h, 1, d)
+
+    fn = lambda: sess.run_with_iobinding(binding)  # noqa: E731
+    fn.result = result
+    fn.note = note
+    return fn
+
+
 # ----------------------------------------------------------------------------- JAX
 def jax_dpa(q, k, v, causal: bool):
     """``jax.nn.dot_product_attention`` under ``jax.jit`` (XLA CPU), inputs (B, T, h, d)."""

@@ -15,6 +15,7 @@ from mha.bench.core import Row
 
 _RATE_UNIT = {"gflops": "GFLOP/s", "gbs": "GB/s", "time": "s"}
 MD_BEGIN, MD_END = "<!-- mha-bench:begin -->", "<!-- mha-bench:end -->"
+HEAD_BEGIN, HEAD_END = "<!-- mha-bench:headline:begin -->", "<!-- mha-bench:headline:end -->"
 
 
 def fmt_time(seconds: float | None) -> str:
@@ -169,14 +170,56 @@ def markdown(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(run: dict, path: Path) -> None:
-    """Replace the text between the begin/end markers in ``path`` (or write a new file)."""
-    block = f"{MD_BEGIN}\n{markdown(run)}{MD_END}"
+def _mha_row(rows: list[Row]) -> Row | None:
+    """The row that speaks for mha in a case: auto dispatch, the module, or the cache loop
+    (not a forced backend ``mha:<name>``)."""
+    return next((r for r in rows if r.impl.startswith("mha") and not r.impl.startswith("mha:")),
+                None)
+
+
+def _is_peer(r: Row) -> bool:
+    """Another library's implementation (not mha's, not a memory-read probe)."""
+    return not r.impl.startswith(("mha", "read ")) and r.ok and r.rate() is not None
+
+
+def headline(run: dict) -> str:
+    """One line per case: mha's rate, its ratio to the case's baseline, and to the fastest
+    other implementation measured in the same run (the README's summary)."""
+    rows = rows_from_run(run)
+    meta = run["meta"]
+    lines = [f"`{meta.get('command', 'mha bench')}`, {meta.get('started', '?')} UTC, "
+             f"{meta.get('threads', '?')} threads, {meta.get('cpu', '')}, load "
+             f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')}. Ratios > 1: mha is "
+             "faster; every figure comes from one process, implementations interleaved.", "",
+             "| suite | case | mha | rate | % of peak | × baseline | fastest other "
+             "| × fastest other |", "|---|---|---|---|---|---|---|---|"]
+    for suite, cases in by_suite(rows).items():
+        for case, rs in cases.items():
+            mine = _mha_row(rs)
+            if mine is None or not mine.ok or mine.rate() is None:
+                continue
+            higher_is_better = mine.metric != "time"
+            peers = [r for r in rs if _is_peer(r)]
+            best = (max if higher_is_better else min)(peers, key=Row.rate, default=None)
+            vs_best = "" if best is None else f"{best.seconds / mine.seconds:.2f}"
+            base = "" if mine.ratio is None else f"{mine.ratio:.2f} ({mine.baseline})"
+            pct = "" if mine.pct_peak is None else f"{mine.pct_peak:.0f} % ({mine.peak})"
+            lines.append(f"| {suite} | {case} | {mine.impl} | {fmt_rate(mine)} "
+                         f"{rate_unit(mine)} | {pct} | {base} | {best.impl if best else ''} | "
+                         f"{vs_best} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(run: dict, path: Path, *, headline_only: bool = False) -> None:
+    """Replace the text between the markers in ``path`` (or append it): the full tables, or
+    with ``headline_only`` the one-line-per-case summary."""
+    begin, end = (HEAD_BEGIN, HEAD_END) if headline_only else (MD_BEGIN, MD_END)
+    block = f"{begin}\n{headline(run) if headline_only else markdown(run)}{end}"
     path = Path(path)
     old = path.read_text() if path.exists() else ""
-    if MD_BEGIN in old and MD_END in old:
-        head, rest = old.split(MD_BEGIN, 1)
-        text = head + block + rest.split(MD_END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = (old + "\n" if old else "") + block + "\n"
     path.write_text(text)

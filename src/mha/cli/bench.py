@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", metavar="FILE", help="write the tables into FILE (between "
                    "markers, e.g. docs/benchmarks.md)")
+    p.add_argument("--headline", metavar="FILE", help="write a one-line-per-case summary (mha "
+                   "vs baseline vs fastest other) into FILE between its own markers (README.md)")
     p.add_argument("--from-json", metavar="FILE", help="do not measure: print/redo outputs "
                    "from a saved run")
     p.add_argument("--list", action="store_true", help="list suites and cases, measure nothing")
@@ -228,3 +230,6 @@ def _write_outputs(run_data, out_dir, args, console, *, save: bool, stamp=None) 
     if args.markdown:
         report.write_markdown(run_data, args.markdown)
         console.print(f"wrote the tables into {args.markdown}")
+    if args.headline:
+        report.write_markdown(run_data, args.headline, headline_only=True)
+        console.print(f"wrote the one-line-per-case summary into {args.headline}")

@@ -1,6 +1,7 @@
 """``mha build``: compile the native kernels ahead of time and say what they target.
 
-Builds ``mha_flash`` (``mha.native``) and ``mha_decode`` (``mha.decode``). Prints the
+Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd`` and ``mha_decode``
+(``mha.decode``). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
 each dtype runs, the compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
 """
@@ -37,20 +38,26 @@ def run(args) -> int:
     print(f"  compiled in: {', '.join(isa)}")
     picked = native.kernels()
     print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
-    return _build_decode()
+    from mha import decode
+
+    status = 0
+    for name, sources in ((native.BWD_NAME, native.BWD_SOURCES),
+                          (decode.EXTENSION, decode.SOURCES)):
+        status |= _build_other(name, sources)
+    return status
 
 
-def _build_decode() -> int:
-    """The decode kernel (``mha.decode``, its own extension) is compiled here too."""
+def _build_other(name: str, sources: tuple[str, ...]) -> int:
+    """The fused backward and the decode kernel are extensions of their own, built here too."""
     import time
 
-    from mha import _build, decode
+    from mha import _build
 
     start = time.perf_counter()
     try:
-        lib = _build.load(decode.EXTENSION, decode.SOURCES)
+        lib = _build.load(name, sources)
     except _build.BuildError as e:
-        print(f"{decode.EXTENSION}: build FAILED: {e}")
+        print(f"{name}: build FAILED: {e}")
         return 1
-    print(f"{decode.EXTENSION}: {lib} ({time.perf_counter() - start:.1f} s)")
+    print(f"{name}: {lib} ({time.perf_counter() - start:.1f} s)")
     return 0

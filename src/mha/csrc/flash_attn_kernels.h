@@ -405,6 +405,8 @@ struct AmxBf16 : Avx512Bf16 {
     TileConfig c{};
     c.palette = 1;
     for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    // GCC does not know ldtilecfg reads c and may drop the stores above: force them to memory.
+    asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
   }
   static void release() { _tile_release(); }

@@ -2,7 +2,7 @@
 //
 // Shape legend: B batch, h query heads, h_kv key/value heads, g = h / h_kv (query heads per
 // K/V head), Tq query length, Tk key length, d_k / d_v head dims, G = g * Tq (the query rows
-// that share one K/V head), S = ceil(Tk / kChunk) key splits.
+// that share one K/V head), C keys per split (split_length), S = ceil(Tk / C) key splits.
 //
 //   out[b, head, i] = softmax_j(q[b, head, i] . k[b, head / g, j] * scale) v[b, head / g, j]
 //
@@ -11,9 +11,11 @@
 // unnormalized partial output with its running max m and sum l (base-2 log-sum-exp parts).
 // A second pass merges the S partials of every query row in split order:
 //   M = max_s m_s,  L = sum_s l_s 2^(m_s - M),  out = sum_s O_s 2^(m_s - M) / L.
-// The split size is a constant, so the result does not depend on the number of threads
-// (deterministic, bitwise). All arithmetic accumulates in fp32; bf16 inputs use AVX512_BF16
-// dot products for q.k and fp32 FMAs for p.v.
+// The split size depends on the shape only (split_length), so the result does not depend on
+// the number of threads (deterministic, bitwise). All arithmetic accumulates in fp32. bf16 q.k
+// runs on AMX tiles where they fit (qk_amx), else as AVX512_BF16 dot products; bf16 p.v uses
+// fp32 FMAs on V widened by a shift / mask (pv_tile_bf16). Products of bf16 values are exact
+// in fp32 on every path, and p stays fp32.
 //
 // Masks (True = may attend; all optional, combined with AND):
 //   causal       query i sees key j iff j <= i + Tk - Tq (bottom-right aligned)
@@ -36,26 +38,29 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+#include "flash_decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace {
 
-constexpr int64_t kChunk = 256;  // keys per split (a constant: results are thread-independent)
+constexpr int64_t kChunk = 1024;  // most keys per split (the stride of the score rows)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using bf16 = c10::BFloat16;
 
 struct Problem {
-  int64_t B, h, h_kv, g, Tq, Tk, dk, dv, G, S;
+  int64_t B, h, h_kv, g, Tq, Tk, dk, dv, G, C, S;
   const void* q;  // contiguous (B, h, Tq, d_k)
   const void* k;  // (B, h_kv, Tk, d_k), last dim contiguous
   const void* v;  // (B, h_kv, Tk, d_v), last dim contiguous
@@ -64,6 +69,7 @@ struct Problem {
   const bool* mask;     // broadcast strides below, or nullptr
   int64_t msb, msh, msq, msk;
   bool causal;
+  bool amx;  // bf16 q.k on AMX tiles (see qk_amx)
   float scale_log2;  // scale * log2(e): scores are kept in base 2
 };
 
@@ -108,6 +114,9 @@ std::pair<float, float> softmax_portable(float* s, int64_t n) {
 // ------------------------------------------------------------------ AVX-512 building blocks
 #ifdef __AVX512F__
 #define MHA_INLINE inline __attribute__((always_inline))
+// Unroll loops over compile-time register counts early: otherwise GCC keeps arrays of
+// accumulators in memory and stores them back every iteration.
+#define MHA_UNROLL _Pragma("GCC unroll 16")
 
 MHA_INLINE __mmask16 tail16(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
@@ -173,10 +182,10 @@ MHA_INLINE void prefetch_row(const T* p, int64_t n) {
 // assigned as below (acc[i] holds key 4 * (i % 4) + i / 4), lane t of the result is key t.
 MHA_INLINE __m512 reduce16(const __m512* a) {
   __m512 s[8], u[4];
-  for (int i = 0; i < 8; ++i)  // halves: [a_2i (8 lanes) | a_2i+1 (8 lanes)]
+  MHA_UNROLL for (int i = 0; i < 8; ++i)  // halves: [a_2i (8 lanes) | a_2i+1 (8 lanes)]
     s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarters: four 128-bit blocks, one per accumulator
+  MHA_UNROLL for (int i = 0; i < 4; ++i)  // quarters: four 128-bit blocks, one per accumulator
     u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
   const __m512 xy = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
@@ -193,14 +202,14 @@ void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t 
   for (int64_t j = 0; j < n; j += 16) {
     const int64_t nt = std::min<int64_t>(16, n - j);
     const T* kp[16];
-    for (int t = 0; t < 16; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
+    MHA_UNROLL for (int t = 0; t < 16; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
     if (j + 32 < n)  // the block after next: keeps the memory stream ahead of the loads
       for (int t = 0; t < 16; ++t) prefetch_row(kp[t] + 32 * kst, dk);
     for (int64_t r = 0; r < G; ++r) {  // the 16 K rows stay in L1 across the G query rows
       __m512 acc[16];
       // keys are read in memory order; reduce16 wants accumulator i to hold key
       // 4 * (i % 4) + i / 4, so the (compile-time) index is permuted instead of the loads
-      for (int t = 0; t < 16; ++t) acc[4 * (t % 4) + t / 4] = dot_lanes(q + r * dk, kp[t], dk);
+      MHA_UNROLL for (int t = 0; t < 16; ++t) acc[4 * (t % 4) + t / 4] = dot_lanes(q + r * dk, kp[t], dk);
       _mm512_mask_storeu_ps(scores + r * kChunk + j, tail16(nt),
                             _mm512_mul_ps(reduce16(acc), vscale));
     }
@@ -213,41 +222,101 @@ template <typename T, int R, int NV>
 void pv_tile(const float* p, int64_t n, const T* v, int64_t vst, int64_t col, __mmask16 last,
              float* O, int64_t dv) {
   __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m512 pr[R];
-    for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
+    MHA_UNROLL for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
     const T* vt = v + t * vst + col;
     if (t + 16 < n) prefetch_row(vt + 16 * vst, 16 * NV);
-    for (int c = 0; c < NV; ++c) {
+    MHA_UNROLL for (int c = 0; c < NV; ++c) {
       const __m512 x = load_f32(vt + 16 * c, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF));
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
+      MHA_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) {
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NV; ++c) {
       float* o = O + r * dv + col + 16 * c;
       const __mmask16 mk = c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
       _mm512_mask_storeu_ps(o, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), acc[r][c]));
     }
 }
 
-template <typename T, int R>
-void pv_rows(const float* p, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
-  for (int64_t col = 0; col < dv; col += 128) {
-    const int64_t w = std::min<int64_t>(128, dv - col);
+// bf16 V without a per-vector conversion shuffle: 32 bf16 loaded as 16 int32 lanes hold an
+// even column in the low half and an odd one in the high half of each lane, so
+// `x << 16` is the even columns and `x & 0xFFFF0000` the odd ones, as exact fp32 (two cheap
+// ALU ops per 32 values instead of a widening shuffle and a shift per 16). Accumulators are
+// kept split (even, odd) and interleaved back once, at the end of the tile.
+template <int R, int NB>
+void pv_tile_bf16(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t col, int64_t w,
+                  float* O, int64_t dv) {
+  __m512 ae[R][NB], ao[R][NB];
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NB; ++c) ae[r][c] = ao[r][c] = _mm512_setzero_ps();
+  const int64_t wl = w - 32 * (NB - 1);  // columns in the last 32-column block (1..32)
+  const __mmask32 last = wl >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << wl) - 1ull);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pr[R];
+    MHA_UNROLL for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
+    const bf16* vt = v + t * vst + col;
+    if (t + 16 < n) prefetch_row(vt + 16 * vst, 32 * NB);
+    MHA_UNROLL for (int c = 0; c < NB; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi16(c == NB - 1 ? last : 0xFFFFFFFFu, vt + 32 * c);
+      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+      MHA_UNROLL for (int r = 0; r < R; ++r) {
+        ae[r][c] = _mm512_fmadd_ps(pr[r], xe, ae[r][c]);
+        ao[r][c] = _mm512_fmadd_ps(pr[r], xo, ao[r][c]);
+      }
+    }
+  }
+  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_idx =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NB; ++c) {
+      float* o = O + r * dv + col + 32 * c;
+      const int64_t left = w - 32 * c;  // valid columns from o on (>= 1)
+      const __mmask16 m0 = tail16(left), m1 = left > 16 ? tail16(left - 16) : 0;
+      const __m512 lo = _mm512_permutex2var_ps(ae[r][c], lo_idx, ao[r][c]);  // columns 0..15
+      const __m512 up = _mm512_permutex2var_ps(ae[r][c], hi_idx, ao[r][c]);  // columns 16..31
+      _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), lo));
+      _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), up));
+    }
+}
+
+// Column tiles: 128 columns for up to 2 query rows, 64 for 3-4 (16 accumulators either way).
+template <int R>
+void pv_rows(const float* p, int64_t n, const float* v, int64_t vst, int64_t dv, float* O) {
+  constexpr int64_t kW = R <= 2 ? 128 : 64;
+  for (int64_t col = 0; col < dv; col += kW) {
+    const int64_t w = std::min<int64_t>(kW, dv - col);
     const int nv = static_cast<int>((w + 15) / 16);
     const __mmask16 last = tail16(w - 16 * (nv - 1));
     switch (nv) {
-      case 1: pv_tile<T, R, 1>(p, n, v, vst, col, last, O, dv); break;
-      case 2: pv_tile<T, R, 2>(p, n, v, vst, col, last, O, dv); break;
-      case 3: pv_tile<T, R, 3>(p, n, v, vst, col, last, O, dv); break;
-      case 4: pv_tile<T, R, 4>(p, n, v, vst, col, last, O, dv); break;
-      case 5: pv_tile<T, R, 5>(p, n, v, vst, col, last, O, dv); break;
-      case 6: pv_tile<T, R, 6>(p, n, v, vst, col, last, O, dv); break;
-      case 7: pv_tile<T, R, 7>(p, n, v, vst, col, last, O, dv); break;
-      default: pv_tile<T, R, 8>(p, n, v, vst, col, last, O, dv); break;
+      case 1: pv_tile<float, R, 1>(p, n, v, vst, col, last, O, dv); break;
+      case 2: pv_tile<float, R, 2>(p, n, v, vst, col, last, O, dv); break;
+      case 3: pv_tile<float, R, 3>(p, n, v, vst, col, last, O, dv); break;
+      case 4: pv_tile<float, R, 4>(p, n, v, vst, col, last, O, dv); break;
+      case 5: pv_tile<float, R, 5>(p, n, v, vst, col, last, O, dv); break;
+      case 6: pv_tile<float, R, 6>(p, n, v, vst, col, last, O, dv); break;
+      case 7: pv_tile<float, R, 7>(p, n, v, vst, col, last, O, dv); break;
+      default: pv_tile<float, R, 8>(p, n, v, vst, col, last, O, dv); break;
+    }
+  }
+}
+
+template <int R>
+void pv_rows(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t dv, float* O) {
+  constexpr int64_t kW = R <= 2 ? 128 : 64;
+  for (int64_t col = 0; col < dv; col += kW) {
+    const int64_t w = std::min<int64_t>(kW, dv - col);
+    switch ((w + 31) / 32) {
+      case 1: pv_tile_bf16<R, 1>(p, n, v, vst, col, w, O, dv); break;
+      case 2: pv_tile_bf16<R, 2>(p, n, v, vst, col, w, O, dv); break;
+      case 3: pv_tile_bf16<R, 3>(p, n, v, vst, col, w, O, dv); break;
+      default: pv_tile_bf16<R, 4>(p, n, v, vst, col, w, O, dv); break;
     }
   }
 }
@@ -255,9 +324,10 @@ void pv_rows(const float* p, int64_t n, const T* v, int64_t vst, int64_t dv, flo
 template <typename T>
 void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
   int64_t r = 0;
-  for (; r + 3 <= G; r += 3) pv_rows<T, 3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
-  if (G - r == 2) pv_rows<T, 2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
-  if (G - r == 1) pv_rows<T, 1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  for (; r + 4 <= G; r += 4) pv_rows<4>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 3) pv_rows<3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 2) pv_rows<2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 1) pv_rows<1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
 }
 
 // 2^x for x <= 0: x = n + r with r in [-1/2, 1/2]; 2^r by its degree-7 Taylor polynomial
@@ -304,6 +374,8 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
 }
 #endif  // __AVX512F__
 
+
+
 template <typename T, bool kVec>
 inline void qk(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
                float* scores) {
@@ -332,9 +404,33 @@ inline std::pair<float, float> softmax2(float* s, int64_t n) {
 // ------------------------------------------------------------------ the two passes
 // One item: keys [j0, j1) of K/V head kvh in batch row b, for the G query rows of its group.
 // Writes O (G, d_v) unnormalized, m (G,) and l (G,) for this split. scores: G * kChunk floats.
+// Per-thread scratch: scores (G, kChunk), the merge accumulator (d_v), AMX operands.
+struct Scratch {
+  std::vector<float> scores, acc, tmp;
+  std::vector<uint32_t> qpack;
+  explicit Scratch(const Problem& P)
+      : scores(P.G * kChunk), acc(P.dv), tmp(16 * P.G), qpack(P.amx ? P.dk / 2 * P.G : 0) {}
+};
+
+// Turns the AMX tile state on for this thread for as long as it lives (when P.amx).
+struct AmxScope {
+  bool on;
+  explicit AmxScope(const Problem& P) : on(P.amx) {
+#ifdef MHA_DECODE_AMX
+    if (on) mha_decode_amx::amx_configure(P.G);
+#endif
+  }
+  ~AmxScope() {
+#ifdef MHA_DECODE_AMX
+    if (on) _tile_release();
+#endif
+  }
+};
+
 template <typename T, bool kVec>
-void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, float* scores,
+void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, Scratch& w,
                 float* O, float* m, float* l) {
+  float* scores = w.scores.data();
   const int64_t G = P.G, n = j1 - j0;
   std::fill(O, O + G * P.dv, 0.f);
   std::fill(m, m + G, kNegInf);
@@ -344,7 +440,15 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   const T* k = static_cast<const T*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
   const T* v = static_cast<const T*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
   // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units
-  qk<T, kVec>(q, G, P.dk, k, P.kst, n, P.scale_log2, scores);
+  int64_t done = 0;  // keys scored on AMX tiles (whole steps of 32), the rest below
+#ifdef MHA_DECODE_AMX
+  if constexpr (kVec && std::is_same_v<T, bf16>)
+    if (P.amx)
+      done = mha_decode_amx::qk_amx(q, G, P.dk, k, P.kst, n, P.scale_log2, scores, kChunk,
+                                    w.qpack.data(), w.tmp.data());
+#endif
+  if (done < n)
+    qk<T, kVec>(q, G, P.dk, k + done * P.kst, P.kst, n - done, P.scale_log2, scores + done);
   bool any = false;
   for (int64_t r = 0; r < G; ++r) {  // masks -> -inf; then max, 2^(s - max), sum per row
     float* s = scores + r * kChunk;
@@ -394,6 +498,41 @@ void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc,
   }
 }
 
+// A range of work items [next, end) shared by its owner (takes from the front) and helpers
+// (take from the back); both ends live in one atomic word, so each item is taken exactly once.
+struct alignas(64) Range {
+  std::atomic<uint64_t> span{0};  // next in the low 32 bits, end in the high 32 bits
+  void set(int64_t next, int64_t end) {
+    span.store(static_cast<uint64_t>(end) << 32 | static_cast<uint64_t>(next));
+  }
+  bool take_front(int64_t& it) { return take(it, true); }
+  bool take_back(int64_t& it) { return take(it, false); }
+
+ private:
+  bool take(int64_t& it, bool front) {
+    uint64_t cur = span.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t next = cur & 0xFFFFFFFFu, end = cur >> 32;
+      if (next >= end) return false;
+      const uint64_t want = front ? (end << 32 | (next + 1)) : ((end - 1) << 32 | next);
+      if (span.compare_exchange_weak(cur, want, std::memory_order_relaxed)) {
+        it = static_cast<int64_t>(front ? next : end - 1);
+        return true;
+      }
+    }
+  }
+};
+
+// Keys per split: long splits mean fewer switches between the K and V streams and fewer
+// partials (1024 measured best at B1 h32 Tk4096), but there must be enough items for the
+// threads: halve the split until there are >= 16 items (or 64 keys). A function of the shape
+// only, never of the thread count, so results stay thread-independent.
+int64_t split_length(int64_t groups, int64_t Tk) {
+  int64_t c = kChunk;
+  while (c > 64 && groups * ((Tk + c - 1) / c) < 16) c /= 2;
+  return c;
+}
+
 template <typename T, bool kVec>
 at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
@@ -402,7 +541,8 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   Problem P{};
   P.B = q.size(0), P.h = q.size(1), P.Tq = q.size(2), P.dk = q.size(3);
   P.h_kv = k.size(1), P.Tk = k.size(2), P.dv = v.size(3);
-  P.g = P.h / P.h_kv, P.G = P.g * P.Tq, P.S = (P.Tk + kChunk - 1) / kChunk;
+  P.g = P.h / P.h_kv, P.G = P.g * P.Tq, P.C = split_length(P.B * P.h_kv, P.Tk);
+  P.S = (P.Tk + P.C - 1) / P.C;
   P.q = q.data_ptr(), P.k = k.data_ptr(), P.v = v.data_ptr();
   P.ksb = k.stride(0), P.ksh = k.stride(1), P.kst = k.stride(2);
   P.vsb = v.stride(0), P.vsh = v.stride(1), P.vst = v.stride(2);
@@ -418,6 +558,10 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
     P.msb = st(0), P.msh = st(1), P.msq = st(2), P.msk = st(3);
   }
   P.causal = causal;
+#ifdef MHA_DECODE_AMX
+  P.amx = kVec && std::is_same_v<T, bf16> && mha_decode_amx::amx_fits(P.G, P.dk) &&
+          mha_decode_amx::amx_permitted();
+#endif
   P.scale_log2 = static_cast<float>(scale) * kLog2e;
 
   // partials in one buffer: O (B, h_kv, S, G, d_v), then M and L (B, h_kv, S, G) each
@@ -428,8 +572,11 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   if (P.S == 0) return out.zero_();  // no keys at all: every row sees nothing
   T* outp = out.data_ptr<T>();
 
-  // Items (b, kv head, split) are taken dynamically by the threads (robust to a busy machine);
-  // the thread that finishes the last split of a group merges that group. Which thread does
+  // Items (b, kv head, split) are in memory order. Each thread owns a contiguous range of them
+  // and takes them in order, so it reads K and V as two sequential streams that the hardware
+  // prefetchers follow across items; a thread that runs out takes items from the far end of
+  // the others' ranges (robust to a busy machine: nobody waits for a descheduled thread).
+  // The thread that finishes the last split of a group merges that group. Which thread does
   // what never changes the arithmetic, so results are bitwise reproducible.
   const int64_t groups = P.B * P.h_kv, items = groups * P.S;
   std::vector<std::atomic<int64_t>> remaining(groups);
@@ -437,29 +584,42 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   const int64_t bytes = P.B * P.h_kv * P.Tk * (P.dk + P.dv) * static_cast<int64_t>(sizeof(T));
   const int threads = bytes < (int64_t{1} << 18) ? 1
                       : static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
-  auto work = [&](std::vector<float>& scores, std::vector<float>& acc, int64_t it) {
+  auto work = [&](Scratch& w, int64_t it) {
     const int64_t s = it % P.S, bh = it / P.S, b = bh / P.h_kv, kvh = bh % P.h_kv;
     const int64_t len = P.klen ? std::min(P.klen[b], P.Tk) : P.Tk;
-    const int64_t j0 = s * kChunk, j1 = std::min(j0 + kChunk, len);
-    split_item<T, kVec>(P, b, kvh, j0, j1, scores.data(), part.O + it * P.G * P.dv,
+    const int64_t j0 = s * P.C, j1 = std::min(j0 + P.C, len);
+    split_item<T, kVec>(P, b, kvh, j0, j1, w, part.O + it * P.G * P.dv,
                         part.M + it * P.G, part.L + it * P.G);
     if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      merge_group(P, part, bh, acc.data(), outp);
+      merge_group(P, part, bh, w.acc.data(), outp);
   };
+  TORCH_CHECK(items < (int64_t{1} << 31), "flash_decode: too many work items (", items, ")");
   if (threads <= 1) {  // small problems: no parallel region at all (no thread wake-ups)
-    std::vector<float> scores(P.G * kChunk), acc(P.dv);
-    for (int64_t it = 0; it < items; ++it) work(scores, acc, it);
+    Scratch w(P);
+    AmxScope amx(P);
+    for (int64_t it = 0; it < items; ++it) work(w, it);
     return out;
   }
+  std::vector<Range> ranges(threads);
+  for (int t = 0; t < threads; ++t) ranges[t].set(items * t / threads, items * (t + 1) / threads);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
   {
-    std::vector<float> scores(P.G * kChunk), acc(P.dv);
+    Scratch w(P);
+    AmxScope amx(P);
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1) nowait
+    const int me = omp_get_thread_num();
+#else
+    const int me = 0;
 #endif
-    for (int64_t it = 0; it < items; ++it) work(scores, acc, it);
+    int64_t it;
+    while (ranges[me].take_front(it)) work(w, it);
+    for (int o = 1; o < threads; ++o)  // then help the others, from the ends of their ranges
+      while (ranges[(me + o) % threads].take_back(it)) work(w, it);
   }
   return out;
 }

@@ -1,0 +1,497 @@
+// CPU flash-attention backward (FlashAttention-2's algorithm): O(T d) memory, fp32 math.
+//
+// Shape legend: B batch, h query heads, h_kv key/value heads (g = h / h_kv query heads share
+// one K/V head), Tq/Tk query/key lengths, d_k/d_v head dims, Br/Bc query rows/keys per block.
+// Inputs q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v), out and grad_out
+// (B, h, Tq, d_v), lse and grad_lse (B, h, Tq), any strides. Returns dq, dk, dv (contiguous,
+// in q's dtype). Masks as in the forward (True = may attend, combined with AND): causal aligned
+// bottom-right (query i sees keys j <= i + Tk - Tq), key_lengths (B,), a bool mask
+// broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims).
+//
+// For each key block j (Bc keys) and each query block i (Br rows) that can see it:
+//   S = Q_i K_j^T,  P = exp(S scale - lse_i) (masked -> 0),  dP = dO_i V_j^T,
+//   dS = P (dP - delta_i) with delta_i = rowsum(dO_i O_i) - dlse_i,
+//   dV_j += P^T dO_i,  dK_j += dS^T Q_i scale,  dQ_i += dS K_j scale.
+// Query blocks wholly above the causal diagonal of a key block, and keys past key_lengths, are
+// never touched. No (Tq, Tk) matrix exists: S, P, dP, dS live in one Br x Bc scratch per thread.
+//
+// Work: a unit is one (b, K/V head) and one of S interleaved subsets of its key blocks
+// (j = s, s + S, ...), for all g query heads of the group. It owns its dK_j, dV_j outright and
+// accumulates dQ for the group's rows in its own fp32 buffer; with S > 1 those partial dQ are
+// summed in the order s = 0, 1, ... after the parallel loop. S depends only on the shape, and
+// every unit is computed by one thread in a fixed order, so the result is bitwise the same for
+// any thread count or schedule.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace mha_flash_bwd {
+namespace {
+
+constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
+// Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64 (01:00 UTC).
+constexpr int64_t kBr = 64;       // query rows per block
+constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
+constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
+constexpr int kTileRows = 6;      // register tile: 6 rows x 64 columns = 24 zmm accumulators
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ------------------------------------------------------------------------------ GEMM tiles
+// C[R][16 NV] = (acc ? C : 0) + sum_k A(r, k) B[k][16 NV], with A(r, k) = a[r sam + k sak]
+// (broadcast one A element, load NV vectors of B per k), B row-major with row stride ldb.
+template <int R, int NV>
+void tile(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t K,
+          float* c, int64_t ldc, bool acc) {
+#if defined(__AVX512F__)
+  __m512 x[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n)
+      x[r][n] = acc ? _mm512_loadu_ps(c + r * ldc + n * kLanes) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
+    const float* ak = a + k * sak;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ak[r * sam]);
+#pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) x[r][n] = _mm512_fmadd_ps(av, bv[n], x[r][n]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(c + r * ldc + n * kLanes, x[r][n]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float x[NV * kLanes];
+    for (int n = 0; n < NV * kLanes; ++n) x[n] = acc ? c[r * ldc + n] : 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float av = a[r * sam + k * sak];
+      for (int n = 0; n < NV * kLanes; ++n) x[n] += av * b[k * ldb + n];
+    }
+    for (int n = 0; n < NV * kLanes; ++n) c[r * ldc + n] = x[n];
+  }
+#endif
+}
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*,
+                        int64_t, bool);
+
+template <int R>
+constexpr TileFn tile_for(int nv) {
+  return nv == 4 ? &tile<R, 4> : nv == 3 ? &tile<R, 3> : nv == 2 ? &tile<R, 2> : &tile<R, 1>;
+}
+
+TileFn pick(int r, int nv) {
+  switch (r) {
+    case 6: return tile_for<6>(nv);
+    case 5: return tile_for<5>(nv);
+    case 4: return tile_for<4>(nv);
+    case 3: return tile_for<3>(nv);
+    case 2: return tile_for<2>(nv);
+    default: return tile_for<1>(nv);
+  }
+}
+
+// C[M][N] = (acc ? C : 0) + A(M x K) B[K][N]; N a multiple of 16 (buffers are padded).
+void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+          const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
+    const int nv = int(std::min<int64_t>(4, (N - n0) / kLanes));
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int r = int(std::min<int64_t>(kTileRows, M - m0));
+      pick(r, nv)(a + m0 * sam, sam, sak, b + n0, ldb, K, c + m0 * ldc + n0, ldc, acc);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ exp
+// 2^x for x <= 0: n = round(x), f = x - n in [-1/2, 1/2], 2^f by a degree-6 polynomial (its
+// Taylor coefficients ln2^k / k!, relative error < 2e-7 on that range), times 2^n by vscalefps.
+// x < -125 (masked or underflowing) gives exactly 0 without a denormal vscalefps (slow assist).
+#if defined(__AVX512F__)
+inline __m512 exp2_ps(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-125.f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// ------------------------------------------------------------------------------ problem
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// T is the element type of q, k, v, out, grad_out and of the gradients (float or BFloat16).
+template <typename T>
+struct Problem {
+  const T *q, *k, *v, *out, *go;  // go may be null (no gradient of out)
+  const float *lse, *glse;         // glse may be null (no gradient of lse)
+  int64_t qs[4], ks[4], vs[4], os[4], gos[4], ls[3], gls[3], ms[4];
+  const bool* mask = nullptr;           // ms is 0 on broadcast dims
+  const int64_t* key_lengths = nullptr;
+  int64_t B, h, hkv, Tq, Tk, dk, dv, splits;
+  float scale;
+  bool causal;
+  T *dq, *dkey, *dval;      // contiguous outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
+  float* dq_part;           // (S, B, h, Tq, d_k) partial dQ when splits > 1, else null
+};
+
+// Scratch of one unit, sized once per unit.
+struct Scratch {
+  std::vector<float> q, dout, lse2, delta, dq;  // the group's rows: (g, Tq, d_kp | d_vp | 1)
+  std::vector<float> kt, vt, kr, dk, dv;        // one key block: K^T (d_k, Bc), V^T (d_v, Bc),
+                                                // K (Bc, d_kp), dK (Bc, d_kp), dV (Bc, d_vp)
+  std::vector<float> s, dp;                     // (Br, Bc): S then P, dP then dS
+};
+
+// P and dS of rows [i0, i0 + rows) of head hi against keys [j0, j0 + kn): s holds S on entry
+// and P on exit, dp holds dP (or garbage when there is no grad_out) and dS on exit.
+template <typename T>
+void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_t rows, int64_t j0,
+                  int64_t kn, const float* lse2, const float* delta, bool has_go, float* s,
+                  float* dp) {
+  const float c = P.scale * kLog2e;
+  const int64_t ncols = round_up(kn, kLanes);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    int64_t lim = kn;  // keys [j0, j0 + lim) are visible before the bool mask
+    if (P.causal) lim = std::min(lim, i + P.Tk - P.Tq + 1 - j0);
+    float* sr = s + r * kBc;
+    float* dr = dp + r * kBc;
+    const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hi * P.ms[1] + i * P.ms[2] + j0 * P.ms[3]
+                              : nullptr;
+    const float l2 = lse2[i], dl = delta[i];
+    for (int64_t c0 = 0; c0 < ncols; c0 += kLanes) {
+      const int64_t nvis = std::clamp<int64_t>(lim - c0, 0, kLanes);
+      uint32_t bits = nvis == kLanes ? 0xFFFFu : (1u << nvis) - 1;  // lane l visible
+      if (mrow)
+        for (int l = 0; l < nvis; ++l)
+          if (!mrow[(c0 + l) * P.ms[3]]) bits &= ~(1u << l);
+#if defined(__AVX512F__)
+      const __mmask16 m = __mmask16(bits);
+      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sr + c0), _mm512_set1_ps(c),
+                                       _mm512_set1_ps(l2));
+      const __m512 p = _mm512_maskz_mov_ps(m, exp2_ps(x));
+      const __m512 d = has_go ? _mm512_loadu_ps(dr + c0) : _mm512_setzero_ps();
+      _mm512_storeu_ps(sr + c0, p);
+      _mm512_storeu_ps(dr + c0, _mm512_mul_ps(p, _mm512_sub_ps(d, _mm512_set1_ps(dl))));
+#else
+      for (int l = 0; l < kLanes; ++l) {
+        const float p = ((bits >> l) & 1) ? std::exp2(sr[c0 + l] * c - l2) : 0.f;
+        const float d = has_go ? dr[c0 + l] : 0.f;
+        sr[c0 + l] = p;
+        dr[c0 + l] = p * (d - dl);
+      }
+#endif
+    }
+  }
+}
+
+// Pack the g query heads of (b, kvh): Q, dO (zero-padded to 16-multiples), lse in base 2
+// (+inf for rows that see nothing, so P = 0), delta = rowsum(dO O) - dlse.
+template <typename T>
+void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp, int64_t dvp) {
+  const int64_t g = P.h / P.hkv;
+  for (int64_t hh = 0; hh < g; ++hh) {
+    const int64_t hi = kvh * g + hh;
+    for (int64_t t = 0; t < P.Tq; ++t) {
+      const int64_t row = hh * P.Tq + t;
+      const T* qr = P.q + b * P.qs[0] + hi * P.qs[1] + t * P.qs[2];
+      float* dst = w.q.data() + row * dkp;
+      if (P.qs[3] == 1)
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c]);
+      else
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c * P.qs[3]]);
+      std::fill(dst + P.dk, dst + dkp, 0.f);
+      float* od = w.dout.data() + row * dvp;
+      float dsum = 0.f;
+      if (P.go) {
+        const T* gr = P.go + b * P.gos[0] + hi * P.gos[1] + t * P.gos[2];
+        const T* orow = P.out + b * P.os[0] + hi * P.os[1] + t * P.os[2];
+        for (int64_t c = 0; c < P.dv; ++c) od[c] = widen(gr[c * P.gos[3]]);
+        std::fill(od + P.dv, od + dvp, 0.f);
+        float part[kLanes] = {};  // 16 partial sums, lane l over c = l mod 16 (a fixed order)
+        for (int64_t c0 = 0; c0 < P.dv; c0 += kLanes) {
+          const int n = int(std::min<int64_t>(kLanes, P.dv - c0));
+          if (P.os[3] == 1 && n == kLanes) {
+#pragma GCC unroll 16
+            for (int l = 0; l < kLanes; ++l) part[l] += od[c0 + l] * widen(orow[c0 + l]);
+          } else {
+            for (int l = 0; l < n; ++l) part[l] += od[c0 + l] * widen(orow[(c0 + l) * P.os[3]]);
+          }
+        }
+        for (int l = 0; l < kLanes; ++l) dsum += part[l];
+      } else {
+        std::fill(od, od + dvp, 0.f);
+      }
+      if (P.glse) dsum -= P.glse[b * P.gls[0] + hi * P.gls[1] + t * P.gls[2]];
+      w.delta[row] = dsum;
+      const float l = P.lse[b * P.ls[0] + hi * P.ls[1] + t * P.ls[2]];
+      w.lse2[row] = l == -kInf ? kInf : l * kLog2e;
+    }
+  }
+}
+
+// One unit: (b, kvh) and key blocks jb = s, s + S, ...
+template <typename T>
+void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
+  const int64_t g = P.h / P.hkv;
+  const int64_t dkp = round_up(P.dk, kLanes), dvp = round_up(P.dv, kLanes);
+  const bool has_go = P.go != nullptr;
+  w.q.resize(g * P.Tq * dkp);
+  w.dout.resize(g * P.Tq * dvp);
+  w.lse2.resize(g * P.Tq);
+  w.delta.resize(g * P.Tq);
+  w.dq.assign(g * P.Tq * dkp, 0.f);
+  w.kt.resize(P.dk * kBc);
+  w.vt.resize(P.dv * kBc);
+  w.kr.resize(kBc * dkp);
+  w.dk.resize(kBc * dkp);
+  w.dv.resize(kBc * dvp);
+  w.s.resize(kBr * kBc);
+  w.dp.resize(kBr * kBc);
+  pack_rows(P, b, kvh, w, dkp, dvp);
+
+  const int64_t klen = P.key_lengths ? P.key_lengths[b] : P.Tk;
+  const int64_t nblocks = (P.Tk + kBc - 1) / kBc;
+  for (int64_t jb = s; jb < nblocks; jb += P.splits) {
+    const int64_t j0 = jb * kBc, j1 = std::min(P.Tk, j0 + kBc);
+    int64_t kn = std::max<int64_t>(0, std::min(j1, klen) - j0);  // keys in use (not padding)
+    const int64_t i_lo = P.causal ? std::max<int64_t>(0, j0 - (P.Tk - P.Tq)) : 0;
+    if (i_lo >= P.Tq) kn = 0;  // no query row sees this block
+    // dK = dV = 0 for keys past key_lengths and keys no row sees
+    const int64_t kv0 = (b * P.hkv + kvh) * P.Tk;
+    std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, T(0.f));
+    std::fill(P.dval + (kv0 + j0 + kn) * P.dv, P.dval + (kv0 + j1) * P.dv, T(0.f));
+    if (kn == 0) continue;
+    // pack K^T (d_k, Bc), V^T (d_v, Bc) zero-padded from kn to a 16-multiple, K (kn, d_kp)
+    const int64_t ncols = round_up(kn, kLanes);
+    const T* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + j0 * P.ks[2];  // key j0, dim 0
+    const T* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + j0 * P.vs[2];
+    for (int64_t jj = 0; jj < kn; ++jj) {
+      float* krow = w.kr.data() + jj * dkp;
+      const T* src = kb + jj * P.ks[2];
+      if (P.ks[3] == 1)
+        for (int64_t c = 0; c < P.dk; ++c) krow[c] = widen(src[c]);
+      else
+        for (int64_t c = 0; c < P.dk; ++c) krow[c] = widen(src[c * P.ks[3]]);
+      std::fill(krow + P.dk, krow + dkp, 0.f);
+    }
+    for (int64_t c = 0; c < P.dk; ++c)
+      for (int64_t jj = 0; jj < kn; ++jj) w.kt[c * kBc + jj] = w.kr[jj * dkp + c];
+    for (int64_t c = 0; c < P.dv; ++c)
+      for (int64_t jj = 0; jj < kn; ++jj)
+        w.vt[c * kBc + jj] = widen(vb[jj * P.vs[2] + c * P.vs[3]]);
+    for (int64_t c = 0; c < P.dk; ++c) std::fill_n(w.kt.data() + c * kBc + kn, ncols - kn, 0.f);
+    for (int64_t c = 0; c < P.dv; ++c) std::fill_n(w.vt.data() + c * kBc + kn, ncols - kn, 0.f);
+    std::fill_n(w.dk.data(), kn * dkp, 0.f);  // dK, dV rows in use
+    std::fill_n(w.dv.data(), kn * dvp, 0.f);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      const int64_t hi = kvh * g + hh;
+      const float* qh = w.q.data() + hh * P.Tq * dkp;
+      const float* oh = w.dout.data() + hh * P.Tq * dvp;
+      for (int64_t i0 = i_lo; i0 < P.Tq; i0 += kBr) {
+        const int64_t rows = std::min(kBr, P.Tq - i0);
+        const float* qi = qh + i0 * dkp;   // (rows, d_kp)
+        const float* oi = oh + i0 * dvp;   // (rows, d_vp)
+        gemm(rows, ncols, P.dk, qi, dkp, 1, w.kt.data(), kBc, w.s.data(), kBc, false);  // S
+        if (has_go)  // dP = dO_i V_j^T: (rows, d_v) x (d_v, Bc)
+          gemm(rows, ncols, P.dv, oi, dvp, 1, w.vt.data(), kBc, w.dp.data(), kBc, false);
+        softmax_grad(P, b, hi, i0, rows, j0, kn, w.lse2.data() + hh * P.Tq,
+                     w.delta.data() + hh * P.Tq, has_go, w.s.data(), w.dp.data());
+        if (has_go)  // dV_j += P^T dO_i: (kn, rows) x (rows, d_vp)
+          gemm(kn, dvp, rows, w.s.data(), 1, kBc, oi, dvp, w.dv.data(), dvp, true);
+        // dK_j += dS^T Q_i: (kn, rows) x (rows, d_kp)
+        gemm(kn, dkp, rows, w.dp.data(), 1, kBc, qi, dkp, w.dk.data(), dkp, true);
+        // dQ_i += dS K_j: (rows, kn) x (kn, d_kp)
+        gemm(rows, dkp, kn, w.dp.data(), kBc, 1, w.kr.data(), dkp,
+             w.dq.data() + (hh * P.Tq + i0) * dkp, dkp, true);
+      }
+    }
+    for (int64_t jj = 0; jj < kn; ++jj) {
+      T* dkr = P.dkey + (kv0 + j0 + jj) * P.dk;
+      T* dvr = P.dval + (kv0 + j0 + jj) * P.dv;
+      for (int64_t c = 0; c < P.dk; ++c) dkr[c] = T(w.dk[jj * dkp + c] * P.scale);
+      for (int64_t c = 0; c < P.dv; ++c) dvr[c] = T(w.dv[jj * dvp + c]);
+    }
+  }
+  // dQ of the group's rows: final (scaled) when unsplit, else this split's partial sum
+  for (int64_t hh = 0; hh < g; ++hh)
+    for (int64_t t = 0; t < P.Tq; ++t) {
+      const int64_t row = (b * P.h + kvh * g + hh) * P.Tq + t;
+      const float* src = w.dq.data() + (hh * P.Tq + t) * dkp;
+      if (P.splits == 1) {
+        T* dst = P.dq + row * P.dk;
+        for (int64_t c = 0; c < P.dk; ++c) dst[c] = T(src[c] * P.scale);
+      } else {
+        float* dst = P.dq_part + (s * P.B * P.h * P.Tq + row) * P.dk;
+        std::copy(src, src + P.dk, dst);
+      }
+    }
+}
+
+void fill_strides(const at::Tensor& t, int64_t* s, int n, bool zero_broadcast) {
+  for (int d = 0; d < n; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& mask, bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4 && lse.dim() == 3,
+              "flash_attention_bwd: expected 4-D q, k, v, out and 3-D lse, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes(), ", ", out.sizes(), ", ", lse.sizes());
+  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), dk = q.size(3);
+  const int64_t hkv = k.size(1), Tk = k.size(2), dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == dk && v.size(1) == hkv &&
+                  v.size(2) == Tk && hkv > 0 && h % hkv == 0,
+              "flash_attention_bwd: expected q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), "
+              "v (B, h_kv, Tk, d_v) with h_kv dividing h; got q ", q.sizes(), ", k ", k.sizes(),
+              ", v ", v.sizes());
+  const std::vector<int64_t> row_shape{B, h, Tq};
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({B, h, Tq, dv}) && lse.sizes() == row_shape,
+              "flash_attention_bwd: expected out (B, h, Tq, d_v) and lse (B, h, Tq), got ",
+              out.sizes(), " and ", lse.sizes());
+  if (grad_out.has_value())
+    TORCH_CHECK(grad_out->sizes() == out.sizes(),
+                "flash_attention_bwd: grad_out must have out's shape ", out.sizes(), ", got ",
+                grad_out->sizes());
+  if (grad_lse.has_value())
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes(),
+                "flash_attention_bwd: grad_lse must have lse's shape ", lse.sizes(), ", got ",
+                grad_lse->sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "flash_attention_bwd: dtype must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "flash_attention_bwd: q, k, v must share one dtype");
+  const auto f32 = at::kFloat, dt = q.scalar_type();
+  const bool nothing = (!grad_out.has_value() && !grad_lse.has_value()) || B == 0 || h == 0 ||
+                       Tq == 0 || Tk == 0;
+  // gradients in q's dtype; the kernel writes every element (zeros where no row sees a key)
+  auto make = [&](at::IntArrayRef shape) {
+    return nothing ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
+  };
+  at::Tensor dq = make({B, h, Tq, dk}), dkey = make({B, hkv, Tk, dk}),
+             dval = make({B, hkv, Tk, dv});
+  if (nothing) return {dq, dkey, dval};
+  // out and grad_out in q's dtype (a copy only if they differ), lse and grad_lse in fp32
+  const at::Tensor of = out.to(dt), lf = lse.to(f32);
+  at::Tensor gof, glf, kl, m;
+  if (grad_out.has_value()) gof = grad_out->to(dt);
+  if (grad_lse.has_value()) glf = grad_lse->to(f32);
+  if (key_lengths.has_value()) {
+    TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B,
+                "flash_attention_bwd: key_lengths must have shape (B,) = (", B, ",), got ",
+                key_lengths->sizes());
+    kl = key_lengths->to(at::kLong).contiguous();
+    const int64_t* len = kl.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(len[b] >= 0 && len[b] <= Tk,
+                  "flash_attention_bwd: key_lengths must lie in [0, Tk=", Tk, "]");
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4,
+                "flash_attention_bwd: mask must be a 4-D bool tensor broadcastable to "
+                "(B, h, Tq, Tk)");
+    const int64_t want[4] = {B, h, Tq, Tk};
+    for (int d = 0; d < 4; ++d)
+      TORCH_CHECK(mask->size(d) == 1 || mask->size(d) == want[d], "flash_attention_bwd: mask ",
+                  mask->sizes(), " is not broadcastable to (B, h, Tq, Tk) = (", B, ", ", h, ", ",
+                  Tq, ", ", Tk, ")");
+    m = *mask;
+  }
+  const int64_t groups = B * hkv, nblocks = (Tk + kBc - 1) / kBc;
+  const int64_t splits = std::max<int64_t>(1, std::min(nblocks, (kMinUnits + groups - 1) / groups));
+  at::Tensor part;
+  if (splits > 1) part = at::empty({splits, B, h, Tq, dk}, q.options().dtype(f32));
+
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> P;
+    P.q = q.data_ptr<T>(), P.k = k.data_ptr<T>(), P.v = v.data_ptr<T>();
+    P.out = of.data_ptr<T>(), P.lse = lf.data_ptr<float>();
+    fill_strides(q, P.qs, 4, false);
+    fill_strides(k, P.ks, 4, false);
+    fill_strides(v, P.vs, 4, false);
+    fill_strides(of, P.os, 4, false);
+    fill_strides(lf, P.ls, 3, false);
+    P.go = gof.defined() ? gof.data_ptr<T>() : nullptr;
+    if (gof.defined()) fill_strides(gof, P.gos, 4, false);
+    P.glse = glf.defined() ? glf.data_ptr<float>() : nullptr;
+    if (glf.defined()) fill_strides(glf, P.gls, 3, false);
+    P.key_lengths = kl.defined() ? kl.data_ptr<int64_t>() : nullptr;
+    P.mask = m.defined() ? m.data_ptr<bool>() : nullptr;
+    if (m.defined()) fill_strides(m, P.ms, 4, true);
+    P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
+    P.scale = float(scale);
+    P.causal = causal;
+    P.splits = splits;
+    P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
+    P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
+    at::parallel_for(0, groups * splits, 1, [&](int64_t u0, int64_t u1) {
+      Scratch w;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t s = u % splits, grp = u / splits;
+        run_unit(P, grp / hkv, grp % hkv, s, w);
+      }
+    });
+    if (splits > 1) {  // dQ = scale * (part_0 + part_1 + ...), in that order
+      const int64_t n = B * h * Tq * dk;
+      const float* src = P.dq_part;
+      T* dst = P.dq;
+      at::parallel_for(0, n, 1 << 14, [&](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e) {
+          float acc = src[e];
+          for (int64_t s = 1; s < splits; ++s) acc += src[s * n + e];
+          dst[e] = T(acc * P.scale);
+        }
+      });
+    }
+  };
+  if (dt == at::kFloat) run(float{});
+  else run(at::BFloat16{});
+  return {dq, dkey, dval};
+}
+
+}  // namespace
+}  // namespace mha_flash_bwd
+
+TORCH_LIBRARY_FRAGMENT(mha, m) {
+  m.def("flash_attention_bwd_fused(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
+        "Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, bool causal, "
+        "float scale) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mha, CPU, m) {
+  m.impl("flash_attention_bwd_fused", &mha_flash_bwd::flash_attention_bwd_fused);
+}

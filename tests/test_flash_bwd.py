@@ -1,0 +1,224 @@
+"""The fused native backward of flash_cpu (``mha::flash_attention_bwd_fused``).
+
+Shape legend: B batch, h query heads, h_kv key/value heads, Tq/Tk lengths, d_k/d_v head dims.
+Accuracy rule (tests/oracle.py): each gradient's error vs the fp64 reference is at most twice
+the error of the same gradient computed naively in the input dtype, plus a small floor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mha import native, reference
+from mha.masks import MaskSpec
+
+from oracle import FLOOR, max_err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    native.load()
+    assert native.load_backward() is None  # a build failure fails these tests
+
+
+def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed):
+    """q, k, v, grad_out, grad_lse; "bthd" views of (B, T, h, d) tensors, "strided" a last-dim
+    stride of 2, else contiguous (B, h, T, d)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(H, T, d):
+        if layout == "bthd":
+            return torch.randn(B, T, H, d, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, d)
+        if layout == "strided":
+            return torch.randn(B, H, T, 2 * d, generator=g).to(dtype)[..., ::2]  # (B, H, T, d)
+        return torch.randn(B, H, T, d, generator=g).to(dtype)
+
+    q, k, v, go = make(h, Tq, d_k), make(h_kv, Tk, d_k), make(h_kv, Tk, d_v), make(h, Tq, d_v)
+    return q, k, v, go, torch.randn(B, h, Tq, generator=g).to(dtype)
+
+
+def _mask(kind, B, h, Tq, Tk, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "full":
+        return torch.rand(B, h, Tq, Tk, generator=g) > 0.3
+    if kind == "rows":  # (1, 1, Tq, Tk)
+        return torch.rand(1, 1, Tq, Tk, generator=g) > 0.5
+    if kind == "keys":  # (B, 1, 1, Tk) expanded with stride-0 dims, not copied
+        return (torch.rand(B, 1, 1, Tk, generator=g) > 0.2).expand(B, h, Tq, Tk)
+    return None
+
+
+def _reference_grads(q, k, v, go, gl, spec, scale, upcast):
+    """Gradients of sum(out * go) + sum(lse * gl) (rows that see a key) by autograd through the
+    per-head reference loop, in float64 (upcast) or the inputs' dtype."""
+    B, h, Tq, _ = q.shape
+    Tk = k.shape[2]
+    dt = torch.float64 if upcast else q.dtype
+    ins = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+    allowed = spec.materialize(B, h, Tq, Tk)
+    out = reference.attention(*ins, allowed=allowed, scale=scale)[0]  # (B, h, Tq, d_v)
+    kk = ins[1].repeat_interleave(h // k.shape[1], 1)  # (B, h, Tk, d_k)
+    s = torch.einsum("bhqd,bhkd->bhqk", ins[0], kk) * scale  # (B, h, Tq, Tk)
+    if allowed is not None:
+        s = s.masked_fill(~spec.dense(B, h, Tq, Tk), float("-inf"))
+    lse = s.logsumexp(-1)  # (B, h, Tq)
+    fin = torch.isfinite(lse)
+    loss = (out * go.to(dt)).sum() + (lse[fin] * gl.to(dt)[fin]).sum()
+    return torch.autograd.grad(loss, ins), out.detach()
+
+
+def _cancellation(q, k, go, out, scale) -> float:
+    """Size of the rounding FlashAttention's ``dS = P (dP - rowsum(dO O))`` cannot avoid: the
+    two terms cancel (exactly, for a row that sees one key), so dq/dk inherit
+    ``eps * sum|dO O| * scale * |k or q|`` however carefully they are summed."""
+    terms = (go.double() * out.double()).abs().sum(-1).max().item()  # max_row sum |dO O|
+    return terms * scale * max(q.abs().max().item(), k.abs().max().item(), 1.0)
+
+
+def _native_grads(q, k, v, go, gl, spec, scale, *, use_go=True, use_gl=True):
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = native.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
+                                      mask=spec.mask, scale=scale)
+    loss = 0
+    if use_go:
+        loss = loss + (out * go).sum()
+    if use_gl:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * gl.float()).sum()
+    return torch.autograd.grad(loss, ins)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       Tq=st.integers(1, 150), Tk=st.integers(1, 150),
+       d_k=st.sampled_from([16, 17, 33, 64, 80, 128, 256]), d_v=st.sampled_from([16, 24, 64, 100]),
+       causal=st.booleans(), lengths=st.booleans(), mask=st.sampled_from([None, "full", "rows",
+                                                                          "keys"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       layout=st.sampled_from(["bhtd", "bthd", "strided"]), seed=st.integers(0, 2**16))
+def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, lengths, mask,
+                                     dtype, layout, seed):
+    h = h_kv * group
+    q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed)
+    kl = torch.randint(0, Tk + 1, (B,), generator=torch.Generator().manual_seed(seed)) \
+        if lengths else None
+    spec = MaskSpec(causal, kl, _mask(mask, B, h, Tq, Tk, seed))
+    got = _native_grads(q, k, v, go, gl, spec, 0.3)
+    want, out = _reference_grads(q, k, v, go, gl, spec, 0.3, upcast=True)
+    low, _ = _reference_grads(q, k, v, go, gl, spec, 0.3, upcast=False)
+    size = max(1.0, _cancellation(q, k, go, out, 0.3))
+    for name, a, w, lo in zip("qkv", got, want, low, strict=True):
+        assert a.dtype == dtype and a.shape == w.shape
+        assert torch.isfinite(a).all()
+        budget = 2 * max_err(lo, w) + FLOOR[dtype] * max(size, w.abs().max().item())
+        assert max_err(a, w) <= budget, f"d{name}: error {max_err(a, w):.3e} > {budget:.3e}"
+
+
+@pytest.mark.parametrize("use_go,use_gl", [(True, False), (False, True), (True, True)])
+def test_fused_matches_pytorch_backward(use_go, use_gl, monkeypatch):
+    """Native vs the PyTorch fallback (in many chunks) on one awkward case: GQA, Tq > Tk causal
+    (rows that see nothing), key_lengths with a 0, a broadcast mask, d_v != d_k, non-contiguous
+    inputs."""
+    monkeypatch.setattr(native, "_CHUNK_ELEMENTS", 2000)  # ~5 query rows per chunk
+    B, h, h_kv, Tq, Tk, d_k, d_v = 2, 6, 2, 97, 70, 40, 24
+    q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.float32, "bthd", 1)
+    kl = torch.tensor([0, 51])
+    m = _mask("rows", B, h, Tq, Tk, 2).reshape(1, 1, Tq, Tk)
+    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m, scale=0.2)
+    args = (go if use_go else None, gl.float() if use_gl else None, q, k, v, out, lse, kl, m,
+            True, 0.2)
+    fused = torch.ops.mha.flash_attention_bwd_fused(*args)
+    ref = native.flash_attention_bwd_torch(*args)
+    for a, b in zip(fused, ref, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert fused[0][:, :, : Tq - Tk].abs().max() == 0  # causal rows that see no key
+    assert fused[0][0].abs().max() == 0 and fused[1][0].abs().max() == 0  # key_lengths[0] = 0
+    assert fused[1][1, :, 51:].abs().max() == 0 and fused[2][1, :, 51:].abs().max() == 0
+
+
+def test_custom_op_falls_back_to_pytorch_when_the_extension_is_missing(monkeypatch):
+    q, k, v, go, gl = _inputs(1, 4, 2, 30, 45, 16, 24, torch.float32, "bthd", 6)
+    spec = MaskSpec(True, torch.tensor([40]), None)
+    fused = _native_grads(q, k, v, go, gl, spec, 0.25)
+    calls = []
+    real = native.flash_attention_bwd_torch
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(native, "load_backward", lambda: "simulated: no compiler")
+    monkeypatch.setattr(native, "flash_attention_bwd_torch", spy)
+    fallback = _native_grads(q, k, v, go, gl, spec, 0.25)
+    assert calls
+    for a, b in zip(fused, fallback, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_no_gradients_give_zeros():
+    q, k, v, go, gl = _inputs(1, 2, 1, 5, 7, 16, 16, torch.float32, "bhtd", 0)
+    out, lse = native.flash_attention(q, k, v)
+    for t in torch.ops.mha.flash_attention_bwd_fused(None, None, q, k, v, out, lse, None, None,
+                                                     False, 0.25):
+        assert t.abs().max() == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8, 200, 200, 64), (1, 4, 1, 300, 700, 32)])
+def test_deterministic_across_thread_counts(shape):
+    """Same bits for repeated runs and for 1 or 2 threads (the second shape splits key blocks
+    over several units, whose partial dQ are summed in a fixed order)."""
+    B, h, h_kv, Tq, Tk, d = shape
+    q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d, d, torch.float32, "bthd", 3)
+    out, lse = native.flash_attention(q, k, v, causal=True)
+    args = (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (2, 1, 2):
+            torch.set_num_threads(n)
+            runs.append(torch.ops.mha.flash_attention_bwd_fused(*args))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_opcheck():
+    q, k, v, go, gl = _inputs(2, 4, 2, 9, 13, 16, 24, torch.float32, "bthd", 4)
+    kl = torch.tensor([13, 4])
+    m = _mask("keys", 2, 4, 9, 13, 5)
+    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m)
+    args = (go, gl.float(), q, k, v, out, lse, kl, m, True, 0.25)
+    torch.library.opcheck(torch.ops.mha.flash_attention_bwd_fused.default, args)
+    torch.library.opcheck(torch.ops.mha.flash_attention_bwd.default, args)
+    torch.library.opcheck(torch.ops.mha.flash_attention_bwd.default, (None,) + args[1:])
+
+
+def test_rejects_bad_shapes_in_words():
+    q, k, v, go, gl = _inputs(1, 2, 1, 5, 7, 16, 16, torch.float32, "bhtd", 0)
+    out, lse = native.flash_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="grad_out must have out's shape"):
+        torch.ops.mha.flash_attention_bwd_fused(go[..., :8], None, q, k, v, out, lse, None, None,
+                                                False, 0.25)
+    with pytest.raises(RuntimeError, match=r"key_lengths must lie in \[0, Tk=7\]"):
+        torch.ops.mha.flash_attention_bwd_fused(go, None, q, k, v, out, lse, torch.tensor([9]),
+                                                None, False, 0.25)
+
+
+def test_bench_train_rows_check_gradients():
+    """The bench's training rows time fwd + bwd of mha and SDPA and check the gradients."""
+    from mha.bench import attention, core
+
+    ctx = core.Context(repeat=2, min_time=0.0, sample_time=0.001, settle=0.0,
+                       measure_memory=False)
+    case = attention.train_case(attention.Shape(2, 2, 40, 16, "fp32", True), ctx)
+    rows = {r.impl: r for r in core.measure(case, ctx)}
+    assert set(rows) == {"torch sdpa", "mha auto"}
+    for r in rows.values():
+        assert r.status == "ok", r.reason
+        assert r.check.startswith("max |grad - SDPA fp32|")
+    assert "flash_cpu" in rows["mha auto"].note
