@@ -11,34 +11,15 @@ GFLOP/s counts 4 B h Tq Tk d FLOPs (QK^T and PV), half of that for causal. Media
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from _timing import interleaved
 from mha import native
 
 SHAPES = ((1, 8, 4096, 64), (1, 32, 2048, 128), (4, 16, 2048, 64), (32, 8, 20, 64))
 CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
-
-
-def _time(fns: dict, repeats: int, min_time: float = 0.1) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin (so load drifts hit all)."""
-    inner = {}
-    for name, fn in fns.items():
-        fn()  # warm-up (and build)
-        t0 = time.perf_counter()
-        fn()
-        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner[name]):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / inner[name])
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _contenders(q, k, v, causal: bool, naive: bool) -> dict:
@@ -83,7 +64,7 @@ def main() -> None:
             flops = 4.0 * B * h * T * T * d * (0.5 if causal else 1.0)
             naive = not args.no_naive and B * h * T * T * 4 < 2**31
             with torch.no_grad():
-                secs = _time(_contenders(q, k, v, causal, naive), args.repeats)
+                secs = interleaved(_contenders(q, k, v, causal, naive), args.repeats, min_time=0.1)
             g = {n: flops / t / 1e9 for n, t in secs.items()}
             na = g.get("naive", float("nan"))
             print(f"{spec:>18} {case:>12} {g['flash']:8.1f} {g['sdpa']:8.1f} {na:8.1f} "

@@ -14,13 +14,12 @@ compare across runs. Run under the timing lock (see docs/kernel.md):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import mha
+from _timing import interleaved
 from mha import native
 
 CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
@@ -45,25 +44,6 @@ def _contenders(q, k, v, causal: bool) -> dict:
     }
 
 
-def _time(fns: dict, repeats: int, min_time: float = 0.02) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin."""
-    inner = {}
-    for name, fn in fns.items():
-        for _ in range(3):
-            fn()  # warm-up (and build)
-        t0 = time.perf_counter()
-        fn()
-        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner[name]):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / inner[name])
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="32,8,20,64", help="B,h,T,d")
@@ -85,7 +65,8 @@ def main() -> None:
         causal = kind == "causal"
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, h, T, d, generator=g).to(dtype) for _ in range(3))  # (B, h, T, d)
-        t = {n: s * 1e6 for n, s in _time(_contenders(q, k, v, causal), args.repeats).items()}
+        secs = interleaved(_contenders(q, k, v, causal), args.repeats, min_time=0.02, warmup=3)
+        t = {n: s * 1e6 for n, s in secs.items()}
         best = min(t["sdpa"], t["naive"])
         print(f"{case:<12} {t['raw']:8.1f} {t['auto']:8.1f} {t['flash_cpu']:9.1f} "
               f"{t['sdpa']:8.1f} {t['naive']:8.1f}  {t['auto'] / best:9.2f} {t['raw'] / best:8.2f}")

@@ -17,37 +17,18 @@ ratio columns (SDPA time / mha time: above 1 means mha is faster).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import mha
+from _timing import interleaved
 from mha import native
 
 # (B, h, T, d, dtype, mask)
 CASES = ("1,8,2048,64,fp32,causal", "1,8,2048,64,bf16,causal", "4,8,512,64,fp32,causal",
          "32,8,20,64,fp32,dense", "1,8,4096,64,fp32,dense")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _time(fns: dict, repeats: int, min_time: float = 0.2) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin (so load drifts hit all)."""
-    inner = {}
-    for name, fn in fns.items():
-        fn()  # warm-up (and build)
-        t0 = time.perf_counter()
-        fn()
-        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner[name]):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / inner[name])
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _step(attn, q, k, v, grad, causal):
@@ -109,7 +90,7 @@ def backward_only(case: str, repeats: int) -> dict[str, float]:
                 native._CHUNK_ELEMENTS = saved
         return run
 
-    return _time({"fused": lambda: torch.ops.mha.flash_attention_bwd_fused(*args),
+    return interleaved({"fused": lambda: torch.ops.mha.flash_attention_bwd_fused(*args),
                   "torch 2^20": torch_chunks(1 << 20), "torch 2^23": torch_chunks(1 << 23)},
                  repeats)
 
@@ -137,7 +118,7 @@ def main(argv=None) -> None:
         return
     print(f"threads {torch.get_num_threads()}; ms per fwd+bwd step (median of {args.repeats})")
     for case in args.cases:
-        t = _time(contenders(case, args.torch_bwd), args.repeats)
+        t = interleaved(contenders(case, args.torch_bwd), args.repeats, min_time=0.2)
         cols = "  ".join(f"{name} {1e3 * s:8.2f}" for name, s in t.items())
         ratios = "  ".join(f"sdpa/{name} {t['sdpa'] / s:5.2f}x" for name, s in t.items()
                            if name != "sdpa")

@@ -7,27 +7,12 @@ Prints the median ms of each, side by side in one process, and what "auto" picke
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 
 import mha
+from _timing import interleaved
 from mha.varlen import _choose
-
-
-def timed(fns: dict, rounds: int = 7) -> dict:
-    """Median ms of each function, measured round-robin (one call of each per round) so that
-    a noisy neighbour slows all of them alike."""
-    for fn in fns.values():
-        fn()
-    runs = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - t)
-    return {name: statistics.median(r) * 1e3 for name, r in runs.items()}
 
 
 def main() -> None:
@@ -45,7 +30,7 @@ def main() -> None:
         fns["padded batch + key_lengths"] = functools.partial(mha.attention, *padded,
                                                               causal=True, key_lengths=kl)
         with torch.no_grad():
-            row = timed(fns)
+            row = {k: v * 1e3 for k, v in interleaved(fns, 7).items()}
         auto = _choose(lengths, lengths, h * 2 * d)
         cells = ", ".join(f"{k} {v:.1f} ms" for k, v in row.items())
         print(f"{name:<22} {cells}; auto picks {auto}")

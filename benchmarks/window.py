@@ -17,28 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import mha
+from _timing import interleaved
 from mha.masks import causal_mask, window_mask
-
-
-def timed(fns: dict, rounds: int) -> dict:
-    """Median ms of each function, round-robin (one call of each per round) so that a noisy
-    neighbour slows all of them alike."""
-    for fn in fns.values():
-        fn()
-    runs = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - t)
-    return {name: statistics.median(r) * 1e3 for name, r in runs.items()}
 
 
 def main() -> None:
@@ -64,7 +49,7 @@ def main() -> None:
     with torch.no_grad():
         ref = fns["torch sdpa mask"]().float()
         err = (fns["mha window"]().float() - ref).abs().max().item()
-        ms = timed(fns, a.rounds)
+        ms = {k: v * 1e3 for k, v in interleaved(fns, a.rounds).items()}
     base = ms["mha window"]
     print(f"(1, 8, {a.T}, 64) {a.dtype} causal window {a.window}: mha picks {chosen}; "
           f"max |mha - torch sdpa| = {err:.1e}; threads {torch.get_num_threads()}")

@@ -1,0 +1,32 @@
+"""The one timer the scripts in ``benchmarks/`` share: round-robin medians in one process.
+
+Each round calls every function once (or a batch of calls sized to ``min_time``), so a noisy
+neighbour on this shared machine slows all of them alike; the result is the median seconds per
+call of each. (``mha bench`` has its own, fuller harness in ``mha.bench.core``.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, min_time: float = 0.0,
+                warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function in ``fns``, timed round-robin."""
+    inner = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()  # warm-up (and native builds)
+        t0 = time.perf_counter()
+        fn()
+        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / inner[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
