@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
-EXTRAS := dev,viz,hf,browser
+EXTRAS := dev,viz,hf,browser,onnx
 CHROMIUM := /usr/bin/chromium
 STAMP  := $(VENV)/.mha-installed
 
@@ -47,7 +47,7 @@ build: $(STAMP)
 # Benchmarks run with the environment's OpenBLAS overrides removed (numpy's AVX-512 kernels),
 # with the optional peers (ONNX Runtime, JAX) installed.
 bench: $(STAMP)
-	$(PIP) install --quiet -e ".[$(EXTRAS),onnx,jax]"
+	$(PIP) install --quiet -e ".[$(EXTRAS),jax]"
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench \
 		--markdown docs/benchmarks.md --headline README.md
 

@@ -199,7 +199,7 @@ def test_bench_suite_states_bandwidth_against_the_faster_read_row():
 def test_ort_gqa_decode_peer_computes_the_same_step(dtype, tol, h_kv):
     """The ONNX Runtime GroupQueryAttention peer of the decode suite: one step against a past
     cache gives SDPA's output (over the cache including the new token), call after call."""
-    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install 'mha[onnx]')")
     from mha.bench import peers
 
     g = torch.Generator().manual_seed(0)
