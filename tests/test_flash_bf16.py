@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples import examples
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -66,7 +67,7 @@ def _check(q, k, v, out, lse, *, causal=False, key_lengths=None, mask=None, scal
     assert lerr <= LSE_TOL, f"lse error {lerr:.3e} > {LSE_TOL}"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        Tq=st.integers(1, 150), Tk=st.integers(1, 300),
        d_k=st.sampled_from([16, 24, 48, 64, 96, 128, 256]),

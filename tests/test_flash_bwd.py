@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples import examples
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -90,7 +91,7 @@ def _native_grads(q, k, v, go, gl, spec, scale, *, use_go=True, use_gl=True):
     return torch.autograd.grad(loss, ins)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
        Tq=st.integers(1, 150), Tk=st.integers(1, 150),
        d_k=st.sampled_from([16, 17, 33, 64, 80, 128, 256]), d_v=st.sampled_from([16, 24, 64, 100]),

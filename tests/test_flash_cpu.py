@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mha
+from examples import examples
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -63,7 +64,7 @@ def _mask(kind, B, h, Tq, Tk, seed):
     raise ValueError(kind)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        Tq=st.integers(1, 70), Tk=st.integers(1, 90),
        d_k=st.sampled_from([16, 17, 32, 64, 80, 128, 256]),

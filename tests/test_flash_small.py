@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples import examples
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -82,7 +83,7 @@ def _check(out, lse, q, k, v, causal, kl, mask, scale):
     assert torch.equal(out[~finite], torch.zeros_like(out[~finite]))  # rows seeing no key
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 3]),
        Tq=st.sampled_from([1, 2, 15, 16, 17, 20, 63, 64, 65, 130]),
        Tk=st.sampled_from([1, 2, 13, 16, 20, 33, 64]),

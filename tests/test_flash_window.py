@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples import examples
 from mha import native
 from mha.masks import MaskSpec
 
@@ -66,7 +67,7 @@ def _check(q, k, v, out, lse, spec: MaskSpec, scale):
 
 
 @pytest.mark.parametrize("kernel,dtype", _kernels())
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_window_matches_the_oracle(kernel, dtype, data):
     lengths = [n for n in LENGTHS if n <= 64] if kernel == "small" else LENGTHS
