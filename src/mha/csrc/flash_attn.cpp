@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "flash_attn_kernels.h"
+#include "qkv_checks.h"
 
 namespace mha_flash {
 namespace {
@@ -412,12 +413,7 @@ struct Worker {
       if constexpr (std::is_same_v<T, float>) {
         _mm512_storeu_ps(orow + c, x);
       } else {  // round to nearest even, as at::BFloat16 does
-        __m512i u = _mm512_castps_si512(x);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7FC00000));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), mha_tiles::to_bf16(x));
       }
     }
 #endif
@@ -694,22 +690,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& mask,
                                                 bool causal, double scale,
                                                 const std::string& kernel, int64_t window) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flash_attention: q, k, v must be 4-D (B, h, T, d), got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "flash_attention: q, k, v must be CPU tensors");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "flash_attention: q, k, v must share one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "flash_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
-  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), dk = q.size(3);
-  const int64_t hkv = k.size(1), Tk = k.size(2), dv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == dk && v.size(1) == hkv &&
-                  v.size(2) == Tk && hkv > 0 && h % hkv == 0,
-              "flash_attention: expected q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), "
-              "v (B, h_kv, Tk, d_v) with h_kv dividing h; got q ", q.sizes(), ", k ", k.sizes(),
-              ", v ", v.sizes());
+  const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention");
+  const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
+  const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
   TORCH_CHECK(dk >= 1 && dv >= 1, "flash_attention: head dims must be >= 1");
   at::Tensor out = at::empty({B, Tq, h, dv}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kFloat));

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "qkv_checks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "register_tiles.h"
 #endif
 
 namespace mha_flash_bwd {
@@ -59,27 +63,18 @@ void tile(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
           float* c, int64_t ldc, bool acc) {
 #if defined(__AVX512F__)
   __m512 x[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n)
-      x[r][n] = acc ? _mm512_loadu_ps(c + r * ldc + n * kLanes) : _mm512_setzero_ps();
+  if (acc) {
+    mha_tiles::acc_load(x, c, ldc);
+  } else {
+    mha_tiles::acc_zero(x);
+  }
   for (int64_t k = 0; k < K; ++k) {
     __m512 bv[NV];
 #pragma GCC unroll 4
     for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
-    const float* ak = a + k * sak;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(ak[r * sam]);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) x[r][n] = _mm512_fmadd_ps(av, bv[n], x[r][n]);
-    }
+    mha_tiles::acc_rank1(x, bv, a + k * sak, sam);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(c + r * ldc + n * kLanes, x[r][n]);
+  mha_tiles::acc_store(x, c, ldc);
 #else
   for (int r = 0; r < R; ++r) {
     float x[NV * kLanes];
@@ -368,16 +363,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& mask, bool causal, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4 && lse.dim() == 3,
-              "flash_attention_bwd: expected 4-D q, k, v, out and 3-D lse, got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes(), ", ", out.sizes(), ", ", lse.sizes());
-  const int64_t B = q.size(0), h = q.size(1), Tq = q.size(2), dk = q.size(3);
-  const int64_t hkv = k.size(1), Tk = k.size(2), dv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == dk && v.size(1) == hkv &&
-                  v.size(2) == Tk && hkv > 0 && h % hkv == 0,
-              "flash_attention_bwd: expected q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), "
-              "v (B, h_kv, Tk, d_v) with h_kv dividing h; got q ", q.sizes(), ", k ", k.sizes(),
-              ", v ", v.sizes());
+  const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
+  const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
+  const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
   const std::vector<int64_t> row_shape{B, h, Tq};
   TORCH_CHECK(out.sizes() == at::IntArrayRef({B, h, Tq, dv}) && lse.sizes() == row_shape,
               "flash_attention_bwd: expected out (B, h, Tq, d_v) and lse (B, h, Tq), got ",
@@ -390,10 +378,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     TORCH_CHECK(grad_lse->sizes() == lse.sizes(),
                 "flash_attention_bwd: grad_lse must have lse's shape ", lse.sizes(), ", got ",
                 grad_lse->sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "flash_attention_bwd: dtype must be float32 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "flash_attention_bwd: q, k, v must share one dtype");
   const auto f32 = at::kFloat, dt = q.scalar_type();
   const bool nothing = (!grad_out.has_value() && !grad_lse.has_value()) || B == 0 || h == 0 ||
                        Tq == 0 || Tk == 0;

@@ -27,11 +27,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "register_tiles.h"
 #endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 #include <algorithm>
 
 namespace mha_flash {
@@ -146,34 +145,11 @@ inline __mmask16 lanes_below(int n) {
   return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
 }
 
-// Register-tile accumulators acc[R][NV] (NV 16-lane columns): zero, alpha-scaled load from
-// rows of ld floats, and store (the loops every AVX-512 tile kernel starts and ends with).
-template <int R, int NV>
-__attribute__((always_inline)) inline void acc_zero(__m512 (&acc)[R][NV]) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-}
-template <int R, int NV>
-__attribute__((always_inline)) inline void acc_load_scaled(__m512 (&acc)[R][NV], const float* o,
-                                                           int64_t ld, const float* alpha) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + v * kLanes), a);
-  }
-}
-template <int R, int NV>
-__attribute__((always_inline)) inline void acc_store(const __m512 (&acc)[R][NV], float* o,
-                                                     int64_t ld) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ld + v * kLanes, acc[r][v]);
-}
+// Register-tile accumulators: zero, alpha-scaled load, rank-1 update, store (register_tiles.h).
+using mha_tiles::acc_load_scaled;
+using mha_tiles::acc_rank1;
+using mha_tiles::acc_store;
+using mha_tiles::acc_zero;
 
 // The online-softmax update of RS rows (interleaved, so their reduction and exp latency
 // chains overlap), shared by both AVX-512 kernels. Scores become base-2 logits t = s * c
@@ -245,12 +221,7 @@ struct Avx512F32 {
       __m512 kv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(q[r * ldq + kk]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, kv[v], acc[r][v]);
-      }
+      acc_rank1(acc, kv, q + kk, ldq);
     }
     acc_store(acc, s, lds);
   }
@@ -271,12 +242,7 @@ struct Avx512F32 {
       __m512 vv[CV];
 #pragma GCC unroll 4
       for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(v + j * dvp + c * kLanes);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(p[r * ldp + j]);
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
-      }
+      acc_rank1(acc, vv, p + j, ldp);
     }
     acc_store(acc, o, ldo);
   }
@@ -359,20 +325,8 @@ struct Avx512Bf16 {
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
 // operands in the same pair layouts as Avx512Bf16); packing and the softmax are Avx512Bf16's.
 // Tiles: 0-3 accumulators (4 x 16 columns), 4 the A operand, 5-6 B operands.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the AMX register state only on request, once per process.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using mha_amx::amx_permitted;
+using mha_amx::TileConfig;
 
 // 2^x for the bf16 P of the AMX kernel, x in [-125, kLazyRescale] (or masked): P is rounded to
 // bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
@@ -405,9 +359,7 @@ struct AmxBf16 : Avx512Bf16 {
     TileConfig c{};
     c.palette = 1;
     for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    // GCC does not know ldtilecfg reads c and may drop the stores above: force them to memory.
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    mha_amx::load_tile_config(c);
   }
   static void release() { _tile_release(); }
 

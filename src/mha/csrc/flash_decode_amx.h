@@ -13,10 +13,10 @@
 
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
+
+#include "amx_tiles.h"
 
 namespace mha_decode_amx {
 
@@ -25,20 +25,8 @@ namespace mha_decode_amx {
 // kst), the query rows the B operand (16 d pairs x G, packed once per item), and C is
 // (16 keys, G) fp32. Products of bf16 are exact in fp32 and accumulate in fp32, as with
 // vdpbf16ps. Tiles: 0-1 = C, 2-3 = A, 4..4+dk/32 = B (d_k % 32 == 0, d_k <= 128).
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux grants the AMX register state only on request, once per process.
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using mha_amx::amx_permitted;
+using mha_amx::TileConfig;
 
 inline bool amx_fits(int64_t G, int64_t dk) { return G <= 16 && dk % 32 == 0 && dk <= 128; }
 
@@ -49,9 +37,7 @@ inline void amx_configure(int64_t G) {
   for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(4 * G);  // C
   for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;                            // A
   for (int t = 4; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(4 * G);  // B
-  // GCC does not see ldtilecfg read the struct and may drop the stores above: escape it
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  mha_amx::load_tile_config(c);
 }
 
 // qpack [dk/32][16][G] pairs: qpack[kc][i][r] = (q_r[32 kc + 2 i], q_r[32 kc + 2 i + 1]).

@@ -100,25 +100,14 @@ struct SmallScratch {
 template <int R, int NV>
 inline void small_qk(const float* k, int64_t ldk, const float* qt, int dk, float* st) {
   __m512 acc[R][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  acc_zero(acc);
   for (int kk = 0; kk < dk; ++kk) {
     __m512 qv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qt + kk * kSmallCols + v * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(k[r * ldk + kk]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, qv[v], acc[r][v]);
-    }
+    acc_rank1(acc, qv, k + kk, ldk);
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(st + r * kSmallCols + v * kLanes, acc[r][v]);
+  acc_store(acc, st, kSmallCols);
 }
 
 // O[r][16 c + l] = inv[r] sum_j PT[j][r] V[j][16 c + l] for R query rows, then stored in T.
@@ -126,20 +115,12 @@ template <int R, int CV, typename T>
 inline void small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, const float* inv,
                      int64_t dv, T* const* orows, int64_t c0) {
   __m512 acc[R][CV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
+  acc_zero(acc);
   for (int j = 0; j < nkeys; ++j) {
     __m512 vv[CV];
 #pragma GCC unroll 4
     for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(v + j * ldv + c0 + c * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(pt[j * kSmallCols + r]);
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
-    }
+    acc_rank1(acc, vv, pt + j * kSmallCols, 1);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -152,12 +133,7 @@ inline void small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, co
       if constexpr (std::is_same_v<T, float>) {
         _mm512_mask_storeu_ps(orows[r] + col, m, x);
       } else {  // round to nearest even, as at::BFloat16 does
-        __m512i u = _mm512_castps_si512(x);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7FC00000));
-        const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+        const __m256i h = mha_tiles::to_bf16(x);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
         _mm256_mask_storeu_epi16(orows[r] + col, m, h);
 #else

@@ -1,0 +1,79 @@
+// Register tiles shared by the AVX-512 kernels (flash forward, small path, fused backward):
+// an accumulator acc[R][NV] of R rows by NV 16-lane fp32 columns, and what every tile kernel
+// does to it — zero it, load it (alpha-scaled), add one rank-1 update, store it — plus the
+// fp32 -> bf16 rounding of outputs. Header-only, always inlined; include after <immintrin.h>.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mha_tiles {
+
+constexpr int kLanes = 16;  // fp32 lanes of one 512-bit vector
+
+#define MHA_TILE_INLINE __attribute__((always_inline)) inline
+
+template <int R, int NV>
+MHA_TILE_INLINE void acc_zero(__m512 (&acc)[R][NV]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+}
+
+template <int R, int NV>
+MHA_TILE_INLINE void acc_load(__m512 (&acc)[R][NV], const float* o, int64_t ld) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o + r * ld + v * kLanes);
+}
+
+// acc[r] = alpha[r] * o[r * ld + ...] (the running output, rescaled by the online softmax).
+template <int R, int NV>
+MHA_TILE_INLINE void acc_load_scaled(__m512 (&acc)[R][NV], const float* o, int64_t ld,
+                                     const float* alpha) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + v * kLanes), a);
+  }
+}
+
+template <int R, int NV>
+MHA_TILE_INLINE void acc_store(const __m512 (&acc)[R][NV], float* o, int64_t ld) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ld + v * kLanes, acc[r][v]);
+}
+
+// One rank-1 update: acc[r][v] += a[r * stride] * b[v] (a column of scalars times a row).
+template <int R, int NV>
+MHA_TILE_INLINE void acc_rank1(__m512 (&acc)[R][NV], const __m512 (&b)[NV], const float* a,
+                               int64_t stride) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_set1_ps(a[r * stride]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(s, b[v], acc[r][v]);
+  }
+}
+
+// 16 fp32 -> 16 bf16 bits, rounded to nearest even as at::BFloat16 does (NaN stays NaN).
+MHA_TILE_INLINE __m256i to_bf16(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+}  // namespace mha_tiles
+
+#endif  // __AVX512F__
