@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
+from kernel_inputs import bool_mask as _mask
+from kernel_inputs import key_lengths, layout_tensor, qkv
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -29,27 +31,9 @@ def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed):
     """q, k, v, grad_out, grad_lse; "bthd" views of (B, T, h, d) tensors, "strided" a last-dim
     stride of 2, else contiguous (B, h, T, d)."""
     g = torch.Generator().manual_seed(seed)
-
-    def make(H, T, d):
-        if layout == "bthd":
-            return torch.randn(B, T, H, d, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, d)
-        if layout == "strided":
-            return torch.randn(B, H, T, 2 * d, generator=g).to(dtype)[..., ::2]  # (B, H, T, d)
-        return torch.randn(B, H, T, d, generator=g).to(dtype)
-
-    q, k, v, go = make(h, Tq, d_k), make(h_kv, Tk, d_k), make(h_kv, Tk, d_v), make(h, Tq, d_v)
+    q, k, v = qkv(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, g=g)
+    go = layout_tensor(B, h, Tq, d_v, dtype, layout, g)  # (B, h, Tq, d_v)
     return q, k, v, go, torch.randn(B, h, Tq, generator=g).to(dtype)
-
-
-def _mask(kind, B, h, Tq, Tk, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "full":
-        return torch.rand(B, h, Tq, Tk, generator=g) > 0.3
-    if kind == "rows":  # (1, 1, Tq, Tk)
-        return torch.rand(1, 1, Tq, Tk, generator=g) > 0.5
-    if kind == "keys":  # (B, 1, 1, Tk) expanded with stride-0 dims, not copied
-        return (torch.rand(B, 1, 1, Tk, generator=g) > 0.2).expand(B, h, Tq, Tk)
-    return None
 
 
 def _reference_grads(q, k, v, go, gl, spec, scale, upcast):
@@ -103,8 +87,7 @@ def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, l
                                      dtype, layout, seed):
     h = h_kv * group
     q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed)
-    kl = torch.randint(0, Tk + 1, (B,), generator=torch.Generator().manual_seed(seed)) \
-        if lengths else None
+    kl = key_lengths(B, Tk, seed, lengths)
     spec = MaskSpec(causal, kl, _mask(mask, B, h, Tq, Tk, seed))
     got = _native_grads(q, k, v, go, gl, spec, 0.3)
     want, out = _reference_grads(q, k, v, go, gl, spec, 0.3, upcast=True)

@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 
 import mha
 from examples import examples
+from kernel_inputs import bool_mask as _mask
+from kernel_inputs import key_lengths
+from kernel_inputs import qkv as _inputs
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -36,34 +39,6 @@ def _ref(q, k, v, *, causal=False, key_lengths=None, mask=None, scale, upcast=Tr
     return reference.attention(q, k, v, allowed=allowed, scale=scale, upcast=upcast)[0]
 
 
-def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout="bthd", seed=0):
-    """q (B, h, Tq, d_k), k, v as views of (B, T, h, d) tensors (the module's layout) or with
-    a last-dim stride of 2 ("strided")."""
-    g = torch.Generator().manual_seed(seed)
-
-    def make(H, T, d):
-        if layout == "bthd":
-            return torch.randn(B, T, H, d, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, d)
-        if layout == "strided":
-            return torch.randn(B, H, T, 2 * d, generator=g).to(dtype)[..., ::2]  # (B, H, T, d)
-        return torch.randn(B, H, T, d, generator=g).to(dtype)
-
-    return make(h, Tq, d_k), make(h_kv, Tk, d_k), make(h_kv, Tk, d_v)
-
-
-def _mask(kind, B, h, Tq, Tk, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind is None:
-        return None
-    if kind == "full":
-        return torch.rand(B, h, Tq, Tk, generator=g) > 0.3
-    if kind == "rows":  # (1, 1, Tq, Tk)
-        return torch.rand(1, 1, Tq, Tk, generator=g) > 0.5
-    if kind == "keys":  # (B, 1, 1, Tk) expanded with stride-0 dims, not copied
-        return (torch.rand(B, 1, 1, Tk, generator=g) > 0.2).expand(B, h, Tq, Tk)
-    raise ValueError(kind)
-
-
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        Tq=st.integers(1, 70), Tk=st.integers(1, 90),
@@ -76,8 +51,7 @@ def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengt
                           layout, seed):
     h = h_kv * group
     q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed)
-    kl = torch.randint(0, Tk + 1, (B,), generator=torch.Generator().manual_seed(seed)) \
-        if lengths else None
+    kl = key_lengths(B, Tk, seed, lengths)
     m = _mask(mask, B, h, Tq, Tk, seed)
     scale = d_k ** -0.5
     out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)

@@ -15,6 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
+from kernel_inputs import bool_mask as _mask
+from kernel_inputs import key_lengths
+from kernel_inputs import qkv as _inputs
 from mha import native, reference
 from mha.masks import MaskSpec
 
@@ -33,33 +36,6 @@ def _auto_takes_small(dtype, Tk: int) -> bool:
     """The op's own choice (flash_small.h small_path_applies): Tk <= 64, <= 32 for bf16 on AMX."""
     tiles = native.kernels()["float32" if dtype == torch.float32 else "bfloat16"]
     return tiles != "portable" and Tk <= (32 if tiles == "amx" else MAX_KEYS)
-
-
-def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed):
-    """q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v) in one of three layouts."""
-    g = torch.Generator().manual_seed(seed)
-
-    def make(H, T, d):
-        if layout == "bthd":  # the module's (B, T, h, d) viewed as (B, h, T, d)
-            return torch.randn(B, T, H, d, generator=g).to(dtype).transpose(1, 2)
-        if layout == "strided":  # last-dim stride 2
-            return torch.randn(B, H, T, 2 * d, generator=g).to(dtype)[..., ::2]
-        return torch.randn(B, H, T, d, generator=g).to(dtype)
-
-    return make(h, Tq, d_k), make(h_kv, Tk, d_k), make(h_kv, Tk, d_v)
-
-
-def _mask(kind, B, h, Tq, Tk, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "full":  # (B, h, Tq, Tk)
-        return torch.rand(B, h, Tq, Tk, generator=g) > 0.3
-    if kind == "rows":  # (1, 1, Tq, Tk)
-        return torch.rand(1, 1, Tq, Tk, generator=g) > 0.5
-    if kind == "keys":  # (B, 1, 1, Tk) expanded with stride-0 dims
-        return (torch.rand(B, 1, 1, Tk, generator=g) > 0.2).expand(B, h, Tq, Tk)
-    if kind == "queries":  # (B, 1, Tq, 1): whole query rows masked, broadcast over keys
-        return torch.rand(B, 1, Tq, 1, generator=g) > 0.3
-    return None
 
 
 def _check(out, lse, q, k, v, causal, kl, mask, scale):
@@ -95,8 +71,7 @@ def test_small_path_matches_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal
                                  mask, layout, seed):
     h = h_kv * group
     q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed)
-    kl = torch.randint(0, Tk + 1, (B,), generator=torch.Generator().manual_seed(seed)) \
-        if lengths else None
+    kl = key_lengths(B, Tk, seed, lengths)
     m = _mask(mask, B, h, Tq, Tk, seed)
     scale = d_k ** -0.5
     out, lse = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, kl, m, causal, scale, "small")
