@@ -346,8 +346,8 @@ struct Worker {
     vp += (jlo - kbeg) * dvp;            // same offset for both V layouts (jlo - kbeg is even)
     const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
     packed_t* q = sc.q.get(rp * dkp);
-    // AMX: two 16-row S buffers (steps t and t + 1) and one 16-row P; else rows of each
-    float* s = sc.s.get(K::kAmx ? 32 * Nb : rp * Nb);
+    // AMX: one 16-row S and P (a group at a time); else rows of each
+    float* s = sc.s.get(K::kAmx ? 16 * Nb : rp * Nb);
     p_t* p = sc.p.get(K::kAmx ? 16 * Nb : rp * Nb);
     float* o = sc.o.get(rp * dvp);
     float* m = sc.m.get(rows);
@@ -444,56 +444,58 @@ struct Worker {
   }
 
 #if defined(MHA_FLASH_AMX)
-  // AMX: steps t = (key block, 16-row group), software-pipelined: the tile unit computes
-  // S = Q K^T of step t + 1 (into the other S buffer) while the vector units run the softmax
-  // of step t; then O rows of the group are rescaled where their max moved, and O += P V.
-  // s: 2 x [16][Nb] floats, p: [16][Nb] bf16, o: [rp][dvp], per-row m / alpha / lsum.
-  // Keys [jlo, kend); kt, vp start at key jlo. The first block starts at the 32 keys holding
-  // the first row's window start (P V reads whole 32-key chunks of V).
+  // AMX, d_v <= 64 (NC = dvp / 16 tiles): each 16-row group walks its key blocks with O kept
+  // in tiles 4.. across them (a tile store costs about a tile product here): S = Q K^T (tiles)
+  // into s, the softmax into P, O rescaled only where a row's (lazy) max moved, O += P V.
+  // Wider d_v (NC = 0): O lives in o, and the steps (key block, 16-row group) run key block by
+  // key block, so the groups of a query block reuse the block's K / V from L1. The tile unit and
+  // the vector units do not overlap on this CPU (measured), so nothing is software-pipelined.
+  // s: [16][Nb] floats, p: [16][Nb] bf16, o: [rp][dvp], per-row m / alpha / lsum. Keys
+  // [jlo, kend); kt, vp start at key jlo. A group starts at the 32 keys holding its first
+  // row's window start (P V reads whole 32-key chunks of V) and ends at its last row's limit.
   void key_loop_amx(int64_t b, int64_t i0, int rows, int64_t jlo, int64_t kend,
                     const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* vp,
                     float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
                     uint16_t* bits) {
+    const int nc = dvp <= 64 ? int(dvp / 16) : 0;
     const int groups = (rows + 15) / 16;
-    const int64_t steps = (kend - jlo + Nb - 1) / Nb * groups;
-    // Steps whose key block lies wholly left of the group's window or right of its causal
-    // limit are skipped: their softmax would leave m, lsum and O exactly as they are.
-    const int64_t jfirst = std::max(jlo, P.key_start(i0) / 32 * 32);
-    auto first_key = [&](int64_t t) { return t < groups ? jfirst : jlo + t / groups * Nb; };
-    auto end_key = [&](int64_t t) { return std::min(jlo + (t / groups + 1) * Nb, kend); };
-    auto live = [&](int64_t t) {
-      const int64_t ia = i0 + (t % groups) * 16;
-      const int64_t iz = std::min<int64_t>(i0 + rows, ia + 16) - 1;  // the group's last row
-      return end_key(t) > P.key_start(ia) && first_key(t) < P.key_limit(b, iz);
-    };
-    auto next_live = [&](int64_t t) {
-      while (t < steps && !live(t)) ++t;
-      return t;
-    };
-    auto qk = [&](int64_t t, int buf) {  // S[16][jn] of step t into S buffer buf
-      const int64_t j0 = first_key(t);
-      const int nchunks = int((end_key(t) - j0 + kLanes - 1) / kLanes);
-      K::qk_block(q + (t % groups) * 16 * dkp, dkp,
-                  kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2, Nb, 1, nchunks,
-                  s + buf * 16 * Nb, Nb);
-    };
-    int buf = 0;
-    int64_t t = next_live(0);
-    if (t < steps) qk(t, buf);
-    for (; t < steps; buf ^= 1) {
-      const int64_t tn = next_live(t + 1);
-      if (tn < steps) qk(tn, buf ^ 1);
-      const int64_t j0 = first_key(t);
+    const int64_t blocks = nc ? 1 : (kend - jlo + Nb - 1) / Nb;
+    for (int64_t t = 0; t < blocks * groups; ++t) {  // NC = 0: (block, group); else (group)
       const int r0 = int(t % groups) * 16, rg = std::min(16, rows - r0);
-      const int jn = int(end_key(t) - j0);
+      const int64_t ia = i0 + r0;
+      int64_t ja = std::max(jlo, P.key_start(ia) / 32 * 32);
+      int64_t jz = std::min(kend, P.key_limit(b, ia + rg - 1));
+      if (!nc) {  // the one key block of this step, clipped to what the group sees
+        ja = std::max(ja, jlo + t / groups * Nb);
+        jz = std::min(jz, jlo + (t / groups + 1) * Nb);
+      }
+      switch (nc) {
+#define MHA_GROUP_LOOP(NC) \
+  case NC: group_loop_amx<NC>(b, ia, rg, ja, jz, jlo, kend, mrow0, q + r0 * dkp, kt, vp, s, p, o + r0 * dvp, m + r0, alpha + r0, lsum + r0 * kLanes, bits); break;
+        MHA_GROUP_LOOP(0) MHA_GROUP_LOOP(1) MHA_GROUP_LOOP(2) MHA_GROUP_LOOP(3) MHA_GROUP_LOOP(4)
+#undef MHA_GROUP_LOOP
+        default: TORCH_CHECK(false, "flash_attention: bad d_v tile count");
+      }
+    }
+  }
+
+  // Keys [ja, jz) for the rg rows of one group starting at row ia (q, o, m, alpha, lsum
+  // already offset to the group's first row); NC > 0: O in tiles from zero, stored to o at the
+  // end; NC = 0: O in o.
+  template <int NC>
+  void group_loop_amx(int64_t b, int64_t ia, int rg, int64_t ja, int64_t jz, int64_t jlo,
+                      int64_t kend, const bool* mrow0, const packed_t* q, const packed_t* kt,
+                      const packed_t* vp, float* s, p_t* p, float* o, float* m, float* alpha,
+                      float* lsum, uint16_t* bits) {
+    if constexpr (NC > 0) K::template o_tiles_zero<NC>();
+    bool o_zero = NC > 0;  // O tiles still zero: nothing to rescale (O in o: scaled anyway)
+    for (int64_t j0 = ja; j0 < jz; j0 = (j0 / Nb + 1) * Nb) {
+      const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
-      const float* st = s + buf * 16 * Nb;
+      K::qk_group(q, dkp, kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2, Nb, nv, s, Nb);
       switch (nv) {
-#define MHA_KEY_STEP(NV)                                                                   \
-  case NV:                                                                                 \
-    softmax_group<NV>(b, i0 + r0, rg, j0, mrow0, st, p, m + r0, alpha + r0,                \
-                      lsum + r0 * kLanes, bits);                                           \
-    break;
+#define MHA_KEY_STEP(NV) \
+  case NV: softmax_group<NV>(b, ia, rg, j0, mrow0, s, p, m, alpha, lsum, bits); break;
         MHA_KEY_STEP(1) MHA_KEY_STEP(2) MHA_KEY_STEP(3) MHA_KEY_STEP(4)
         MHA_KEY_STEP(5) MHA_KEY_STEP(6) MHA_KEY_STEP(7) MHA_KEY_STEP(8)
 #undef MHA_KEY_STEP
@@ -502,15 +504,24 @@ struct Worker {
       if (nv % 2)  // P V takes 32-key chunks: zero P's odd 16-key tail
         for (int r = 0; r < rg; ++r)
           std::fill(p + r * Nb + nv * kLanes, p + r * Nb + (nv + 1) * kLanes, p_t(0));
-      for (int r = r0; r < r0 + rg; ++r) {  // only rows whose running max moved (lazy rescale)
-        if (alpha[r] == 1.f) continue;
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int64_t c = 0; c < dvp; c += kLanes)
-          _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
+      bool moved = false;
+      for (int r = 0; r < rg; ++r) moved |= alpha[r] != 1.f;
+      if (moved && !o_zero) {  // rare with the lazy max: scale the rows whose max moved
+        if constexpr (NC > 0) K::template o_tiles_store<NC>(o, dvp);
+        for (int r = 0; r < rg; ++r) {
+          if (alpha[r] == 1.f) continue;
+          const __m512 a = _mm512_set1_ps(alpha[r]);
+          for (int64_t c = 0; c < dvp; c += kLanes)
+            _mm512_storeu_ps(o + r * dvp + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dvp + c), a));
+        }
+        if constexpr (NC > 0) K::template o_tiles_load<NC>(o, dvp);
       }
-      K::pv_block(p, Nb, vp + (j0 - jlo) * dvp, dvp, (jn + 31) / 32, 1, o + r0 * dvp);
-      t = tn;
+      const packed_t* vb = vp + (j0 - jlo) * dvp;
+      if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
+      else K::pv_block(p, Nb, vb, dvp, (jn + 31) / 32, o);
+      o_zero = false;
     }
+    if constexpr (NC > 0) K::template o_tiles_store<NC>(o, dvp);
   }
 #endif
 

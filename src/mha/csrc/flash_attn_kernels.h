@@ -323,21 +323,22 @@ struct Avx512Bf16 {
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define MHA_FLASH_AMX 1
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
-// operands in the same pair layouts as Avx512Bf16); packing and the softmax are Avx512Bf16's.
-// Tiles: 0-3 accumulators (4 x 16 columns), 4 the A operand, 5-6 B operands.
+// operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
+// (softmax_lazy). Tiles: Q K^T 0-1 (S), 2 (Q), 3 (K); P V 4-7 (O, resident), 2 (P), 3 (V) when
+// d_v <= 64, else 0-3 (O), 4 (P), 5-6 (V).
 using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
 
-// 2^x for the bf16 P of the AMX kernel, x in [-125, kLazyRescale] (or masked): P is rounded to
+// 2^x for the bf16 P of the AMX kernel, x <= 16 (see kLazyRescaleLimit; or masked): P is rounded to
 // bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
 // polynomial suffices: 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps),
 // p fitted (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by
-// the vscalefps that also zeroes the lanes outside `keep`. Inputs are clamped at -125 so the
-// result stays a normal number (an underflowing vscalefps takes a slow microcode assist).
+// the vscalefps that also zeroes the lanes outside `keep`. Results below the smallest normal
+// float become 0: the kernel runs with flush-to-zero set (mha_amx::FlushToZero), so an
+// underflowing vscalefps takes no microcode assist and x needs no clamp.
 constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
                 kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
 inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
@@ -345,10 +346,12 @@ inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
   return _mm512_maskz_scalef_ps(keep, y, x);
 }
 
-// The running max m of a row moves only when a block's max exceeds it by more than this (in
-// log2 units): until then P = 2^(t - m) <= 2^8 and O, l keep accumulating unscaled. Exact: the
-// final O / l and lse = m + log2 l use the same (stale) m. Saves the O rescale of most blocks.
-constexpr float kLazyRescale = 8.f;
+// The running max m of a row is a lazy one: P = 2^(t - m) with the m of an earlier block for as
+// long as no lane's sum of this block's P exceeds 2^kLazyRescaleLimit (so every P <= 2^16 and
+// O, l stay far from overflow); only then is the block's max taken, m moved to it, and O, l
+// rescaled. Exact: the final O / l and lse = m + log2 l use the same (stale) m. The first
+// visible block of a row sets m to its max. Saves the per-block max and most O rescales.
+constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
 
 struct AmxBf16 : Avx512Bf16 {
   static constexpr const char* kName = "amx";
@@ -363,127 +366,180 @@ struct AmxBf16 : Avx512Bf16 {
   }
   static void release() { _tile_release(); }
 
-  // The online-softmax update of RS rows in one pass over the scores, for scale c > 0:
-  // t = s c - m (one FMA; max(s c) = c max(s)), P = 2^t in bf16, lazy rescaling (alpha = 1 and
-  // m unchanged unless the block max exceeds m + kLazyRescale). Masked: lanes past nvalid[r]
-  // or with a 0 bit are excluded (P = 0); otherwise every lane of the block is visible.
+  // P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and exp2 per 16
+  // lanes), written as bf16 pairs straight into the AMX A-tile layout.
+  template <int NV>
+  __attribute__((always_inline)) static inline __m512 row_exp(const float* s, const __mmask16* keep,
+                                                              __m512 cv, float m,
+                               uint16_t* pr) {
+    const __m512 mneg = _mm512_set1_ps(-m);
+    __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v + 1 < NV; v += 2) {
+      const __m512 e0 = exp2_bf16_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg), keep[v]);
+      const __m512 e1 =
+          exp2_bf16_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + (v + 1) * kLanes), cv, mneg), keep[v + 1]);
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pr + v * kLanes, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    if constexpr (NV % 2 == 1) {
+      const __m512 e = exp2_bf16_avx512(
+          _mm512_fmadd_ps(_mm512_loadu_ps(s + (NV - 1) * kLanes), cv, mneg), keep[NV - 1]);
+      sum = _mm512_add_ps(sum, e);
+      const __m256bh h = _mm512_cvtneps_pbh(e);
+      std::memcpy(pr + (NV - 1) * kLanes, &h, sizeof(h));
+    }
+    return sum;
+  }
+
+  // The online-softmax update of RS rows, for scale c > 0 (max(s c) = c max(s)): P = 2^(s c - m)
+  // with the row's lazy max m (see kLazyRescaleLimit); alpha = 1 unless m moved. Masked: lanes
+  // past nvalid[r] or with a 0 bit are excluded (P = 0); otherwise every lane is visible.
   template <int NV, int RS, bool Masked>
   static inline void softmax_lazy(const float* s, int64_t lds, const int* nvalid,
                                   const uint16_t* bits, int bstride, float c, float* m,
                                   float* lsum, float* alpha, uint16_t* p, int64_t ldp) {
     const __m512 cv = _mm512_set1_ps(c);
-    __m512 x[RS][NV], mx[RS];
-    __mmask16 keep[RS][NV];
+    const __m512 limit = _mm512_set1_ps(kLazyRescaleLimit);
 #pragma GCC unroll 4
     for (int r = 0; r < RS; ++r) {
-      mx[r] = _mm512_set1_ps(kNegInf);
+      const float* sr = s + r * lds;
+      uint16_t* pr = p + r * ldp;
+      float* lr = lsum + r * kLanes;
+      __mmask16 keep[NV];
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) {
-        x[r][v] = _mm512_loadu_ps(s + r * lds + v * kLanes);
+        keep[v] = __mmask16(0xFFFF);
         if constexpr (Masked) {
-          keep[r][v] = lanes_below(nvalid[r] - v * kLanes);
-          if (bits) keep[r][v] &= bits[r * bstride + v];
-          mx[r] = _mm512_mask_max_ps(mx[r], keep[r][v], mx[r], x[r][v]);
-        } else {
-          keep[r][v] = __mmask16(0xFFFF);
-          mx[r] = _mm512_max_ps(mx[r], x[r][v]);
+          keep[v] = lanes_below(nvalid[r] - v * kLanes);
+          if (bits) keep[v] &= bits[r * bstride + v];
         }
       }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RS; ++r) {
-      const float mb = _mm512_reduce_max_ps(mx[r]) * c;  // this block's max logit (or -inf)
-      uint16_t* pr = p + r * ldp;
       alpha[r] = 1.f;
-      if (mb > m[r] + kLazyRescale) {
+      if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it)
+        const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
+        if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
+          _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+          continue;
+        }
+      }
+      __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v)
+        mx = _mm512_mask_max_ps(mx, keep[v], mx, _mm512_loadu_ps(sr + v * kLanes));
+      const float mb = _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
+      if (mb > m[r]) {
         alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
         m[r] = mb;
-        _mm512_storeu_ps(lsum + r * kLanes, _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes),
-                                                          _mm512_set1_ps(alpha[r])));
+        _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));
       }
       if (m[r] == kNegInf) {  // nothing visible yet in this row
         std::memset(pr, 0, NV * kLanes * sizeof(uint16_t));
         continue;
       }
-      const __m512 mneg = _mm512_set1_ps(-m[r]);
-      __m512 sum = _mm512_loadu_ps(lsum + r * kLanes);
-#pragma GCC unroll 8
-      for (int v = 0; v + 1 < NV; v += 2) {
-        const __m512 e0 = exp2_bf16_avx512(_mm512_fmadd_ps(x[r][v], cv, mneg), keep[r][v]);
-        const __m512 e1 =
-            exp2_bf16_avx512(_mm512_fmadd_ps(x[r][v + 1], cv, mneg), keep[r][v + 1]);
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(pr + v * kLanes, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      if constexpr (NV % 2 == 1) {
-        const __m512 e = exp2_bf16_avx512(_mm512_fmadd_ps(x[r][NV - 1], cv, mneg), keep[r][NV - 1]);
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh h = _mm512_cvtneps_pbh(e);
-        std::memcpy(pr + (NV - 1) * kLanes, &h, sizeof(h));
-      }
-      _mm512_storeu_ps(lsum + r * kLanes, sum);
+      const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
+      _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
     }
   }
 
-  // S[16 g + i][16 c] for row groups g < groups, 16-key chunks c < nchunks:
-  // q rows of dkp bf16 (dkp % 32 == 0), kt [dkp/2][ldk][2], s rows of lds floats.
-  // (qk_block and pv_block are not inlined: one symbol each in a profile, ~16 tile products
-  // per call.)
-  __attribute__((noinline)) static void qk_block(const uint16_t* q, int64_t dkp,
-                                                 const uint16_t* kt, int64_t ldk, int groups,
-                                                 int nchunks, float* s, int64_t lds) {
-    for (int g = 0; g < groups; ++g) {
-      const uint16_t* qg = q + g * 16 * dkp;
-      float* sg = s + g * 16 * lds;
-      for (int c0 = 0; c0 < nchunks; c0 += 4) {
-        const int nc = std::min(4, nchunks - c0);
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t kc = 0; kc < dkp / 32; ++kc) {
-          _tile_loadd(4, qg + kc * 32, dkp * 2);
-          const uint16_t* kb = kt + (kc * 16 * ldk + c0 * 16) * 2;
-          _tile_loadd(5, kb, ldk * 4);
-          _tile_dpbf16ps(0, 4, 5);
-          if (nc > 1) { _tile_loadd(6, kb + 32, ldk * 4); _tile_dpbf16ps(1, 4, 6); }
-          if (nc > 2) { _tile_loadd(5, kb + 64, ldk * 4); _tile_dpbf16ps(2, 4, 5); }
-          if (nc > 3) { _tile_loadd(6, kb + 96, ldk * 4); _tile_dpbf16ps(3, 4, 6); }
-        }
-        float* sc = sg + c0 * 16;
-        _tile_stored(0, sc, lds * 4);
-        if (nc > 1) _tile_stored(1, sc + 16, lds * 4);
-        if (nc > 2) _tile_stored(2, sc + 32, lds * 4);
-        if (nc > 3) _tile_stored(3, sc + 48, lds * 4);
+  // The O-resident layout (d_v <= 64): O of one 16-row group lives in tiles 4..4+NC-1 across
+  // all key blocks; Q K^T uses tiles 0-1 (S), 2 (Q) and 3 (K), P V uses 2 (P) and 3 (V), so no
+  // O tile is loaded or stored per key block (a tile store costs about a product here).
+  // S[i][16 c] for 16-key chunks c < nchunks of one group: q rows of dkp bf16, kt
+  // [dkp/2][ldk][2], s rows of lds floats.
+  __attribute__((noinline)) static void qk_group(const uint16_t* q, int64_t dkp,
+                                                 const uint16_t* kt, int64_t ldk, int nchunks,
+                                                 float* s, int64_t lds) {
+    int c0 = 0;
+    for (; c0 + 2 <= nchunks; c0 += 2) {
+      _tile_zero(0); _tile_zero(1);
+      for (int64_t kc = 0; kc < dkp / 32; ++kc) {
+        _tile_loadd(2, q + kc * 32, dkp * 2);
+        const uint16_t* kb = kt + (kc * 16 * ldk + c0 * 16) * 2;
+        _tile_loadd(3, kb, ldk * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, kb + 32, ldk * 4);
+        _tile_dpbf16ps(1, 2, 3);
       }
+      _tile_stored(0, s + c0 * 16, lds * 4);
+      _tile_stored(1, s + c0 * 16 + 16, lds * 4);
+    }
+    if (c0 < nchunks) {
+      _tile_zero(0);
+      for (int64_t kc = 0; kc < dkp / 32; ++kc) {
+        _tile_loadd(2, q + kc * 32, dkp * 2);
+        _tile_loadd(3, kt + (kc * 16 * ldk + c0 * 16) * 2, ldk * 4);
+        _tile_dpbf16ps(0, 2, 3);
+      }
+      _tile_stored(0, s + c0 * 16, lds * 4);
     }
   }
 
-  // O[16 g + i][:] += P[16 g + i][0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2],
-  // o rows of dvp floats (dvp % 16 == 0).
+  // O tiles (4.. 4 + NC - 1) += P[:, 0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2].
+  template <int NC>
+  __attribute__((noinline)) static void pv_group(const uint16_t* p, int64_t ldp,
+                                                 const uint16_t* v, int64_t dvp, int kchunks) {
+    for (int kc = 0; kc < kchunks; ++kc) {
+      _tile_loadd(2, p + kc * 32, ldp * 2);
+      const uint16_t* vb = v + int64_t(kc) * 16 * dvp * 2;
+      _tile_loadd(3, vb, dvp * 4);
+      _tile_dpbf16ps(4, 2, 3);
+      if constexpr (NC > 1) { _tile_loadd(3, vb + 32, dvp * 4); _tile_dpbf16ps(5, 2, 3); }
+      if constexpr (NC > 2) { _tile_loadd(3, vb + 64, dvp * 4); _tile_dpbf16ps(6, 2, 3); }
+      if constexpr (NC > 3) { _tile_loadd(3, vb + 96, dvp * 4); _tile_dpbf16ps(7, 2, 3); }
+    }
+  }
+
+  // The resident O tiles to / from 16 rows of dvp floats.
+  template <int NC>
+  static void o_tiles_zero() {
+    _tile_zero(4);
+    if constexpr (NC > 1) _tile_zero(5);
+    if constexpr (NC > 2) _tile_zero(6);
+    if constexpr (NC > 3) _tile_zero(7);
+  }
+  template <int NC>
+  static void o_tiles_store(float* o, int64_t dvp) {
+    _tile_stored(4, o, dvp * 4);
+    if constexpr (NC > 1) _tile_stored(5, o + 16, dvp * 4);
+    if constexpr (NC > 2) _tile_stored(6, o + 32, dvp * 4);
+    if constexpr (NC > 3) _tile_stored(7, o + 48, dvp * 4);
+  }
+  template <int NC>
+  static void o_tiles_load(const float* o, int64_t dvp) {
+    _tile_loadd(4, o, dvp * 4);
+    if constexpr (NC > 1) _tile_loadd(5, o + 16, dvp * 4);
+    if constexpr (NC > 2) _tile_loadd(6, o + 32, dvp * 4);
+    if constexpr (NC > 3) _tile_loadd(7, o + 48, dvp * 4);
+  }
+
+  // O[i][:] += P[i][0, 32 kchunks) V for one 16-row group with O in memory (d_v > 64): p rows
+  // of ldp bf16, v [keys/2][dvp][2], o rows of dvp floats (dvp % 16 == 0); O tiles 4 at a time
+  // in tiles 0-3, P in 4, V in 5-6.
   __attribute__((noinline)) static void pv_block(const uint16_t* p, int64_t ldp,
                                                  const uint16_t* v, int64_t dvp, int kchunks,
-                                                 int groups, float* o) {
+                                                 float* o) {
     const int nvc = int(dvp / 16);
-    for (int g = 0; g < groups; ++g) {
-      for (int c0 = 0; c0 < nvc; c0 += 4) {
-        const int nc = std::min(4, nvc - c0);
-        float* og = o + g * 16 * dvp + c0 * 16;
-        _tile_loadd(0, og, dvp * 4);
-        if (nc > 1) _tile_loadd(1, og + 16, dvp * 4);
-        if (nc > 2) _tile_loadd(2, og + 32, dvp * 4);
-        if (nc > 3) _tile_loadd(3, og + 48, dvp * 4);
-        for (int kc = 0; kc < kchunks; ++kc) {
-          _tile_loadd(4, p + g * 16 * ldp + kc * 32, ldp * 2);
-          const uint16_t* vb = v + (int64_t(kc) * 16 * dvp + c0 * 16) * 2;
-          _tile_loadd(5, vb, dvp * 4);
-          _tile_dpbf16ps(0, 4, 5);
-          if (nc > 1) { _tile_loadd(6, vb + 32, dvp * 4); _tile_dpbf16ps(1, 4, 6); }
-          if (nc > 2) { _tile_loadd(5, vb + 64, dvp * 4); _tile_dpbf16ps(2, 4, 5); }
-          if (nc > 3) { _tile_loadd(6, vb + 96, dvp * 4); _tile_dpbf16ps(3, 4, 6); }
-        }
-        _tile_stored(0, og, dvp * 4);
-        if (nc > 1) _tile_stored(1, og + 16, dvp * 4);
-        if (nc > 2) _tile_stored(2, og + 32, dvp * 4);
-        if (nc > 3) _tile_stored(3, og + 48, dvp * 4);
+    for (int c0 = 0; c0 < nvc; c0 += 4) {
+      const int nc = std::min(4, nvc - c0);
+      float* oc = o + c0 * 16;
+      _tile_loadd(0, oc, dvp * 4);
+      if (nc > 1) _tile_loadd(1, oc + 16, dvp * 4);
+      if (nc > 2) _tile_loadd(2, oc + 32, dvp * 4);
+      if (nc > 3) _tile_loadd(3, oc + 48, dvp * 4);
+      for (int kc = 0; kc < kchunks; ++kc) {
+        _tile_loadd(4, p + kc * 32, ldp * 2);
+        const uint16_t* vb = v + (int64_t(kc) * 16 * dvp + c0 * 16) * 2;
+        _tile_loadd(5, vb, dvp * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nc > 1) { _tile_loadd(6, vb + 32, dvp * 4); _tile_dpbf16ps(1, 4, 6); }
+        if (nc > 2) { _tile_loadd(5, vb + 64, dvp * 4); _tile_dpbf16ps(2, 4, 5); }
+        if (nc > 3) { _tile_loadd(6, vb + 96, dvp * 4); _tile_dpbf16ps(3, 4, 6); }
       }
+      _tile_stored(0, oc, dvp * 4);
+      if (nc > 1) _tile_stored(1, oc + 16, dvp * 4);
+      if (nc > 2) _tile_stored(2, oc + 32, dvp * 4);
+      if (nc > 3) _tile_stored(3, oc + 48, dvp * 4);
     }
   }
 };
