@@ -469,12 +469,17 @@ struct Worker {
         ja = std::max(ja, jlo + t / groups * Nb);
         jz = std::min(jz, jlo + (t / groups + 1) * Nb);
       }
-      switch (nc) {
-#define MHA_GROUP_LOOP(NC) \
-  case NC: group_loop_amx<NC>(b, ia, rg, ja, jz, jlo, kend, mrow0, q + r0 * dkp, kt, vp, s, p, o + r0 * dvp, m + r0, alpha + r0, lsum + r0 * kLanes, bits); break;
-        MHA_GROUP_LOOP(0) MHA_GROUP_LOOP(1) MHA_GROUP_LOOP(2) MHA_GROUP_LOOP(3) MHA_GROUP_LOOP(4)
+      const char* qe = getenv("MHA_QRES");
+      const int kc = (nc && dkp <= 64 && !(qe && qe[0] == '0')) ? int(dkp / 32) : 0;
+      switch (nc * 10 + kc) {
+#define MHA_GROUP_LOOP(NC, KC) \
+  case NC * 10 + KC: group_loop_amx<NC, KC>(b, ia, rg, ja, jz, jlo, kend, mrow0, q + r0 * dkp, kt, vp, s, p, o + r0 * dvp, m + r0, alpha + r0, lsum + r0 * kLanes, bits); break;
+        MHA_GROUP_LOOP(0, 0) MHA_GROUP_LOOP(1, 0) MHA_GROUP_LOOP(2, 0) MHA_GROUP_LOOP(3, 0)
+        MHA_GROUP_LOOP(4, 0) MHA_GROUP_LOOP(1, 1) MHA_GROUP_LOOP(2, 1) MHA_GROUP_LOOP(3, 1)
+        MHA_GROUP_LOOP(4, 1) MHA_GROUP_LOOP(1, 2) MHA_GROUP_LOOP(2, 2) MHA_GROUP_LOOP(3, 2)
+        MHA_GROUP_LOOP(4, 2)
 #undef MHA_GROUP_LOOP
-        default: TORCH_CHECK(false, "flash_attention: bad d_v tile count");
+        default: TORCH_CHECK(false, "flash_attention: bad tile count");
       }
     }
   }
@@ -482,17 +487,20 @@ struct Worker {
   // Keys [ja, jz) for the rg rows of one group starting at row ia (q, o, m, alpha, lsum
   // already offset to the group's first row); NC > 0: O in tiles from zero, stored to o at the
   // end; NC = 0: O in o.
-  template <int NC>
+  template <int NC, int KC>
   void group_loop_amx(int64_t b, int64_t ia, int rg, int64_t ja, int64_t jz, int64_t jlo,
                       int64_t kend, const bool* mrow0, const packed_t* q, const packed_t* kt,
                       const packed_t* vp, float* s, p_t* p, float* o, float* m, float* alpha,
                       float* lsum, uint16_t* bits) {
     if constexpr (NC > 0) K::template o_tiles_zero<NC>();
+    if constexpr (KC > 0) K::template q_tiles_load<KC>(q, dkp);
     bool o_zero = NC > 0;  // O tiles still zero: nothing to rescale (O in o: scaled anyway)
     for (int64_t j0 = ja; j0 < jz; j0 = (j0 / Nb + 1) * Nb) {
       const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
-      K::qk_group(q, dkp, kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2, Nb, nv, s, Nb);
+      const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2;
+      if constexpr (KC > 0) K::template qk_group_qres<KC>(ktb, Nb, nv, s, Nb);
+      else K::qk_group(q, dkp, ktb, Nb, nv, s, Nb);
       switch (nv) {
 #define MHA_KEY_STEP(NV) \
   case NV: softmax_group<NV>(b, ia, rg, j0, mrow0, s, p, m, alpha, lsum, bits); break;
@@ -517,7 +525,8 @@ struct Worker {
         if constexpr (NC > 0) K::template o_tiles_load<NC>(o, dvp);
       }
       const packed_t* vb = vp + (j0 - jlo) * dvp;
-      if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
+      if constexpr (KC > 0) K::template pv_group_qres<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
+      else if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
       else K::pv_block(p, Nb, vb, dvp, (jn + 31) / 32, o);
       o_zero = false;
     }

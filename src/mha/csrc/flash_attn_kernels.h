@@ -490,6 +490,44 @@ struct AmxBf16 : Avx512Bf16 {
     }
   }
 
+  // With d_k <= 64 (KC = dkp / 32 tiles) Q of the group stays in tiles 2.. as well: S is
+  // computed 16 keys at a time in tile 0 (K in 1) and P V uses tiles 0 (P) and 1 (V); no Q
+  // tile is reloaded per key chunk.
+  template <int KC>
+  static void q_tiles_load(const uint16_t* q, int64_t dkp) {
+    _tile_loadd(2, q, dkp * 2);
+    if constexpr (KC > 1) _tile_loadd(3, q + 32, dkp * 2);
+  }
+  template <int KC>
+  __attribute__((noinline)) static void qk_group_qres(const uint16_t* kt, int64_t ldk,
+                                                      int nchunks, float* s, int64_t lds) {
+    for (int c = 0; c < nchunks; ++c) {
+      const uint16_t* kb = kt + c * 32;
+      _tile_zero(0);
+      _tile_loadd(1, kb, ldk * 4);
+      _tile_dpbf16ps(0, 2, 1);
+      if constexpr (KC > 1) {
+        _tile_loadd(1, kb + 32 * ldk, ldk * 4);
+        _tile_dpbf16ps(0, 3, 1);
+      }
+      _tile_stored(0, s + c * 16, lds * 4);
+    }
+  }
+  template <int NC>
+  __attribute__((noinline)) static void pv_group_qres(const uint16_t* p, int64_t ldp,
+                                                      const uint16_t* v, int64_t dvp,
+                                                      int kchunks) {
+    for (int kc = 0; kc < kchunks; ++kc) {
+      _tile_loadd(0, p + kc * 32, ldp * 2);
+      const uint16_t* vb = v + int64_t(kc) * 16 * dvp * 2;
+      _tile_loadd(1, vb, dvp * 4);
+      _tile_dpbf16ps(4, 0, 1);
+      if constexpr (NC > 1) { _tile_loadd(1, vb + 32, dvp * 4); _tile_dpbf16ps(5, 0, 1); }
+      if constexpr (NC > 2) { _tile_loadd(1, vb + 64, dvp * 4); _tile_dpbf16ps(6, 0, 1); }
+      if constexpr (NC > 3) { _tile_loadd(1, vb + 96, dvp * 4); _tile_dpbf16ps(7, 0, 1); }
+    }
+  }
+
   // The resident O tiles to / from 16 rows of dvp floats.
   template <int NC>
   static void o_tiles_zero() {
