@@ -447,6 +447,7 @@ struct Worker {
   // AMX, d_v <= 64 (NC = dvp / 16 tiles): each 16-row group walks its key blocks with O kept
   // in tiles 4.. across them (a tile store costs about a tile product here): S = Q K^T (tiles)
   // into s, the softmax into P, O rescaled only where a row's (lazy) max moved, O += P V.
+  // With d_k <= 64 too (KC = dkp / 32 tiles), Q stays in tiles 2.. across the key blocks.
   // Wider d_v (NC = 0): O lives in o, and the steps (key block, 16-row group) run key block by
   // key block, so the groups of a query block reuse the block's K / V from L1. The tile unit and
   // the vector units do not overlap on this CPU (measured), so nothing is software-pipelined.
@@ -469,8 +470,7 @@ struct Worker {
         ja = std::max(ja, jlo + t / groups * Nb);
         jz = std::min(jz, jlo + (t / groups + 1) * Nb);
       }
-      const char* qe = getenv("MHA_QRES");
-      const int kc = (nc && dkp <= 64 && !(qe && qe[0] == '0')) ? int(dkp / 32) : 0;
+      const int kc = nc && dkp <= 64 ? int(dkp / 32) : 0;  // Q tiles kept (d_k <= 64)
       switch (nc * 10 + kc) {
 #define MHA_GROUP_LOOP(NC, KC) \
   case NC * 10 + KC: group_loop_amx<NC, KC>(b, ia, rg, ja, jz, jlo, kend, mrow0, q + r0 * dkp, kt, vp, s, p, o + r0 * dvp, m + r0, alpha + r0, lsum + r0 * kLanes, bits); break;

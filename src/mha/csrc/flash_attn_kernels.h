@@ -324,8 +324,9 @@ struct Avx512Bf16 {
 #define MHA_FLASH_AMX 1
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
 // operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
-// (softmax_lazy). Tiles: Q K^T 0-1 (S), 2 (Q), 3 (K); P V 4-7 (O, resident), 2 (P), 3 (V) when
-// d_v <= 64, else 0-3 (O), 4 (P), 5-6 (V).
+// (softmax_lazy). Tiles, d_k and d_v <= 64: 0 (S, then P), 1 (K, then V), 2-3 (Q, resident),
+// 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 2 (P), 3 (V), 4-7 (O,
+// resident); wider d_v: Q K^T as before, P V 0-3 (O), 4 (P), 5-6 (V).
 using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
 
