@@ -525,8 +525,7 @@ struct Worker {
         if constexpr (NC > 0) K::template o_tiles_load<NC>(o, dvp);
       }
       const packed_t* vb = vp + (j0 - jlo) * dvp;
-      if constexpr (KC > 0) K::template pv_group_qres<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
-      else if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
+      if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
       else K::pv_block(p, Nb, vb, dvp, (jn + 31) / 32, o);
       o_zero = false;
     }

@@ -325,7 +325,7 @@ struct Avx512Bf16 {
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
 // operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
 // (softmax_lazy). Tiles, d_k and d_v <= 64: 0 (S, then P), 1 (K, then V), 2-3 (Q, resident),
-// 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 2 (P), 3 (V), 4-7 (O,
+// 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 0 (P), 1 (V), 4-7 (O,
 // resident); wider d_v: Q K^T as before, P V 0-3 (O), 4 (P), 5-6 (V).
 using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
@@ -444,7 +444,7 @@ struct AmxBf16 : Avx512Bf16 {
   }
 
   // The O-resident layout (d_v <= 64): O of one 16-row group lives in tiles 4..4+NC-1 across
-  // all key blocks; Q K^T uses tiles 0-1 (S), 2 (Q) and 3 (K), P V uses 2 (P) and 3 (V), so no
+  // all key blocks; Q K^T uses tiles 0-1 (S), 2 (Q) and 3 (K), P V uses 0 (P) and 1 (V), so no
   // O tile is loaded or stored per key block (a tile store costs about a product here).
   // S[i][16 c] for 16-key chunks c < nchunks of one group: q rows of dkp bf16, kt
   // [dkp/2][ldk][2], s rows of lds floats.
@@ -476,24 +476,8 @@ struct AmxBf16 : Avx512Bf16 {
     }
   }
 
-  // O tiles (4.. 4 + NC - 1) += P[:, 0, 32 kchunks) V: p rows of ldp bf16, v [keys/2][dvp][2].
-  template <int NC>
-  __attribute__((noinline)) static void pv_group(const uint16_t* p, int64_t ldp,
-                                                 const uint16_t* v, int64_t dvp, int kchunks) {
-    for (int kc = 0; kc < kchunks; ++kc) {
-      _tile_loadd(2, p + kc * 32, ldp * 2);
-      const uint16_t* vb = v + int64_t(kc) * 16 * dvp * 2;
-      _tile_loadd(3, vb, dvp * 4);
-      _tile_dpbf16ps(4, 2, 3);
-      if constexpr (NC > 1) { _tile_loadd(3, vb + 32, dvp * 4); _tile_dpbf16ps(5, 2, 3); }
-      if constexpr (NC > 2) { _tile_loadd(3, vb + 64, dvp * 4); _tile_dpbf16ps(6, 2, 3); }
-      if constexpr (NC > 3) { _tile_loadd(3, vb + 96, dvp * 4); _tile_dpbf16ps(7, 2, 3); }
-    }
-  }
-
   // With d_k <= 64 (KC = dkp / 32 tiles) Q of the group stays in tiles 2.. as well: S is
-  // computed 16 keys at a time in tile 0 (K in 1) and P V uses tiles 0 (P) and 1 (V); no Q
-  // tile is reloaded per key chunk.
+  // computed 16 keys at a time in tile 0 (K in 1); no Q tile is reloaded per key chunk.
   template <int KC>
   static void q_tiles_load(const uint16_t* q, int64_t dkp) {
     _tile_loadd(2, q, dkp * 2);
@@ -514,10 +498,11 @@ struct AmxBf16 : Avx512Bf16 {
       _tile_stored(0, s + c * 16, lds * 4);
     }
   }
+  // O tiles (4.. 4 + NC - 1) += P[:, 0, 32 kchunks) V, P through tile 0 and V through tile 1:
+  // p rows of ldp bf16, v [keys/2][dvp][2].
   template <int NC>
-  __attribute__((noinline)) static void pv_group_qres(const uint16_t* p, int64_t ldp,
-                                                      const uint16_t* v, int64_t dvp,
-                                                      int kchunks) {
+  __attribute__((noinline)) static void pv_group(const uint16_t* p, int64_t ldp,
+                                                 const uint16_t* v, int64_t dvp, int kchunks) {
     for (int kc = 0; kc < kchunks; ++kc) {
       _tile_loadd(0, p + kc * 32, ldp * 2);
       const uint16_t* vb = v + int64_t(kc) * 16 * dvp * 2;
