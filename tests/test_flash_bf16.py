@@ -167,3 +167,19 @@ def test_amx_deterministic_across_threads():
         torch.set_num_threads(before)
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+def test_flush_to_zero_stays_inside_the_kernel():
+    """The AMX workers run with flush-to-zero; the caller's thread (at::parallel_for runs a
+    chunk on it) must get its own floating-point mode back: denormals survive afterwards."""
+    q, k, v = _inputs(1, 2, 2, 100, 100, 64, 64, seed=17)
+    tiny = torch.tensor([1e-38], dtype=torch.float32)
+    assert (tiny * 0.01).item() != 0.0  # a denormal before
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            _amx(q, k, v, scale=0.125)
+            assert (tiny * 0.01).item() != 0.0, f"flush-to-zero leaked ({n} threads)"
+    finally:
+        torch.set_num_threads(before)

@@ -633,6 +633,7 @@ void run_forward(const Problem<T>& P) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch<K> scratch;
 #if defined(MHA_FLASH_AMX)
+    const mha_amx::FlushToZero ftz(K::kAmx);  // the AMX softmax's exp2 relies on it
     if constexpr (K::kAmx) K::configure();
 #endif
     Worker<K, T> w(P, scratch);
