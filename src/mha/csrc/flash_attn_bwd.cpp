@@ -38,6 +38,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "exp2_avx512.h"
 #include "register_tiles.h"
 #endif
 
@@ -120,25 +121,9 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t 
 }
 
 // ------------------------------------------------------------------------------ exp
-// 2^x for x <= 0: n = round(x), f = x - n in [-1/2, 1/2], 2^f by a degree-6 polynomial (its
-// Taylor coefficients ln2^k / k!, relative error < 2e-7 on that range), times 2^n by vscalefps.
-// x < -125 (masked or underflowing) gives exactly 0 without a denormal vscalefps (slow assist).
+// 2^x: the forward's own (exp2_avx512.h), so the recomputed P is the forward's P.
 #if defined(__AVX512F__)
-inline __m512 exp2_ps(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-125.f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
+using mha_exp2::exp2_avx512;
 #endif
 
 // ------------------------------------------------------------------------------ problem
@@ -195,7 +180,7 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
       const __mmask16 m = __mmask16(bits);
       const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sr + c0), _mm512_set1_ps(c),
                                        _mm512_set1_ps(l2));
-      const __m512 p = _mm512_maskz_mov_ps(m, exp2_ps(x));
+      const __m512 p = _mm512_maskz_mov_ps(m, exp2_avx512(x));
       const __m512 d = has_go ? _mm512_loadu_ps(dr + c0) : _mm512_setzero_ps();
       _mm512_storeu_ps(sr + c0, p);
       _mm512_storeu_ps(dr + c0, _mm512_mul_ps(p, _mm512_sub_ps(d, _mm512_set1_ps(dl))));
