@@ -41,6 +41,20 @@ constexpr int64_t kMaxKeysPerBlock = 128;
 constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
+// benchmarks/amx_breakdown.py builds this file again with MHA_BREAKDOWN_NO_TILES and / or
+// MHA_BREAKDOWN_NO_SOFTMAX to time the AMX key loop's parts apart (tile products / the
+// softmax left out: wrong results, timing only). The package's build sets neither.
+#if defined(MHA_BREAKDOWN_NO_TILES)
+constexpr bool kBreakdownTiles = false;
+#else
+constexpr bool kBreakdownTiles = true;
+#endif
+#if defined(MHA_BREAKDOWN_NO_SOFTMAX)
+constexpr bool kBreakdownSoftmax = false;
+#else
+constexpr bool kBreakdownSoftmax = true;
+#endif
+
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename T>
@@ -495,13 +509,19 @@ struct Worker {
     if constexpr (NC > 0) K::template o_tiles_zero<NC>();
     if constexpr (KC > 0) K::template q_tiles_load<KC>(q, dkp);
     bool o_zero = NC > 0;  // O tiles still zero: nothing to rescale (O in o: scaled anyway)
+    if constexpr (!kBreakdownTiles) std::fill(s, s + 16 * Nb, 0.f);  // finite scores
     for (int64_t j0 = ja; j0 < jz; j0 = (j0 / Nb + 1) * Nb) {
       const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
       const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2;
-      if constexpr (KC > 0) K::template qk_group_qres<KC>(ktb, Nb, nv, s, Nb);
-      else K::qk_group(q, dkp, ktb, Nb, nv, s, Nb);
-      switch (nv) {
+      if constexpr (!kBreakdownTiles) {
+      } else if constexpr (KC > 0) {
+        K::template qk_group_qres<KC>(ktb, Nb, nv, s, Nb);
+      } else {
+        K::qk_group(q, dkp, ktb, Nb, nv, s, Nb);
+      }
+      if constexpr (!kBreakdownSoftmax) std::fill(alpha, alpha + rg, 1.f);
+      else switch (nv) {
 #define MHA_KEY_STEP(NV) \
   case NV: softmax_group<NV>(b, ia, rg, j0, mrow0, s, p, m, alpha, lsum, bits); break;
         MHA_KEY_STEP(1) MHA_KEY_STEP(2) MHA_KEY_STEP(3) MHA_KEY_STEP(4)
@@ -525,8 +545,12 @@ struct Worker {
         if constexpr (NC > 0) K::template o_tiles_load<NC>(o, dvp);
       }
       const packed_t* vb = vp + (j0 - jlo) * dvp;
-      if constexpr (NC > 0) K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
-      else K::pv_block(p, Nb, vb, dvp, (jn + 31) / 32, o);
+      if constexpr (!kBreakdownTiles) {
+      } else if constexpr (NC > 0) {
+        K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
+      } else {
+        K::pv_block(p, Nb, vb, dvp, (jn + 31) / 32, o);
+      }
       o_zero = false;
     }
     if constexpr (NC > 0) K::template o_tiles_store<NC>(o, dvp);
