@@ -107,8 +107,9 @@ def test_amx_long_gqa(causal):
 def test_lazy_rescale(growth, d_v):
     """Scores that grow along the keys: by a little per 128-key block (the running max stays
     stale, P up to 2^16), by enough to move it once or twice, by a lot (O rescaled at every
-    block), or that shrink (never); O kept in 2, 3 or 4 tiles (d_v <= 64) or in memory."""
-    B, h, Tq, Tk, d = 1, 2, 40, 700, 32
+    block), or that shrink (never); O kept in 2, 3 or 4 tiles (d_v <= 64), or (d_v = 128)
+    groups taken two at a time (the second one full, then partial) over runs of key blocks."""
+    B, h, Tq, Tk, d = 1, 2, 40 if d_v <= 64 else 56, 700, 32
     q, k, v = _inputs(B, h, h, Tq, Tk, d, d_v, seed=5)
     u = torch.ones(d) / d ** 0.5
     q = (q.float() * 0.1 + u).bfloat16()  # every query close to u

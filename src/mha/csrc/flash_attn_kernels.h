@@ -304,7 +304,9 @@ struct Avx512Bf16 {
 // operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
 // (softmax_lazy). Tiles, d_k and d_v <= 64: 0 (S, then P), 1 (K, then V), 2-3 (Q, resident),
 // 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 0 (P), 1 (V), 4-7 (O,
-// resident); wider d_v: Q K^T as before, P V 0-3 (O), 4 (P), 5-6 (V).
+// resident); wider d_v, two groups at a time: Q K^T 0-1 (S), 2 (K), 3-4 (Q), then P V 0-1 (P),
+// 2-3 (V), 4-7 (32 columns of both groups' O); a group left over: Q K^T 0-1 (S), 2 (Q), 3 (K),
+// P V 0-3 (O), 4 (P), 5-6 (V).
 using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
 
@@ -473,6 +475,7 @@ struct AmxBf16 : Avx512Bf16 {
         _tile_loadd(1, kb + 32 * ldk, ldk * 4);
         _tile_dpbf16ps(0, 3, 1);
       }
+
       _tile_stored(0, s + c * 16, lds * 4);
     }
   }
@@ -489,6 +492,67 @@ struct AmxBf16 : Avx512Bf16 {
       if constexpr (NC > 1) { _tile_loadd(1, vb + 32, dvp * 4); _tile_dpbf16ps(5, 0, 1); }
       if constexpr (NC > 2) { _tile_loadd(1, vb + 64, dvp * 4); _tile_dpbf16ps(6, 0, 1); }
       if constexpr (NC > 3) { _tile_loadd(1, vb + 96, dvp * 4); _tile_dpbf16ps(7, 0, 1); }
+    }
+  }
+
+  // Two 16-row groups at once (Worker::group_pair_runs), so K and V stream from L2 once for
+  // both. S of groups A (q) and B (q + 16 dkp) for 16-key chunks c < nchunks: K through tile 2,
+  // Q of A through 3 and of B through 4 (from L1), S in 0 (A) and 1 (B).
+  __attribute__((noinline)) static void qk_pair(const uint16_t* q, int64_t dkp,
+                                                const uint16_t* kt, int64_t ldk, int nchunks,
+                                                float* sa, float* sb, int64_t lds) {
+    const uint16_t* qb = q + 16 * dkp;
+    for (int c = 0; c < nchunks; ++c) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kc = 0; kc < dkp / 32; ++kc) {
+        _tile_loadd(2, kt + (kc * 16 * ldk + c * 16) * 2, ldk * 4);
+        _tile_loadd(3, q + kc * 32, dkp * 2);
+        _tile_dpbf16ps(0, 3, 2);
+        _tile_loadd(4, qb + kc * 32, dkp * 2);
+        _tile_dpbf16ps(1, 4, 2);
+      }
+      _tile_stored(0, sa + c * 16, lds * 4);
+      _tile_stored(1, sb + c * 16, lds * 4);
+    }
+  }
+  // O of the two groups, NC2 (1 or 2) 16-column tiles each: A in tiles 4.., B in 6.. (rows of
+  // ldo floats); O += P V with P of A through tile 0, of B through 1, V through 2 and 3 (each V
+  // tile used by both groups): p rows of ldp bf16, v [keys/2][dvp][2] from the first column.
+  template <int NC2>
+  static void o_pair_load(const float* oa, const float* ob, int64_t ldo) {
+    _tile_loadd(4, oa, ldo * 4);
+    _tile_loadd(6, ob, ldo * 4);
+    if constexpr (NC2 > 1) {
+      _tile_loadd(5, oa + 16, ldo * 4);
+      _tile_loadd(7, ob + 16, ldo * 4);
+    }
+  }
+  template <int NC2>
+  static void o_pair_store(float* oa, float* ob, int64_t ldo) {
+    _tile_stored(4, oa, ldo * 4);
+    _tile_stored(6, ob, ldo * 4);
+    if constexpr (NC2 > 1) {
+      _tile_stored(5, oa + 16, ldo * 4);
+      _tile_stored(7, ob + 16, ldo * 4);
+    }
+  }
+  template <int NC2>
+  __attribute__((noinline)) static void pv_pair(const uint16_t* pa, const uint16_t* pb,
+                                                int64_t ldp, const uint16_t* v, int64_t dvp,
+                                                int kchunks) {
+    for (int kc = 0; kc < kchunks; ++kc) {
+      _tile_loadd(0, pa + kc * 32, ldp * 2);
+      _tile_loadd(1, pb + kc * 32, ldp * 2);
+      const uint16_t* vb = v + int64_t(kc) * 16 * dvp * 2;
+      _tile_loadd(2, vb, dvp * 4);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if constexpr (NC2 > 1) {
+        _tile_loadd(3, vb + 32, dvp * 4);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      }
     }
   }
 
