@@ -533,9 +533,9 @@ struct Worker {
       }
       softmax_step(b, ia, rg, j0, nv, mrow0, s, p, m, alpha, lsum, bits);
       if (!o_zero && moved(alpha, rg)) {  // rare with the lazy max: scale the rows whose max moved
-        if constexpr (NC > 0) K::template o_tiles_store<NC>(o, dvp);
+        if constexpr (NC > 0) K::template o_tiles<NC, true>(o, dvp);
         scale_o_rows(o, rg, alpha, dvp);
-        if constexpr (NC > 0) K::template o_tiles_load<NC>(o, dvp);
+        if constexpr (NC > 0) K::template o_tiles<NC, false>(o, dvp);
       }
       const packed_t* vb = vp + (j0 - jlo) * dvp;
       if constexpr (!kBreakdownTiles) {
@@ -546,7 +546,7 @@ struct Worker {
       }
       o_zero = false;
     }
-    if constexpr (NC > 0) K::template o_tiles_store<NC>(o, dvp);
+    if constexpr (NC > 0) K::template o_tiles<NC, true>(o, dvp);
   }
 
   static constexpr int kRunBlocks = 4;  // key blocks per run (group_pair_runs)
@@ -599,21 +599,21 @@ struct Worker {
                    const int* jnrun, int rgb, int64_t jlo, const packed_t* vp, float* o,
                    bool o_zero) {
     float* ob = o + 16 * dvp;
-    K::template o_pair_load<NC2>(o, ob, dvp);
+    K::template o_pair<NC2, false>(o, ob, dvp);
     for (int i = 0; i < nb; ++i) {
       const float* a = ar + i * 32;
       if (!o_zero && (moved(a, 16) || moved(a + 16, rgb))) {
-        K::template o_pair_store<NC2>(o, ob, dvp);
+        K::template o_pair<NC2, true>(o, ob, dvp);
         scale_o_rows(o, 16, a, NC2 * 16);
         scale_o_rows(ob, rgb, a + 16, NC2 * 16);
-        K::template o_pair_load<NC2>(o, ob, dvp);
+        K::template o_pair<NC2, false>(o, ob, dvp);
       }
       if constexpr (kBreakdownTiles)
         K::template pv_pair<NC2>(pr + i * 32 * Nb, pr + (i * 32 + 16) * Nb, Nb,
                                  vp + (jrun[i] - jlo) * dvp, dvp, (jnrun[i] + 31) / 32);
       o_zero = false;
     }
-    K::template o_pair_store<NC2>(o, ob, dvp);
+    K::template o_pair<NC2, true>(o, ob, dvp);
   }
 
   // The softmax of one group's key block (nv 16-key vectors) into p, P's odd 16-key tail zeroed

@@ -308,6 +308,16 @@ struct Avx512Bf16 {
 // 2-3 (V), 4-7 (32 columns of both groups' O); a group left over: Q K^T 0-1 (S), 2 (Q), 3 (K),
 // P V 0-3 (O), 4 (P), 5-6 (V).
 using mha_amx::amx_permitted;
+
+// Tile T (a literal: GCC's tile intrinsics paste it into the instruction) to memory (Store) or
+// from it, rows of ld floats.
+#define MHA_TILE_MOVE(Store, T, p, ld)  \
+  do {                                 \
+    if constexpr (Store)               \
+      _tile_stored(T, p, (ld) * 4);    \
+    else                               \
+      _tile_loadd(T, p, (ld) * 4);     \
+  } while (0)
 using mha_amx::TileConfig;
 
 // 2^x for the bf16 P of the AMX kernel, x <= 16 (see kLazyRescaleLimit; or masked): P is rounded to
@@ -519,22 +529,13 @@ struct AmxBf16 : Avx512Bf16 {
   // O of the two groups, NC2 (1 or 2) 16-column tiles each: A in tiles 4.., B in 6.. (rows of
   // ldo floats); O += P V with P of A through tile 0, of B through 1, V through 2 and 3 (each V
   // tile used by both groups): p rows of ldp bf16, v [keys/2][dvp][2] from the first column.
-  template <int NC2>
-  static void o_pair_load(const float* oa, const float* ob, int64_t ldo) {
-    _tile_loadd(4, oa, ldo * 4);
-    _tile_loadd(6, ob, ldo * 4);
+  template <int NC2, bool Store>
+  static void o_pair(float* oa, float* ob, int64_t ldo) {
+    MHA_TILE_MOVE(Store, 4, oa, ldo);
+    MHA_TILE_MOVE(Store, 6, ob, ldo);
     if constexpr (NC2 > 1) {
-      _tile_loadd(5, oa + 16, ldo * 4);
-      _tile_loadd(7, ob + 16, ldo * 4);
-    }
-  }
-  template <int NC2>
-  static void o_pair_store(float* oa, float* ob, int64_t ldo) {
-    _tile_stored(4, oa, ldo * 4);
-    _tile_stored(6, ob, ldo * 4);
-    if constexpr (NC2 > 1) {
-      _tile_stored(5, oa + 16, ldo * 4);
-      _tile_stored(7, ob + 16, ldo * 4);
+      MHA_TILE_MOVE(Store, 5, oa + 16, ldo);
+      MHA_TILE_MOVE(Store, 7, ob + 16, ldo);
     }
   }
   template <int NC2>
@@ -556,7 +557,7 @@ struct AmxBf16 : Avx512Bf16 {
     }
   }
 
-  // The resident O tiles to / from 16 rows of dvp floats.
+  // The resident O tiles (4.. 4 + NC - 1): zeroed, or to / from 16 rows of dvp floats.
   template <int NC>
   static void o_tiles_zero() {
     _tile_zero(4);
@@ -564,19 +565,12 @@ struct AmxBf16 : Avx512Bf16 {
     if constexpr (NC > 2) _tile_zero(6);
     if constexpr (NC > 3) _tile_zero(7);
   }
-  template <int NC>
-  static void o_tiles_store(float* o, int64_t dvp) {
-    _tile_stored(4, o, dvp * 4);
-    if constexpr (NC > 1) _tile_stored(5, o + 16, dvp * 4);
-    if constexpr (NC > 2) _tile_stored(6, o + 32, dvp * 4);
-    if constexpr (NC > 3) _tile_stored(7, o + 48, dvp * 4);
-  }
-  template <int NC>
-  static void o_tiles_load(const float* o, int64_t dvp) {
-    _tile_loadd(4, o, dvp * 4);
-    if constexpr (NC > 1) _tile_loadd(5, o + 16, dvp * 4);
-    if constexpr (NC > 2) _tile_loadd(6, o + 32, dvp * 4);
-    if constexpr (NC > 3) _tile_loadd(7, o + 48, dvp * 4);
+  template <int NC, bool Store>
+  static void o_tiles(float* o, int64_t dvp) {
+    MHA_TILE_MOVE(Store, 4, o, dvp);
+    if constexpr (NC > 1) MHA_TILE_MOVE(Store, 5, o + 16, dvp);
+    if constexpr (NC > 2) MHA_TILE_MOVE(Store, 6, o + 32, dvp);
+    if constexpr (NC > 3) MHA_TILE_MOVE(Store, 7, o + 48, dvp);
   }
 
   // O[i][:] += P[i][0, 32 kchunks) V for one 16-row group with O in memory (d_v > 64): p rows
