@@ -73,6 +73,18 @@ void products16() {  // 16 products on tiles already loaded (4 accumulators)
   }
 }
 
+// O (tiles O0-O3, 64 columns) += P V over the block's 128 keys: P through tile PT, V through
+// VA and VB alternately. A macro: GCC's tile intrinsics need the tile numbers as literals.
+#define PV_STEP(PT, VA, VB, O0, O1, O2, O3)                                  \
+  for (int kc = 0; kc < 4; ++kc) {                                          \
+    _tile_loadd(PT, p + kc * 32, kKeys * 2);                                \
+    const uint16_t* vb = v[blk] + kc * 16 * kD * 2;                         \
+    _tile_loadd(VA, vb, kD * 4); _tile_dpbf16ps(O0, PT, VA);                \
+    _tile_loadd(VB, vb + 32, kD * 4); _tile_dpbf16ps(O1, PT, VB);           \
+    _tile_loadd(VA, vb + 64, kD * 4); _tile_dpbf16ps(O2, PT, VA);           \
+    _tile_loadd(VB, vb + 96, kD * 4); _tile_dpbf16ps(O3, PT, VB);           \
+  }
+
 // Session 2's step: S in 4 accumulators per 64 keys (Q reloaded per chunk), O loaded and
 // stored around P V.
 void step_o_in_memory() {
@@ -92,14 +104,7 @@ void step_o_in_memory() {
   }
   _tile_loadd(0, o, kD * 4); _tile_loadd(1, o + 16, kD * 4);
   _tile_loadd(2, o + 32, kD * 4); _tile_loadd(3, o + 48, kD * 4);
-  for (int kc = 0; kc < 4; ++kc) {
-    _tile_loadd(4, p + kc * 32, kKeys * 2);
-    const uint16_t* vb = v[blk] + kc * 16 * kD * 2;
-    _tile_loadd(5, vb, kD * 4); _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, vb + 32, kD * 4); _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, vb + 64, kD * 4); _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, vb + 96, kD * 4); _tile_dpbf16ps(3, 4, 6);
-  }
+  PV_STEP(4, 5, 6, 0, 1, 2, 3);  // P in 4, V through 5 and 6, O in 0-3
   _tile_stored(0, o, kD * 4); _tile_stored(1, o + 16, kD * 4);
   _tile_stored(2, o + 32, kD * 4); _tile_stored(3, o + 48, kD * 4);
 }
@@ -114,14 +119,7 @@ void step_resident() {
     _tile_loadd(1, k + 16 * kKeys * 2 + c * 32, kKeys * 4); _tile_dpbf16ps(0, 3, 1);
     _tile_stored(0, s + c * 16, kKeys * 4);
   }
-  for (int kc = 0; kc < 4; ++kc) {
-    _tile_loadd(0, p + kc * 32, kKeys * 2);
-    const uint16_t* vb = v[blk] + kc * 16 * kD * 2;
-    _tile_loadd(1, vb, kD * 4); _tile_dpbf16ps(4, 0, 1);
-    _tile_loadd(1, vb + 32, kD * 4); _tile_dpbf16ps(5, 0, 1);
-    _tile_loadd(1, vb + 64, kD * 4); _tile_dpbf16ps(6, 0, 1);
-    _tile_loadd(1, vb + 96, kD * 4); _tile_dpbf16ps(7, 0, 1);
-  }
+  PV_STEP(0, 1, 1, 4, 5, 6, 7);  // P in 0, V through 1, O in 4-7
 }
 
 }  // namespace
