@@ -76,6 +76,18 @@ def test_skip_and_error_become_rows_not_numbers():
     assert all(r.seconds is None and r.gflops is None for r in rows.values())
 
 
+def test_table_shows_square_brackets_of_notes_as_text():
+    from rich.console import Console
+
+    case = Case("c", [Impl("jax [xla]", lambda: (_ for _ in ()).throw(
+        Skip("jax not installed: pip install 'mha[jax]'")))])
+    rows = core.measure(case, Context(**FAST), "unit")
+    console = Console(record=True, width=200)
+    report.print_tables(rows, {}, console)
+    text = console.export_text()
+    assert "pip install 'mha[jax]'" in text and "jax [xla]" in text
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS probe reads /proc")
 def test_memory_probe_sees_a_large_transient_allocation():
     n = 64 * 2**20 // 4  # 64 MiB of fp32

@@ -63,13 +63,15 @@ def by_suite(rows: list[Row]) -> OrderedDict:
 
 # ----------------------------------------------------------------------------- rich
 def print_tables(rows: list[Row], peaks: dict, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     pk = Table(title="machine peaks (measured in this run)", show_lines=False)
     for col in ("peak", "value", "how"):
         pk.add_column(col, overflow="fold")
     for p in peaks.values():
-        pk.add_row(p.label, "n/a" if p.value is None else f"{p.value:.0f} {p.unit}", p.how)
+        pk.add_row(escape(p.label), "n/a" if p.value is None else f"{p.value:.0f} {p.unit}",
+                   escape(p.how))
     console.print(pk)
     for suite, cases in by_suite(rows).items():
         t = Table(title=f"suite {suite}", show_lines=False)
@@ -82,11 +84,12 @@ def print_tables(rows: list[Row], peaks: dict, console) -> None:
                 ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
                 if r.impl == r.baseline and r.ok:
                     ratio = "1 (base)"
-                t.add_row(case if i == 0 else "", r.impl, fmt_time(r.seconds),
+                # escape: a note such as "pip install 'mha[jax]'" is text, not rich markup
+                t.add_row(escape(case) if i == 0 else "", escape(r.impl), fmt_time(r.seconds),
                           "" if r.spread is None else f"{100 * r.spread:.0f}",
                           f"{fmt_rate(r)} {rate_unit(r)}" if r.ok else "",
                           ratio, "" if r.pct_peak is None else f"{r.pct_peak:.0f}",
-                          fmt_bytes(r.mem_bytes), _status(r) or r.note,
+                          fmt_bytes(r.mem_bytes), escape(_status(r) or r.note),
                           style=None if r.ok else "dim")
             t.add_section()
         console.print(t)
