@@ -33,27 +33,6 @@ inline void load_tile_config(const TileConfig& c) {
   _tile_loadconfig(&c);
 }
 
-// Flush-to-zero for this thread while alive (the previous MXCSR restored after, also on an
-// exception): the AMX softmax's exp2 then gets 0 for results below the smallest normal float
-// instead of a slow microcode assist per underflowing vscalefps. The tile products flush
-// denormals anyway (AMX-BF16 treats them as zero).
-class FlushToZero {
- public:
-  explicit FlushToZero(bool on) : saved_(_mm_getcsr()), on_(on) {
-    if (on_) _mm_setcsr(saved_ | kFtz);
-  }
-  ~FlushToZero() {
-    if (on_) _mm_setcsr(saved_);
-  }
-  FlushToZero(const FlushToZero&) = delete;
-  FlushToZero& operator=(const FlushToZero&) = delete;
-
- private:
-  static constexpr unsigned kFtz = 0x8000;
-  unsigned saved_;
-  bool on_;
-};
-
 }  // namespace mha_amx
 
 #endif  // __AMX_TILE__

@@ -33,6 +33,27 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
+// Flush-to-zero for this thread while alive (the previous MXCSR restored after, also on an
+// exception): the bf16 kernels' one-pass softmax (exp2 without a clamp) then gets 0 for results
+// below the smallest normal float instead of a slow microcode assist per underflowing vscalefps
+// on Intel cores. The AMX tile products flush denormals anyway (AMX-BF16 treats them as zero).
+class FlushToZero {
+ public:
+  explicit FlushToZero(bool on) : saved_(_mm_getcsr()), on_(on) {
+    if (on_) _mm_setcsr(saved_ | kFtz);
+  }
+  ~FlushToZero() {
+    if (on_) _mm_setcsr(saved_);
+  }
+  FlushToZero(const FlushToZero&) = delete;
+  FlushToZero& operator=(const FlushToZero&) = delete;
+
+ private:
+  static constexpr unsigned kFtz = 0x8000;
+  unsigned saved_;
+  bool on_;
+};
+
 }  // namespace mha_exp2
 
 #endif  // __AVX512F__

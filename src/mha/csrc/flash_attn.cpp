@@ -435,13 +435,13 @@ struct Worker {
   }
 
   // The online-softmax update of RS rows of one key block (rows of s and p are Nb long; bit
-  // masks kMaxVecsPerBlock words per row). AMX: the one-pass bf16 softmax with lazy rescaling
-  // (for scale > 0; the masked variant only where some lane may be masked).
+  // masks kMaxVecsPerBlock words per row). bf16 kernels: the one-pass softmax with lazy
+  // rescaling (for scale > 0; the masked variant only where some lane may be masked).
   template <int NV, int RS>
   void softmax(bool unmasked, const float* s, const int* nvalid, const uint16_t* bits, float c,
                float* m, float* lsum, float* alpha, p_t* p) const {
-#if defined(MHA_FLASH_AMX)
-    if constexpr (K::kAmx) {
+#if defined(__AVX512F__)
+    if constexpr (K::kLazySoftmax) {
       if (c > 0.f) {
         if (unmasked)
           K::template softmax_lazy<NV, RS, false>(s, Nb, nvalid, bits, kMaxVecsPerBlock, c, m,
@@ -750,8 +750,10 @@ void run_forward(const Problem<T>& P) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch<K> scratch;
+#if defined(__AVX512F__)
+    const mha_exp2::FlushToZero ftz(K::kLazySoftmax);  // softmax_lazy's exp2 relies on it
+#endif
 #if defined(MHA_FLASH_AMX)
-    const mha_amx::FlushToZero ftz(K::kAmx);  // the AMX softmax's exp2 relies on it
     if constexpr (K::kAmx) K::configure();
 #endif
     Worker<K, T> w(P, scratch);
@@ -778,7 +780,7 @@ std::string flash_attention_isa() {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   isa += ",avx512bw,avx512vl";
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(MHA_FLASH_BF16_TILES)
   isa += ",avx512bf16";
 #endif
 #if defined(MHA_FLASH_AMX)
@@ -804,7 +806,7 @@ const std::string& default_kernel(at::ScalarType dtype) {
 #if defined(MHA_FLASH_AMX)
     if (amx_permitted()) return std::string("amx");
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(MHA_FLASH_BF16_TILES)
     __builtin_cpu_init();
     if (__builtin_cpu_is("amd")) return std::string("avx512bf16");
 #endif
@@ -887,7 +889,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 #if defined(__AVX512F__)
     if (kn == "avx512f") return run_forward<Avx512F32>(P);  // bf16 inputs widened when packed
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(MHA_FLASH_BF16_TILES)
     if constexpr (std::is_same_v<T, at::BFloat16>)
       if (kn == "avx512bf16") return run_forward<Avx512Bf16>(P);
 #endif

@@ -7,16 +7,18 @@
 //   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
 //   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V.
 //   Avx512Bf16   — vdpbf16ps tiles: K packed as key-column pairs [dkp/2][Nb][2], V as key
-//                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax.
+//                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax,
+//                  one pass with a lazy running max and a degree-3 exp2 (softmax_lazy).
 //   AmxBf16      — Avx512Bf16's layouts and softmax, with whole-block Q K^T and P V on Intel
-//                  AMX tiles (qk_block / pv_block; the driver calls those when kAmx).
+//                  AMX tiles (qk_group / pv_group ...; the driver calls those when kAmx).
 //
 // Interface of a kernel K:
 //   packed_t        element of the packed Q/K/V buffers;  p_t  element of the P buffer
 //   kPairs          bf16 pair layouts (see above)
 //   qk<R, NV>(q, ldq, kt, ldk, dkp, s, lds)         S[R][16 NV] = Q[R][dkp] . KT[dkp][16 NV]
 //   softmax_rows<NV, RS>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp)
-//                   the online-softmax update of RS rows
+//                   the online-softmax update of RS rows (two passes: max, then exp2)
+//   kLazySoftmax    softmax_lazy<NV, RS, Masked>(same arguments) exists and serves scale > 0
 //   pv<R, CV>(p, ldp, v, dvp, n, o, ldo, alpha)     O[R][16 CV] = alpha O + P[R][n] . V[n][16 CV]
 #pragma once
 
@@ -48,7 +50,7 @@ struct PortableF32 {
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "portable";
-  static constexpr bool kAmx = false;
+  static constexpr bool kAmx = false, kLazySoftmax = false;
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
@@ -187,7 +189,7 @@ struct Avx512F32 {
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "avx512f";
-  static constexpr bool kAmx = false;
+  static constexpr bool kAmx = false, kLazySoftmax = false;
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
@@ -229,7 +231,33 @@ struct Avx512F32 {
 };
 #endif  // __AVX512F__
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define MHA_FLASH_BF16_TILES 1  // Avx512Bf16 is compiled in
+// 2^x for the bf16 P of the bf16 kernels (avx512bf16, amx), x <= 16 (see kLazyRescaleLimit; or
+// masked): P is rounded to bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
+// polynomial suffices: 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps),
+// p fitted (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by
+// the vscalefps that also zeroes the lanes outside `keep`. Results below the smallest normal
+// float become 0: the kernel runs with flush-to-zero set (mha_exp2::FlushToZero), so an
+// underflowing vscalefps takes no microcode assist on Intel cores and x needs no clamp (AMD
+// Zen 5 takes none either way: measured).
+constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
+                kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
+inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F0));
+  return _mm512_maskz_scalef_ps(keep, y, x);
+}
+
+// The running max m of a row is a lazy one: P = 2^(t - m) with the m of an earlier block for as
+// long as no lane's sum of this block's P exceeds 2^kLazyRescaleLimit (so every P <= 2^16 and
+// O, l stay far from overflow); only then is the block's max taken, m moved to it, and O, l
+// rescaled. Exact: the final O / l and lse = m + log2 l use the same (stale) m. The first
+// visible block of a row sets m to its max. Saves the per-block max and most O rescales.
+constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
+
 inline __m512bh bcast_pair(const uint16_t* p) {
   int32_t w;
   std::memcpy(&w, p, sizeof(w));
@@ -242,6 +270,7 @@ struct Avx512Bf16 {
   static constexpr bool kPairs = true;
   static constexpr const char* kName = "avx512bf16";
   static constexpr bool kAmx = false;
+  static constexpr bool kLazySoftmax = true;  // softmax_lazy when scale > 0 (else softmax_rows)
   static constexpr int kDkAlign = 2, kKeyAlign = kLanes;
 
   // kt: [dkp/2][ldk][2]; q rows: dkp bf16 (dkp even).
@@ -272,93 +301,9 @@ struct Avx512Bf16 {
     softmax_rows_avx512<NV, RS, true>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
   }
 
-  // p rows: bf16, pairs of keys read as one 32-bit word; v: [n/2][dvp][2].
-  template <int R, int CV>
-  static inline void pv(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp, int n,
-                        float* o, int64_t ldo, const float* alpha) {
-    __m512 acc[R][CV];
-    acc_load_scaled(acc, o, ldo, alpha);
-    for (int j2 = 0; j2 < (n + 1) / 2; ++j2) {
-      __m512bh vv[CV];
-#pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c)
-        vv[c] = (__m512bh)_mm512_loadu_si512(v + (j2 * dvp + c * kLanes) * 2);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = bcast_pair(p + r * ldp + 2 * j2);
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, vv[c]);
-      }
-    }
-    acc_store(acc, o, ldo);
-  }
-
-  static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
-};
-#endif  // __AVX512BF16__
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && \
-    defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define MHA_FLASH_AMX 1
-// Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
-// operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
-// (softmax_lazy). Tiles, d_k and d_v <= 64: 0 (S, then P), 1 (K, then V), 2-3 (Q, resident),
-// 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 0 (P), 1 (V), 4-7 (O,
-// resident); wider d_v, two groups at a time: Q K^T 0-1 (S), 2 (K), 3-4 (Q), then P V 0-1 (P),
-// 2-3 (V), 4-7 (32 columns of both groups' O); a group left over: Q K^T 0-1 (S), 2 (Q), 3 (K),
-// P V 0-3 (O), 4 (P), 5-6 (V).
-using mha_amx::amx_permitted;
-
-// Tile T (a literal: GCC's tile intrinsics paste it into the instruction) to memory (Store) or
-// from it, rows of ld floats.
-#define MHA_TILE_MOVE(Store, T, p, ld)  \
-  do {                                 \
-    if constexpr (Store)               \
-      _tile_stored(T, p, (ld) * 4);    \
-    else                               \
-      _tile_loadd(T, p, (ld) * 4);     \
-  } while (0)
-using mha_amx::TileConfig;
-
-// 2^x for the bf16 P of the AMX kernel, x <= 16 (see kLazyRescaleLimit; or masked): P is rounded to
-// bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
-// polynomial suffices: 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps),
-// p fitted (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by
-// the vscalefps that also zeroes the lanes outside `keep`. Results below the smallest normal
-// float become 0: the kernel runs with flush-to-zero set (mha_amx::FlushToZero), so an
-// underflowing vscalefps takes no microcode assist and x needs no clamp.
-constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
-                kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
-inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F0));
-  return _mm512_maskz_scalef_ps(keep, y, x);
-}
-
-// The running max m of a row is a lazy one: P = 2^(t - m) with the m of an earlier block for as
-// long as no lane's sum of this block's P exceeds 2^kLazyRescaleLimit (so every P <= 2^16 and
-// O, l stay far from overflow); only then is the block's max taken, m moved to it, and O, l
-// rescaled. Exact: the final O / l and lse = m + log2 l use the same (stale) m. The first
-// visible block of a row sets m to its max. Saves the per-block max and most O rescales.
-constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
-
-struct AmxBf16 : Avx512Bf16 {
-  static constexpr const char* kName = "amx";
-  static constexpr bool kAmx = true;
-  static constexpr int kDkAlign = 32, kKeyAlign = 32;
-
-  static void configure() {  // per thread, at the start of each parallel region
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    mha_amx::load_tile_config(c);
-  }
-  static void release() { _tile_release(); }
-
   // P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and exp2 per 16
-  // lanes), written as bf16 pairs straight into the AMX A-tile layout.
+  // lanes), written as bf16 pairs (keys 2i, 2i + 1 in one 32-bit word: the layout vdpbf16ps
+  // broadcasts and the AMX A tile reads).
   template <int NV>
   __attribute__((always_inline)) static inline __m512 row_exp(const float* s, const __mmask16* keep,
                                                               __m512 cv, float m,
@@ -432,6 +377,67 @@ struct AmxBf16 : Avx512Bf16 {
       _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
     }
   }
+
+  // p rows: bf16, pairs of keys read as one 32-bit word; v: [n/2][dvp][2].
+  template <int R, int CV>
+  static inline void pv(const uint16_t* p, int64_t ldp, const uint16_t* v, int64_t dvp, int n,
+                        float* o, int64_t ldo, const float* alpha) {
+    __m512 acc[R][CV];
+    acc_load_scaled(acc, o, ldo, alpha);
+    for (int j2 = 0; j2 < (n + 1) / 2; ++j2) {
+      __m512bh vv[CV];
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c)
+        vv[c] = (__m512bh)_mm512_loadu_si512(v + (j2 * dvp + c * kLanes) * 2);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = bcast_pair(p + r * ldp + 2 * j2);
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, vv[c]);
+      }
+    }
+    acc_store(acc, o, ldo);
+  }
+
+  static float row_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lsum)); }
+};
+#endif  // __AVX512BF16__ && __AVX512DQ__
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MHA_FLASH_AMX 1
+// Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
+// operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own
+// (softmax_lazy). Tiles, d_k and d_v <= 64: 0 (S, then P), 1 (K, then V), 2-3 (Q, resident),
+// 4-7 (O, resident); d_v <= 64 < d_k: Q K^T 0-1 (S), 2 (Q), 3 (K), P V 0 (P), 1 (V), 4-7 (O,
+// resident); wider d_v, two groups at a time: Q K^T 0-1 (S), 2 (K), 3-4 (Q), then P V 0-1 (P),
+// 2-3 (V), 4-7 (32 columns of both groups' O); a group left over: Q K^T 0-1 (S), 2 (Q), 3 (K),
+// P V 0-3 (O), 4 (P), 5-6 (V).
+using mha_amx::amx_permitted;
+
+// Tile T (a literal: GCC's tile intrinsics paste it into the instruction) to memory (Store) or
+// from it, rows of ld floats.
+#define MHA_TILE_MOVE(Store, T, p, ld)  \
+  do {                                 \
+    if constexpr (Store)               \
+      _tile_stored(T, p, (ld) * 4);    \
+    else                               \
+      _tile_loadd(T, p, (ld) * 4);     \
+  } while (0)
+using mha_amx::TileConfig;
+
+struct AmxBf16 : Avx512Bf16 {
+  static constexpr const char* kName = "amx";
+  static constexpr bool kAmx = true;
+  static constexpr int kDkAlign = 32, kKeyAlign = 32;
+
+  static void configure() {  // per thread, at the start of each parallel region
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    mha_amx::load_tile_config(c);
+  }
+  static void release() { _tile_release(); }
 
   // The O-resident layout (d_v <= 64): O of one 16-row group lives in tiles 4..4+NC-1 across
   // all key blocks; Q K^T uses tiles 0-1 (S), 2 (Q) and 3 (K), P V uses 0 (P) and 1 (V), so no
