@@ -110,6 +110,19 @@ def test_exp2_polynomial_accuracy():
     assert torch.ops.mha._flash_exp2(flushed).tolist() == [0.0, 0.0, 0.0]
 
 
+def test_exp2_of_the_one_pass_softmax():
+    """The fp32 one-pass softmax evaluates the same polynomial without the clamp, under
+    flush-to-zero: as accurate down to -126, exactly 0 below (denormals flushed), and the
+    caller's thread keeps its own floating-point mode."""
+    x = torch.cat([torch.linspace(-126, 0, 200_001), torch.tensor([0.0, -0.5, -1e-8])])
+    y = torch.ops.mha._flash_exp2_ftz(x)
+    want = torch.exp2(x.double())
+    assert ((y.double() - want) / want).abs().max().item() < 2.5e-7
+    flushed = torch.tensor([float("-inf"), -300.0, -140.0, -126.5, -1e30])
+    assert torch.ops.mha._flash_exp2_ftz(flushed).tolist() == [0.0] * 5
+    assert (torch.tensor([1e-38]) * 0.01).item() != 0.0  # denormals still exist out here
+
+
 SAMPLES = [  # (B, h, h_kv, Tq, Tk, d_k, d_v, dtype, causal, key_lengths, mask)
     (2, 4, 2, 9, 13, 16, 24, torch.float32, False, None, None),
     (1, 2, 1, 12, 7, 32, 32, torch.float32, True, None, None),

@@ -1,5 +1,6 @@
 // 2^x in fp32 for the flash forward (fp32 softmax, small path, alpha) and the fused backward,
-// which recomputes P with it: one function, so the backward's P is the forward's P.
+// which recomputes P with it: one polynomial, so the backward's P is the forward's P (the
+// forward's one-pass softmax evaluates it through exp2_ftz_avx512, without the clamp).
 // Header-only; include after <immintrin.h>.
 #pragma once
 
@@ -32,6 +33,24 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
+
+#if defined(__AVX512DQ__)
+// 2^x for threads running with flush-to-zero (FlushToZero below): the same polynomial on
+// f = x - round(x) (one vreduceps), 2^round(x) by a vscalefps that also zeroes the lanes outside
+// `keep`. No clamp: results below the smallest normal float flush to 0 (they take no
+// microcode assist with FTZ set). Same accuracy as exp2_avx512 down to x = -126; 0 below.
+__attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_set1_ps(kExp2C6);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C5));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C4));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C3));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C1));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(keep, y, _mm512_sub_ps(x, f));
+}
+#endif
 
 // Flush-to-zero for this thread while alive (the previous MXCSR restored after, also on an
 // exception): the bf16 kernels' one-pass softmax (exp2 without a clamp) then gets 0 for results

@@ -946,6 +946,27 @@ at::Tensor flash_exp2(const at::Tensor& x) {
   return y;
 }
 
+// The one-pass softmax's 2^x (exp2_ftz_avx512, under flush-to-zero, every lane kept) on a
+// float32 tensor, for testing its accuracy; exp2 itself where that function is not compiled in.
+at::Tensor flash_exp2_ftz(const at::Tensor& x) {
+#if defined(MHA_FLASH_LAZY_SOFTMAX)
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "_flash_exp2_ftz: x must be float32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  const mha_exp2::FlushToZero ftz(true);
+  for (int64_t i = 0; i < xc.numel(); i += kLanes) {
+    const __mmask16 k = lanes_below(int(std::min<int64_t>(kLanes, xc.numel() - i)));
+    _mm512_mask_storeu_ps(dst + i, k, mha_exp2::exp2_ftz_avx512(_mm512_maskz_loadu_ps(k, src + i),
+                                                                __mmask16(0xFFFF)));
+  }
+  return y;
+#else
+  return flash_exp2(x);
+#endif
+}
+
 }  // namespace
 }  // namespace mha_flash
 
@@ -955,6 +976,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
         "Tensor? mask, bool causal, float scale, str kernel, int window=0) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
+  m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
   m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);
 }
@@ -963,4 +985,5 @@ TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("flash_attention_fwd", &mha_flash::flash_attention_fwd);
   m.impl("_flash_attention_fwd_kernel", &mha_flash::flash_attention_fwd_kernel);
   m.impl("_flash_exp2", &mha_flash::flash_exp2);
+  m.impl("_flash_exp2_ftz", &mha_flash::flash_exp2_ftz);
 }

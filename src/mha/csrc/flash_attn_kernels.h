@@ -5,10 +5,11 @@
 //
 // The kernels share one interface, so the driver is written once:
 //   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
-//   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V.
+//   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V;
+//                  the one-pass softmax (softmax_lazy, degree-6 exp2) for scale > 0.
 //   Avx512Bf16   — vdpbf16ps tiles: K packed as key-column pairs [dkp/2][Nb][2], V as key
 //                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax,
-//                  one pass with a lazy running max and a degree-3 exp2 (softmax_lazy).
+//                  one pass with a lazy running max (softmax_lazy) and a degree-3 exp2.
 //   AmxBf16      — Avx512Bf16's layouts and softmax, with whole-block Q K^T and P V on Intel
 //                  AMX tiles (qk_group / pv_group ...; the driver calls those when kAmx).
 //
@@ -184,12 +185,143 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
   }
 }
 
+#if defined(__AVX512DQ__)
+#define MHA_FLASH_LAZY_SOFTMAX 1  // softmax_lazy_avx512 (vreduceps is AVX512DQ)
+using mha_exp2::exp2_ftz_avx512;
+
+// 2^x for a P that is rounded to bf16 (8-bit mantissa, relative rounding error up to 2^-9)
+// before P V, x <= 16 (see kLazyRescaleLimit; or masked): a degree-3 polynomial suffices.
+// 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps), p fitted
+// (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by the
+// vscalefps that also zeroes the lanes outside `keep`. Like exp2_ftz_avx512 (the fp32 P's),
+// it runs with flush-to-zero set (mha_exp2::FlushToZero): no clamp of x, and no microcode assist
+// for results below the smallest normal float on Intel cores (AMD Zen 5 takes none either way:
+// measured).
+constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
+                kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
+inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F0));
+  return _mm512_maskz_scalef_ps(keep, y, x);
+}
+
+// The running max m of a row is a lazy one: P = 2^(t - m) with the m of an earlier block for as
+// long as no lane's sum of this block's P exceeds 2^kLazyRescaleLimit (so every P <= 2^16 and
+// O, l stay far from overflow); only then is the block's max taken, m moved to it, and O, l
+// rescaled. Exact: the final O / l and lse = m + log2 l use the same (stale) m. The first
+// visible block of a row sets m to its max. Saves the per-block max and most O rescales.
+constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
+
+// P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and one exp2 per
+// 16 lanes). P as fp32 (degree-6 exp2, fp32 accuracy) or as bf16 pairs (degree-3 exp2; keys
+// 2i, 2i + 1 in one 32-bit word: the layout vdpbf16ps broadcasts and the AMX A tile reads).
+template <int NV, typename P>
+__attribute__((always_inline)) inline __m512 row_exp(const float* s, const __mmask16* keep,
+                                                     __m512 cv, float m, P* pr) {
+  const __m512 mneg = _mm512_set1_ps(-m);
+  __m512 sum = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<P, float>) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512 e =
+          exp2_ftz_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg), keep[v]);
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(pr + v * kLanes, e);
+    }
+  } else {
+#if defined(__AVX512BF16__)
+#pragma GCC unroll 8
+    for (int v = 0; v + 1 < NV; v += 2) {
+      const __m512 e0 =
+          exp2_bf16_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg), keep[v]);
+      const __m512 e1 = exp2_bf16_avx512(
+          _mm512_fmadd_ps(_mm512_loadu_ps(s + (v + 1) * kLanes), cv, mneg), keep[v + 1]);
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pr + v * kLanes, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    if constexpr (NV % 2 == 1) {
+      const __m512 e = exp2_bf16_avx512(
+          _mm512_fmadd_ps(_mm512_loadu_ps(s + (NV - 1) * kLanes), cv, mneg), keep[NV - 1]);
+      sum = _mm512_add_ps(sum, e);
+      const __m256bh h = _mm512_cvtneps_pbh(e);
+      std::memcpy(pr + (NV - 1) * kLanes, &h, sizeof(h));
+    }
+#endif
+  }
+  return sum;
+}
+
+// The online-softmax update of RS rows in one pass, for scale c > 0 (max(s c) = c max(s)):
+// P = 2^(s c - m) with the row's lazy max m (see kLazyRescaleLimit); alpha = 1 unless m moved.
+// Masked: lanes past nvalid[r] or with a 0 bit are excluded (P = 0); otherwise every lane is
+// visible. P: fp32 (Avx512F32) or bf16 pairs (Avx512Bf16, AmxBf16), see row_exp.
+template <int NV, int RS, bool Masked, typename P>
+inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
+                                const uint16_t* bits, int bstride, float c, float* m,
+                                float* lsum, float* alpha, P* p, int64_t ldp) {
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 limit = _mm512_set1_ps(kLazyRescaleLimit);
+#pragma GCC unroll 4
+  for (int r = 0; r < RS; ++r) {
+    const float* sr = s + r * lds;
+    P* pr = p + r * ldp;
+    float* lr = lsum + r * kLanes;
+    __mmask16 keep[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      keep[v] = __mmask16(0xFFFF);
+      if constexpr (Masked) {
+        keep[v] = lanes_below(nvalid[r] - v * kLanes);
+        if (bits) keep[v] &= bits[r * bstride + v];
+      }
+    }
+    alpha[r] = 1.f;
+    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it)
+      const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
+      if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
+        _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+        continue;
+      }
+    }
+    __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      mx = _mm512_mask_max_ps(mx, keep[v], mx, _mm512_loadu_ps(sr + v * kLanes));
+    const float mb = _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
+    if (mb > m[r]) {
+      alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
+      m[r] = mb;
+      _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));
+    }
+    if (m[r] == kNegInf) {  // nothing visible yet in this row
+      std::memset(pr, 0, NV * kLanes * sizeof(P));
+      continue;
+    }
+    const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
+    _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+  }
+}
+#endif  // __AVX512DQ__
+
 struct Avx512F32 {
   using packed_t = float;
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "avx512f";
-  static constexpr bool kAmx = false, kLazySoftmax = false;
+  static constexpr bool kAmx = false;
+#if defined(MHA_FLASH_LAZY_SOFTMAX)
+  static constexpr bool kLazySoftmax = true;  // softmax_lazy when scale > 0 (else softmax_rows)
+  template <int NV, int RS, bool Masked>
+  static inline void softmax_lazy(const float* s, int64_t lds, const int* nvalid,
+                                  const uint16_t* bits, int bstride, float c, float* m,
+                                  float* lsum, float* alpha, float* p, int64_t ldp) {
+    softmax_lazy_avx512<NV, RS, Masked>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
+  }
+#else
+  static constexpr bool kLazySoftmax = false;
+#endif
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
@@ -233,31 +365,6 @@ struct Avx512F32 {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define MHA_FLASH_BF16_TILES 1  // Avx512Bf16 is compiled in
-// 2^x for the bf16 P of the bf16 kernels (avx512bf16, amx), x <= 16 (see kLazyRescaleLimit; or
-// masked): P is rounded to bf16 (8-bit mantissa, relative rounding error up to 2^-9) before P V, so a degree-3
-// polynomial suffices: 2^x = 2^floor(x) * p(f), f = x - floor(x) in [0, 1) (one vreduceps),
-// p fitted (relative-error minimax) for this file, max relative error 7.5e-5; 2^floor(x) by
-// the vscalefps that also zeroes the lanes outside `keep`. Results below the smallest normal
-// float become 0: the kernel runs with flush-to-zero set (mha_exp2::FlushToZero), so an
-// underflowing vscalefps takes no microcode assist on Intel cores and x needs no clamp (AMD
-// Zen 5 takes none either way: measured).
-constexpr float kExp2F0 = 9.999249578e-01f, kExp2F1 = 6.958347559e-01f,
-                kExp2F2 = 2.260666192e-01f, kExp2F3 = 7.802354544e-02f;
-inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2F3), f, _mm512_set1_ps(kExp2F2));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F1));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2F0));
-  return _mm512_maskz_scalef_ps(keep, y, x);
-}
-
-// The running max m of a row is a lazy one: P = 2^(t - m) with the m of an earlier block for as
-// long as no lane's sum of this block's P exceeds 2^kLazyRescaleLimit (so every P <= 2^16 and
-// O, l stay far from overflow); only then is the block's max taken, m moved to it, and O, l
-// rescaled. Exact: the final O / l and lse = m + log2 l use the same (stale) m. The first
-// visible block of a row sets m to its max. Saves the per-block max and most O rescales.
-constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
-
 inline __m512bh bcast_pair(const uint16_t* p) {
   int32_t w;
   std::memcpy(&w, p, sizeof(w));
@@ -301,81 +408,11 @@ struct Avx512Bf16 {
     softmax_rows_avx512<NV, RS, true>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
   }
 
-  // P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and exp2 per 16
-  // lanes), written as bf16 pairs (keys 2i, 2i + 1 in one 32-bit word: the layout vdpbf16ps
-  // broadcasts and the AMX A tile reads).
-  template <int NV>
-  __attribute__((always_inline)) static inline __m512 row_exp(const float* s, const __mmask16* keep,
-                                                              __m512 cv, float m,
-                               uint16_t* pr) {
-    const __m512 mneg = _mm512_set1_ps(-m);
-    __m512 sum = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int v = 0; v + 1 < NV; v += 2) {
-      const __m512 e0 = exp2_bf16_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg), keep[v]);
-      const __m512 e1 =
-          exp2_bf16_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + (v + 1) * kLanes), cv, mneg), keep[v + 1]);
-      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(pr + v * kLanes, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-    if constexpr (NV % 2 == 1) {
-      const __m512 e = exp2_bf16_avx512(
-          _mm512_fmadd_ps(_mm512_loadu_ps(s + (NV - 1) * kLanes), cv, mneg), keep[NV - 1]);
-      sum = _mm512_add_ps(sum, e);
-      const __m256bh h = _mm512_cvtneps_pbh(e);
-      std::memcpy(pr + (NV - 1) * kLanes, &h, sizeof(h));
-    }
-    return sum;
-  }
-
-  // The online-softmax update of RS rows, for scale c > 0 (max(s c) = c max(s)): P = 2^(s c - m)
-  // with the row's lazy max m (see kLazyRescaleLimit); alpha = 1 unless m moved. Masked: lanes
-  // past nvalid[r] or with a 0 bit are excluded (P = 0); otherwise every lane is visible.
   template <int NV, int RS, bool Masked>
   static inline void softmax_lazy(const float* s, int64_t lds, const int* nvalid,
                                   const uint16_t* bits, int bstride, float c, float* m,
                                   float* lsum, float* alpha, uint16_t* p, int64_t ldp) {
-    const __m512 cv = _mm512_set1_ps(c);
-    const __m512 limit = _mm512_set1_ps(kLazyRescaleLimit);
-#pragma GCC unroll 4
-    for (int r = 0; r < RS; ++r) {
-      const float* sr = s + r * lds;
-      uint16_t* pr = p + r * ldp;
-      float* lr = lsum + r * kLanes;
-      __mmask16 keep[NV];
-#pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) {
-        keep[v] = __mmask16(0xFFFF);
-        if constexpr (Masked) {
-          keep[v] = lanes_below(nvalid[r] - v * kLanes);
-          if (bits) keep[v] &= bits[r * bstride + v];
-        }
-      }
-      alpha[r] = 1.f;
-      if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it)
-        const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
-        if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
-          _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
-          continue;
-        }
-      }
-      __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
-#pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v)
-        mx = _mm512_mask_max_ps(mx, keep[v], mx, _mm512_loadu_ps(sr + v * kLanes));
-      const float mb = _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
-      if (mb > m[r]) {
-        alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
-        m[r] = mb;
-        _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));
-      }
-      if (m[r] == kNegInf) {  // nothing visible yet in this row
-        std::memset(pr, 0, NV * kLanes * sizeof(uint16_t));
-        continue;
-      }
-      const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
-      _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
-    }
+    softmax_lazy_avx512<NV, RS, Masked>(s, lds, nvalid, bits, bstride, c, m, lsum, alpha, p, ldp);
   }
 
   // p rows: bf16, pairs of keys read as one 32-bit word; v: [n/2][dvp][2].
