@@ -123,6 +123,33 @@ def test_exp2_of_the_one_pass_softmax():
     assert (torch.tensor([1e-38]) * 0.01).item() != 0.0  # denormals still exist out here
 
 
+
+@pytest.mark.skipif("avx512f" not in native.isa().split(","), reason="the avx512f kernel is not "
+                    "compiled in (needs a CPU with AVX-512)")
+@pytest.mark.parametrize("growth", [0.05, 0.6, 2.0, 8.0, -0.6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_lazy_max(growth, causal):
+    """The fp32 one-pass softmax keeps a row's running max stale until a block's P sums pass
+    2^16: scores that grow along the keys by a little per 128-key block (max stays stale), by
+    enough to move it, by a lot (O rescaled at every block), or that shrink (never)."""
+    B, h, Tq, Tk, d = 1, 2, 100, 700, 32
+    g = torch.Generator().manual_seed(5)
+    u = torch.ones(d) / d ** 0.5
+    q = torch.randn(B, h, Tq, d, generator=g) * 0.1 + u  # every query close to u
+    ramp = torch.arange(Tk, dtype=torch.float32)[:, None] * growth / 128  # score gain per key
+    k = torch.randn(B, h, Tk, d, generator=g) * 0.1 + ramp * u * d ** 0.5  # (B, h, Tk, d)
+    v = torch.randn(B, h, Tk, d, generator=g)
+    out, lse = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, None, None, causal, 1.0,
+                                                         "avx512f")
+    exact = _ref(q, k, v, causal=causal, scale=1.0)
+    naive = _ref(q, k, v, causal=causal, scale=1.0, upcast=False)
+    err = (out.double() - exact.double()).abs().max().item()
+    assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[torch.float32]
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double())  # (B, h, Tq, Tk)
+    allowed = MaskSpec(causal, None, None).dense(B, h, Tq, Tk)
+    want = s.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (B, h, Tq)
+    assert (lse.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
 SAMPLES = [  # (B, h, h_kv, Tq, Tk, d_k, d_v, dtype, causal, key_lengths, mask)
     (2, 4, 2, 9, 13, 16, 24, torch.float32, False, None, None),
     (1, 2, 1, 12, 7, 32, 32, torch.float32, True, None, None),
