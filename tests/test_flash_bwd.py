@@ -63,6 +63,21 @@ def _cancellation(q, k, go, out, scale) -> float:
     return terms * scale * max(q.abs().max().item(), k.abs().max().item(), 1.0)
 
 
+def _assert_same_bits_across_threads(op, args):
+    """op(*args) gives the same bits run with 2, 1 and 2 threads."""
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (2, 1, 2):
+            torch.set_num_threads(n)
+            runs.append(op(*args))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
 def _native_grads(q, k, v, go, gl, spec, scale, *, use_go=True, use_gl=True):
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = native.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
@@ -98,6 +113,50 @@ def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, l
         assert torch.isfinite(a).all()
         budget = 2 * max_err(lo, w) + FLOOR[dtype] * max(size, w.abs().max().item())
         assert max_err(a, w) <= budget, f"d{name}: error {max_err(a, w):.3e} > {budget:.3e}"
+
+
+BF16_MATHS = ["bf16", "fp32"] if "avx512bf16" in native.isa().split(",") else ["fp32"]
+
+
+@pytest.mark.parametrize("math", BF16_MATHS)
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), h_kv=st.integers(1, 2), group=st.sampled_from([1, 3]),
+       Tq=st.integers(1, 140), Tk=st.integers(1, 140), d_k=st.sampled_from([16, 17, 33, 64, 128]),
+       d_v=st.sampled_from([15, 24, 64, 100]), causal=st.booleans(), lengths=st.booleans(),
+       mask=st.sampled_from([None, "full", "keys"]), use_gl=st.booleans(),
+       layout=st.sampled_from(["bhtd", "bthd", "strided"]), seed=st.integers(0, 2**16))
+def test_bf16_products_vs_fp64_reference(math, B, h_kv, group, Tq, Tk, d_k, d_v, causal,
+                                         lengths, mask, use_gl, layout, seed):
+    """bf16 inputs through either arithmetic of the five products: vdpbf16ps (P and dS rounded
+    to bf16, operands pair-packed: odd d, odd Tq and causal blocks that start on an odd row
+    take padding) or fp32; both within the budget of the naive bf16 gradients."""
+    h = h_kv * group
+    q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.bfloat16, layout, seed)
+    kl = key_lengths(B, Tk, seed, lengths)
+    spec = MaskSpec(causal, kl, _mask(mask, B, h, Tq, Tk, seed))
+    if not use_gl:
+        gl = torch.zeros_like(gl)
+    out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=spec.mask,
+                                      scale=0.3)
+    got = torch.ops.mha._flash_attention_bwd_fused_math(go, gl.float() if use_gl else None, q, k,
+                                                        v, out, lse, kl, spec.mask, causal, 0.3,
+                                                        math)
+    want, ref_out = _reference_grads(q, k, v, go, gl, spec, 0.3, upcast=True)
+    low, _ = _reference_grads(q, k, v, go, gl, spec, 0.3, upcast=False)
+    size = max(1.0, _cancellation(q, k, go, ref_out, 0.3))
+    for name, a, w, lo in zip("qkv", got, want, low, strict=True):
+        assert a.dtype == torch.bfloat16 and a.shape == w.shape and torch.isfinite(a).all()
+        budget = 2 * max_err(lo, w) + FLOOR[torch.bfloat16] * max(size, w.abs().max().item())
+        assert max_err(a, w) <= budget, f"d{name}: error {max_err(a, w):.3e} > {budget:.3e}"
+
+
+@pytest.mark.parametrize("math", BF16_MATHS)
+def test_bf16_products_deterministic_across_thread_counts(math):
+    q, k, v, go, gl = _inputs(1, 4, 1, 301, 700, 64, 64, torch.bfloat16, "bthd", 3)
+    out, lse = native.flash_attention(q, k, v, causal=True)
+    _assert_same_bits_across_threads(torch.ops.mha._flash_attention_bwd_fused_math,
+                                     (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125,
+                                      math))
 
 
 @pytest.mark.parametrize("use_go,use_gl", [(True, False), (False, True), (True, True)])
@@ -157,18 +216,8 @@ def test_deterministic_across_thread_counts(shape):
     B, h, h_kv, Tq, Tk, d = shape
     q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d, d, torch.float32, "bthd", 3)
     out, lse = native.flash_attention(q, k, v, causal=True)
-    args = (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125)
-    threads = torch.get_num_threads()
-    try:
-        runs = []
-        for n in (2, 1, 2):
-            torch.set_num_threads(n)
-            runs.append(torch.ops.mha.flash_attention_bwd_fused(*args))
-    finally:
-        torch.set_num_threads(threads)
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other, strict=True):
-            assert torch.equal(a, b)
+    _assert_same_bits_across_threads(torch.ops.mha.flash_attention_bwd_fused,
+                                     (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125))
 
 
 def test_opcheck():

@@ -15,6 +15,17 @@ constexpr float kExp2C1 = 6.931471825e-01f, kExp2C2 = 2.402264625e-01f,
                 kExp2C3 = 5.550328642e-02f, kExp2C4 = 9.618489072e-03f,
                 kExp2C5 = 1.339993090e-03f, kExp2C6 = 1.534579496e-04f;
 
+// 2^f for f in [-1/2, 1/2] (Horner).
+__attribute__((always_inline)) inline __m512 exp2_poly(__m512 f) {
+  __m512 y = _mm512_set1_ps(kExp2C6);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C5));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C4));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C3));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C2));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C1));
+  return _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+}
+
 // 2^x for x <= 0 (or -inf): round to n, polynomial on f = x - n, scale by 2^n. Inputs below
 // -125 give exactly 0 (true value < 3e-38): results stay normal numbers, because an underflowing
 // vscalefps takes a slow microcode assist on Intel cores (measured: it dominated the softmax
@@ -23,15 +34,7 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(kExp2C6);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C5));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C4));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C3));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C2));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C1));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(exp2_poly(_mm512_sub_ps(x, n)), n));
 }
 
 #if defined(__AVX512DQ__)
@@ -41,14 +44,7 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
 // microcode assist with FTZ set). Same accuracy as exp2_avx512 down to x = -126; 0 below.
 __attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_set1_ps(kExp2C6);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C5));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C4));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C3));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C2));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2C1));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(keep, y, _mm512_sub_ps(x, f));
+  return _mm512_maskz_scalef_ps(keep, exp2_poly(f), _mm512_sub_ps(x, f));
 }
 #endif
 

@@ -30,6 +30,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -40,6 +44,9 @@
 
 #include "exp2_avx512.h"
 #include "register_tiles.h"
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MHA_BWD_BF16 1  // bf16 inputs can run the five products on vdpbf16ps (see run_unit)
 #endif
 
 namespace mha_flash_bwd {
@@ -59,9 +66,11 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // ------------------------------------------------------------------------------ GEMM tiles
 // C[R][16 NV] = (acc ? C : 0) + sum_k A(r, k) B[k][16 NV], with A(r, k) = a[r sam + k sak]
 // (broadcast one A element, load NV vectors of B per k), B row-major with row stride ldb.
-template <int R, int NV>
-void tile(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t K,
-          float* c, int64_t ldc, bool acc) {
+// E = uint16_t (bf16 bits, vdpbf16ps): k runs over pairs, A(r, pair k) = a[r sam + 2 k] and
+// a[r sam + 2 k + 1] (adjacent; sak unused), B pair-packed [K][ldb][2]: K counts pairs.
+template <int R, int NV, typename E>
+void tile(const E* a, int64_t sam, int64_t sak, const E* b, int64_t ldb, int64_t K, float* c,
+          int64_t ldc, bool acc) {
 #if defined(__AVX512F__)
   __m512 x[R][NV];
   if (acc) {
@@ -69,14 +78,27 @@ void tile(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
   } else {
     mha_tiles::acc_zero(x);
   }
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 bv[NV];
+  if constexpr (std::is_same_v<E, float>) {
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 bv[NV];
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
-    mha_tiles::acc_rank1(x, bv, a + k * sak, sam);
+      for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
+      mha_tiles::acc_rank1(x, bv, a + k * sak, sam);
+    }
+  } else {
+#if defined(MHA_BWD_BF16)
+    for (int64_t k = 0; k < K; ++k) {
+      __m512bh bv[NV];
+#pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n)
+        bv[n] = (__m512bh)_mm512_loadu_si512(b + (k * ldb + n * kLanes) * 2);
+      mha_tiles::acc_rank2_bf16(x, bv, a + 2 * k, sam);
+    }
+#endif
   }
   mha_tiles::acc_store(x, c, ldc);
 #else
+  static_assert(std::is_same_v<E, float>, "bf16 tiles need AVX512_BF16");
   for (int r = 0; r < R; ++r) {
     float x[NV * kLanes];
     for (int n = 0; n < NV * kLanes; ++n) x[n] = acc ? c[r * ldc + n] : 0.f;
@@ -89,36 +111,64 @@ void tile(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
 #endif
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*,
-                        int64_t, bool);
+template <typename E>
+using TileFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, float*, int64_t,
+                        bool);
 
-template <int R>
-constexpr TileFn tile_for(int nv) {
-  return nv == 4 ? &tile<R, 4> : nv == 3 ? &tile<R, 3> : nv == 2 ? &tile<R, 2> : &tile<R, 1>;
+template <int R, typename E>
+constexpr TileFn<E> tile_for(int nv) {
+  return nv == 4 ? &tile<R, 4, E> : nv == 3 ? &tile<R, 3, E> : nv == 2 ? &tile<R, 2, E>
+                                                                       : &tile<R, 1, E>;
 }
 
-TileFn pick(int r, int nv) {
+template <typename E>
+TileFn<E> pick(int r, int nv) {
   switch (r) {
-    case 6: return tile_for<6>(nv);
-    case 5: return tile_for<5>(nv);
-    case 4: return tile_for<4>(nv);
-    case 3: return tile_for<3>(nv);
-    case 2: return tile_for<2>(nv);
-    default: return tile_for<1>(nv);
+    case 6: return tile_for<6, E>(nv);
+    case 5: return tile_for<5, E>(nv);
+    case 4: return tile_for<4, E>(nv);
+    case 3: return tile_for<3, E>(nv);
+    case 2: return tile_for<2, E>(nv);
+    default: return tile_for<1, E>(nv);
   }
 }
 
-// C[M][N] = (acc ? C : 0) + A(M x K) B[K][N]; N a multiple of 16 (buffers are padded).
-void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-          const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+// C[M][N] = (acc ? C : 0) + A(M x K) B[K][N]; N a multiple of 16 (buffers are padded). For bf16
+// operands (E = uint16_t) K counts pairs and B is pair-packed (see tile).
+template <typename E>
+void gemm(int64_t M, int64_t N, int64_t K, const E* a, int64_t sam, int64_t sak, const E* b,
+          int64_t ldb, float* c, int64_t ldc, bool acc) {
+  const int64_t bstep = std::is_same_v<E, float> ? 1 : 2;  // elements per B column
   for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
     const int nv = int(std::min<int64_t>(4, (N - n0) / kLanes));
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int r = int(std::min<int64_t>(kTileRows, M - m0));
-      pick(r, nv)(a + m0 * sam, sam, sak, b + n0, ldb, K, c + m0 * ldc + n0, ldc, acc);
+      pick<E>(r, nv)(a + m0 * sam, sam, sak, b + n0 * bstep, ldb, K, c + m0 * ldc + n0, ldc,
+                     acc);
     }
   }
 }
+
+#if defined(MHA_BWD_BF16)
+// dst[2 j] = bf16(r0[j]), dst[2 j + 1] = bf16(r1[j]) (0 when r1 is null) for j < n (n % 16 == 0):
+// two fp32 rows as the bf16 pairs a pair-packed operand (or a row of pairs) holds.
+void pack_pairs(const float* r0, const float* r1, int64_t n, uint16_t* dst) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r0 + j));
+    const __m256i b = r1 ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r1 + j))
+                         : _mm256_setzero_si256();
+    _mm512_storeu_si512(dst + 2 * j, _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                                     _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+}
+
+// dst[j] = bf16(src[j]) for j < n (n % 16 == 0).
+void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t j = 0; j < n; j += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j)));
+}
+#endif
 
 // ------------------------------------------------------------------------------ exp
 // 2^x: the forward's own (exp2_avx512.h), so the recomputed P is the forward's P.
@@ -151,6 +201,13 @@ struct Scratch {
   std::vector<float> kt, vt, kr, dk, dv;        // one key block: K^T (d_k, Bc), V^T (d_v, Bc),
                                                 // K (Bc, d_kp), dK (Bc, d_kp), dV (Bc, d_vp)
   std::vector<float> s, dp;                     // (Br, Bc): S then P, dP then dS
+  // bf16 products (pairs = true): the group's rows as bf16 rows qb (g Tq, d_k2), ob (g Tq,
+  // d_v2) and transposed with pairs of rows adjacent qt (g, d_k, Tq2), ot (g, d_v, Tq2); one key
+  // block pair-packed: ktp (d_k2 / 2, Bc, 2), vtp (d_v2 / 2, Bc, 2), kp (Bc / 2, d_kp, 2); P and
+  // dS as pairs of rows p2, ds2 (Br / 2, Bc, 2) and dS as bf16 rows dsb (Br, Bc); dK^T, dV^T
+  // accumulate in dkt (d_k, Bc), dvt (d_v, Bc). d_k2, d_v2, Tq2: rounded up to even.
+  std::vector<uint16_t> qb, ob, qt, ot, ktp, vtp, kp, p2, ds2, dsb;
+  std::vector<float> dkt, dvt;
 };
 
 // P and dS of rows [i0, i0 + rows) of head hi against keys [j0, j0 + kn): s holds S on entry
@@ -242,10 +299,70 @@ void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t 
 }
 
 // One unit: (b, kvh) and key blocks jb = s, s + S, ...
+#if defined(MHA_BWD_BF16)
+// The group's rows for the bf16 products, from pack_rows' fp32 copies (exact: the inputs are
+// bf16): Q, dO as bf16 rows, and transposed with pairs of rows adjacent (zero past Tq).
+void pack_rows_bf16(Scratch& w, int64_t g, int64_t Tq, int64_t dk, int64_t dv, int64_t dkp,
+                    int64_t dvp) {
+  const int64_t dk2 = round_up(dk, 2), dv2 = round_up(dv, 2), tq2 = round_up(Tq, 2);
+  w.qb.resize(g * Tq * dk2 + kLanes);  // + kLanes: to_bf16_row writes whole vectors
+  w.ob.resize(g * Tq * dv2 + kLanes);
+  w.qt.assign(g * dk * tq2, 0);
+  w.ot.assign(g * dv * tq2, 0);
+  auto bits = [](float x) {  // exact for a bf16 value held in an fp32
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof(u));
+    return uint16_t(u >> 16);
+  };
+  for (int64_t hh = 0; hh < g; ++hh)
+    for (int64_t t0 = 0; t0 < Tq; t0 += 32) {  // 32 rows at a time: the transposes stay in L1
+      const int64_t t1 = std::min(Tq, t0 + 32);
+      const float* qr = w.q.data() + hh * Tq * dkp;
+      const float* orow = w.dout.data() + hh * Tq * dvp;
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t c = 0; c < dk2; ++c) w.qb[(hh * Tq + t) * dk2 + c] = bits(qr[t * dkp + c]);
+        for (int64_t c = 0; c < dv2; ++c) w.ob[(hh * Tq + t) * dv2 + c] = bits(orow[t * dvp + c]);
+      }
+      for (int64_t c = 0; c < dk; ++c)
+        for (int64_t t = t0; t < t1; ++t) w.qt[(hh * dk + c) * tq2 + t] = bits(qr[t * dkp + c]);
+      for (int64_t c = 0; c < dv; ++c)
+        for (int64_t t = t0; t < t1; ++t) w.ot[(hh * dv + c) * tq2 + t] = bits(orow[t * dvp + c]);
+    }
+}
+
+// One key block for the bf16 products, from the fp32 packs kt (d_k, Bc), vt (d_v, Bc) and
+// kr (Bc, d_kp) (zero past kn): K^T and V^T pair-packed along d, K pair-packed along keys.
+// The accumulators dK^T, dV^T start at zero.
+void pack_block_bf16(Scratch& w, int64_t dk, int64_t dv, int64_t kn, int64_t ncols,
+                     int64_t dkp) {
+  const int64_t dk2 = round_up(dk, 2), dv2 = round_up(dv, 2);
+  w.ktp.resize(dk2 / 2 * kBc * 2);
+  w.vtp.resize(dv2 / 2 * kBc * 2);
+  w.kp.resize(kBc / 2 * dkp * 2);
+  w.p2.resize(kBr / 2 * kBc * 2);
+  w.ds2.resize(kBr / 2 * kBc * 2);
+  w.dsb.resize(kBr * kBc);
+  w.dkt.assign(dk * kBc, 0.f);
+  w.dvt.assign(dv * kBc, 0.f);
+  for (int64_t c = 0; c < dk2; c += 2)
+    pack_pairs(w.kt.data() + c * kBc, c + 1 < dk ? w.kt.data() + (c + 1) * kBc : nullptr, ncols,
+               w.ktp.data() + c * kBc);
+  for (int64_t c = 0; c < dv2; c += 2)
+    pack_pairs(w.vt.data() + c * kBc, c + 1 < dv ? w.vt.data() + (c + 1) * kBc : nullptr, ncols,
+               w.vtp.data() + c * kBc);
+  std::fill(w.kr.begin() + kn * dkp, w.kr.begin() + ncols * dkp, 0.f);
+  for (int64_t j = 0; j < ncols; j += 2)
+    pack_pairs(w.kr.data() + j * dkp, w.kr.data() + (j + 1) * dkp, dkp, w.kp.data() + j * dkp);
+}
+#endif
+
+// pairs: the five products on bf16 operands (vdpbf16ps; P and dS rounded to bf16, as the
+// forward's P V does), else in fp32. Only for bf16 inputs (their Q, K, V, dO are exact in bf16).
 template <typename T>
-void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w) {
+void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w, bool pairs) {
   const int64_t g = P.h / P.hkv;
   const int64_t dkp = round_up(P.dk, kLanes), dvp = round_up(P.dv, kLanes);
+  const int64_t dk2 = round_up(P.dk, 2), dv2 = round_up(P.dv, 2), tq2 = round_up(P.Tq, 2);
   const bool has_go = P.go != nullptr;
   w.q.resize(g * P.Tq * dkp);
   w.dout.resize(g * P.Tq * dvp);
@@ -260,14 +377,21 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
   w.s.resize(kBr * kBc);
   w.dp.resize(kBr * kBc);
   pack_rows(P, b, kvh, w, dkp, dvp);
+#if defined(MHA_BWD_BF16)
+  if (pairs) pack_rows_bf16(w, g, P.Tq, P.dk, P.dv, dkp, dvp);
+#endif
 
   const int64_t klen = P.key_lengths ? P.key_lengths[b] : P.Tk;
   const int64_t nblocks = (P.Tk + kBc - 1) / kBc;
   for (int64_t jb = s; jb < nblocks; jb += P.splits) {
     const int64_t j0 = jb * kBc, j1 = std::min(P.Tk, j0 + kBc);
     int64_t kn = std::max<int64_t>(0, std::min(j1, klen) - j0);  // keys in use (not padding)
-    const int64_t i_lo = P.causal ? std::max<int64_t>(0, j0 - (P.Tk - P.Tq)) : 0;
+    int64_t i_lo = P.causal ? std::max<int64_t>(0, j0 - (P.Tk - P.Tq)) : 0;
     if (i_lo >= P.Tq) kn = 0;  // no query row sees this block
+    // pairs: blocks start on an even row (the row above sees no key here: P = 0), so a block
+    // with an odd row count is the last one of an odd Tq, whose pair partner in qt / ot is the
+    // zero padding at row Tq
+    if (pairs) i_lo &= ~int64_t(1);
     // dK = dV = 0 for keys past key_lengths and keys no row sees
     const int64_t kv0 = (b * P.hkv + kvh) * P.Tk;
     std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, T(0.f));
@@ -295,6 +419,9 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
     for (int64_t c = 0; c < P.dv; ++c) std::fill_n(w.vt.data() + c * kBc + kn, ncols - kn, 0.f);
     std::fill_n(w.dk.data(), kn * dkp, 0.f);  // dK, dV rows in use
     std::fill_n(w.dv.data(), kn * dvp, 0.f);
+#if defined(MHA_BWD_BF16)
+    if (pairs) pack_block_bf16(w, P.dk, P.dv, kn, ncols, dkp);
+#endif
     for (int64_t hh = 0; hh < g; ++hh) {
       const int64_t hi = kvh * g + hh;
       const float* qh = w.q.data() + hh * P.Tq * dkp;
@@ -303,6 +430,39 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
         const int64_t rows = std::min(kBr, P.Tq - i0);
         const float* qi = qh + i0 * dkp;   // (rows, d_kp)
         const float* oi = oh + i0 * dvp;   // (rows, d_vp)
+        float* dqi = w.dq.data() + (hh * P.Tq + i0) * dkp;  // (rows, d_kp)
+#if defined(MHA_BWD_BF16)
+        if (pairs) {
+          const uint16_t* qbi = w.qb.data() + (hh * P.Tq + i0) * dk2;  // (rows, d_k2)
+          const uint16_t* obi = w.ob.data() + (hh * P.Tq + i0) * dv2;  // (rows, d_v2)
+          // S = Q_i K_j^T: (rows, d_k) x (d_k, Bc); dP = dO_i V_j^T: (rows, d_v) x (d_v, Bc)
+          gemm(rows, ncols, dk2 / 2, qbi, dk2, 0, w.ktp.data(), kBc, w.s.data(), kBc, false);
+          if (has_go)
+            gemm(rows, ncols, dv2 / 2, obi, dv2, 0, w.vtp.data(), kBc, w.dp.data(), kBc, false);
+          softmax_grad(P, b, hi, i0, rows, j0, kn, w.lse2.data() + hh * P.Tq,
+                       w.delta.data() + hh * P.Tq, has_go, w.s.data(), w.dp.data());
+          const int64_t rp = round_up(rows, 2);
+          for (int64_t r = 0; r < rp; r += 2) {  // P, dS as pairs of rows; dS as bf16 rows
+            const bool two = r + 1 < rows;
+            pack_pairs(w.s.data() + r * kBc, two ? w.s.data() + (r + 1) * kBc : nullptr, ncols,
+                       w.p2.data() + r * kBc);
+            pack_pairs(w.dp.data() + r * kBc, two ? w.dp.data() + (r + 1) * kBc : nullptr,
+                       ncols, w.ds2.data() + r * kBc);
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            to_bf16_row(w.dp.data() + r * kBc, ncols, w.dsb.data() + r * kBc);
+          // dV_j^T += dO_i^T P: (d_v, rows) x (rows, Bc); dK_j^T += Q_i^T dS: (d_k, rows) x
+          // (rows, Bc); rows i0.. of the transposed group rows (i0 even: whole pairs)
+          if (has_go)
+            gemm(P.dv, ncols, rp / 2, w.ot.data() + hh * P.dv * tq2 + i0, tq2, 0, w.p2.data(),
+                 kBc, w.dvt.data(), kBc, true);
+          gemm(P.dk, ncols, rp / 2, w.qt.data() + hh * P.dk * tq2 + i0, tq2, 0, w.ds2.data(),
+               kBc, w.dkt.data(), kBc, true);
+          // dQ_i += dS K_j: (rows, Bc) x (Bc, d_kp)
+          gemm(rows, dkp, ncols / 2, w.dsb.data(), kBc, 0, w.kp.data(), dkp, dqi, dkp, true);
+          continue;
+        }
+#endif
         gemm(rows, ncols, P.dk, qi, dkp, 1, w.kt.data(), kBc, w.s.data(), kBc, false);  // S
         if (has_go)  // dP = dO_i V_j^T: (rows, d_v) x (d_v, Bc)
           gemm(rows, ncols, P.dv, oi, dvp, 1, w.vt.data(), kBc, w.dp.data(), kBc, false);
@@ -313,10 +473,14 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
         // dK_j += dS^T Q_i: (kn, rows) x (rows, d_kp)
         gemm(kn, dkp, rows, w.dp.data(), 1, kBc, qi, dkp, w.dk.data(), dkp, true);
         // dQ_i += dS K_j: (rows, kn) x (kn, d_kp)
-        gemm(rows, dkp, kn, w.dp.data(), kBc, 1, w.kr.data(), dkp,
-             w.dq.data() + (hh * P.Tq + i0) * dkp, dkp, true);
+        gemm(rows, dkp, kn, w.dp.data(), kBc, 1, w.kr.data(), dkp, dqi, dkp, true);
       }
     }
+    if (pairs)  // dK, dV rows from the transposed accumulators
+      for (int64_t jj = 0; jj < kn; ++jj) {
+        for (int64_t c = 0; c < P.dk; ++c) w.dk[jj * dkp + c] = w.dkt[c * kBc + jj];
+        for (int64_t c = 0; c < P.dv; ++c) w.dv[jj * dvp + c] = w.dvt[c * kBc + jj];
+      }
     for (int64_t jj = 0; jj < kn; ++jj) {
       T* dkr = P.dkey + (kv0 + j0 + jj) * P.dk;
       T* dvr = P.dval + (kv0 + j0 + jj) * P.dv;
@@ -343,11 +507,32 @@ void fill_strides(const at::Tensor& t, int64_t* s, int n, bool zero_broadcast) {
   for (int d = 0; d < n; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
+// bf16 inputs: the products on vdpbf16ps where the dot-product unit is fast (AMD Zen 4/5: twice
+// the fp32 FMA rate), as the forward picks its bf16 tiles; elsewhere in fp32 (Intel cores run
+// vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=avx512bf16 forces the bf16 products, any
+// other value fp32; math "bf16" / "fp32" (the test op) overrides both. Fixed per process.
+bool use_bf16_products(const std::string& math) {
+#if defined(MHA_BWD_BF16)
+  if (math == "bf16" || math == "fp32") return math == "bf16";
+  static const bool chosen = [] {
+    if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env) == "avx512bf16";
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return chosen;
+#else
+  TORCH_CHECK(math != "bf16", "flash_attention_bwd: bf16 products are not compiled in");
+  return false;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& mask, bool causal, double scale) {
+    const std::optional<at::Tensor>& mask, bool causal, double scale, const std::string& math) {
+  TORCH_CHECK(math == "auto" || math == "bf16" || math == "fp32",
+              "flash_attention_bwd: math must be 'auto', 'bf16' or 'fp32', got '", math, "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
   const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
@@ -427,11 +612,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     P.splits = splits;
     P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
     P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
+    // bf16 products pay for their packing from one whole block each way on (measured: at
+    // 32 x 8 x 20 x 64 they were ~15 % slower than fp32, at 4 x 8 x 512 x 64 ~30 % faster)
+    const bool big = Tq >= kBr && Tk >= kBc;
+    const bool pairs = std::is_same_v<T, at::BFloat16> &&
+                       (math == "auto" ? big && use_bf16_products(math) : use_bf16_products(math));
     at::parallel_for(0, groups * splits, 1, [&](int64_t u0, int64_t u1) {
       Scratch w;
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t s = u % splits, grp = u / splits;
-        run_unit(P, grp / hkv, grp % hkv, s, w);
+        run_unit(P, grp / hkv, grp % hkv, s, w, pairs);
       }
     });
     if (splits > 1) {  // dQ = scale * (part_0 + part_1 + ...), in that order
@@ -452,6 +642,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
   return {dq, dkey, dval};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& mask, bool causal, double scale) {
+  return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
+                       "auto");
+}
+
+// The backward with the products' arithmetic named ("auto", "bf16", "fp32"), for tests.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& mask, bool causal, double scale, std::string math) {
+  return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
+                       math);
+}
+
+// Which arithmetic the backward's products use for bf16 inputs of at least one 64-row query
+// block and one 64-key block ("bf16" or "fp32"; smaller problems always run fp32).
+std::string flash_attention_bwd_bf16_math() { return use_bf16_products("auto") ? "bf16" : "fp32"; }
+
 }  // namespace
 }  // namespace mha_flash_bwd
 
@@ -459,8 +672,13 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_bwd_fused(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
         "Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, bool causal, "
         "float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("_flash_attention_bwd_fused_math(Tensor? grad_out, Tensor? grad_lse, Tensor q, "
+        "Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, "
+        "bool causal, float scale, str math) -> (Tensor, Tensor, Tensor)");
+  m.def("flash_attention_bwd_bf16_math() -> str", &mha_flash_bwd::flash_attention_bwd_bf16_math);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("flash_attention_bwd_fused", &mha_flash_bwd::flash_attention_bwd_fused);
+  m.impl("_flash_attention_bwd_fused_math", &mha_flash_bwd::flash_attention_bwd_fused_math);
 }

@@ -365,11 +365,6 @@ struct Avx512F32 {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define MHA_FLASH_BF16_TILES 1  // Avx512Bf16 is compiled in
-inline __m512bh bcast_pair(const uint16_t* p) {
-  int32_t w;
-  std::memcpy(&w, p, sizeof(w));
-  return (__m512bh)_mm512_set1_epi32(w);
-}
 
 struct Avx512Bf16 {
   using packed_t = uint16_t;  // raw bf16 bits
@@ -391,12 +386,7 @@ struct Avx512Bf16 {
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
         kv[v] = (__m512bh)_mm512_loadu_si512(kt + (k2 * ldk + v * kLanes) * 2);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = bcast_pair(q + r * ldq + 2 * k2);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, kv[v]);
-      }
+      mha_tiles::acc_rank2_bf16(acc, kv, q + 2 * k2, ldq);
     }
     acc_store(acc, s, lds);
   }
@@ -426,12 +416,7 @@ struct Avx512Bf16 {
 #pragma GCC unroll 4
       for (int c = 0; c < CV; ++c)
         vv[c] = (__m512bh)_mm512_loadu_si512(v + (j2 * dvp + c * kLanes) * 2);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = bcast_pair(p + r * ldp + 2 * j2);
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, vv[c]);
-      }
+      mha_tiles::acc_rank2_bf16(acc, vv, p + 2 * j2, ldp);
     }
     acc_store(acc, o, ldo);
   }

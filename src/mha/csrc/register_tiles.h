@@ -64,6 +64,23 @@ MHA_TILE_INLINE void acc_rank1(__m512 (&acc)[R][NV], const __m512 (&b)[NV], cons
   }
 }
 
+#if defined(__AVX512BF16__)
+// One rank-2 update on bf16 pairs (vdpbf16ps): acc[r][v] += a_r . b[v], where a_r is the pair of
+// adjacent bf16 at a + r * stride, broadcast to every lane, and b[v] holds 16 pairs.
+template <int R, int NV>
+MHA_TILE_INLINE void acc_rank2_bf16(__m512 (&acc)[R][NV], const __m512bh (&b)[NV],
+                                    const uint16_t* a, int64_t stride) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    int32_t pair;
+    __builtin_memcpy(&pair, a + r * stride, sizeof(pair));
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, b[v]);
+  }
+}
+#endif
+
 // 16 fp32 -> 16 bf16 bits, rounded to nearest even as at::BFloat16 does (NaN stays NaN).
 MHA_TILE_INLINE __m256i to_bf16(__m512 x) {
   __m512i u = _mm512_castps_si512(x);
