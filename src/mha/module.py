@@ -13,12 +13,12 @@ independent ``W_i^Q, W_i^K, W_i^V`` of shape ``(d_model, d_k)`` per head — is 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mha import trace
 from mha.checks import check_same, check_tensor
 from mha.functional import attention
+from mha.linear import linear
 from mha.varlen import varlen_attention
 
 
@@ -114,10 +114,11 @@ class MultiHeadAttention(nn.Module):
         """Q, K, V before the head split: ``(B, Tq, h*d_k)``, ``(B, Tk, h_kv*d_k)``,
         ``(B, Tk, h_kv*d_v)``. Self-attention with the packed weight is one GEMM."""
         if self.packed and self_attention:
-            qkv = self.in_proj(query)  # (B, T, d_model) -> (B, T, h*d_k + h_kv*d_k + h_kv*d_v)
+            qkv = linear(query, self.in_proj.weight, self.in_proj.bias)  # one GEMM:
+            # (B, T, d_model) -> (B, T, h*d_k + h_kv*d_k + h_kv*d_v)
             return qkv.split((self.q_width, self.k_width, self.v_width), dim=-1)
         (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
-        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+        return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
 
     def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """``(B, T, heads*d) -> (B, heads, T, d)`` (seed 004, Step 3)."""
@@ -207,7 +208,8 @@ class MultiHeadAttention(nn.Module):
                              "(B, h, Tq, Tk)")
             trace.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
         concat = self.merge_heads(out)  # (B, h, Tq, d_v) -> (B, Tq, h*d_v)
-        y = self.out_proj(concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
+        y = linear(concat, self.out_proj.weight, self.out_proj.bias)  # (B, Tq, h*d_v) @ W_O
+        # -> (B, Tq, d_model)
         if rec:
             trace.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
             trace.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")

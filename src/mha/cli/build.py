@@ -1,7 +1,7 @@
 """``mha build``: compile the native kernels ahead of time and say what they target.
 
-Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd`` and ``mha_decode``
-(``mha.decode``). Prints the
+Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd``, ``mha_decode``
+(``mha.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
 each dtype runs, the compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
 """
@@ -38,12 +38,17 @@ def run(args) -> int:
     print(f"  compiled in: {', '.join(isa)}")
     picked = native.kernels()
     print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
-    from mha import decode
+    from mha import decode, linear
 
     status = 0
     for name, sources in ((native.BWD_NAME, native.BWD_SOURCES),
-                          (decode.EXTENSION, decode.SOURCES)):
+                          (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES)):
         status |= _build_other(name, sources)
+    if native.load_backward() is None:
+        import torch
+
+        print(f"  backward, bfloat16 inputs: {torch.ops.mha.flash_attention_bwd_bf16_math()} "
+              "products")
     return status
 
 

@@ -45,7 +45,8 @@
 #include "exp2_avx512.h"
 #include "register_tiles.h"
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "gemm_tiles.h"
+#if defined(MHA_GEMM_BF16) && defined(__AVX512BW__)
 #define MHA_BWD_BF16 1  // bf16 inputs can run the five products on vdpbf16ps (see run_unit)
 #endif
 
@@ -57,97 +58,13 @@ constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
 constexpr int64_t kBr = 64;       // query rows per block
 constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
 constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
-constexpr int kTileRows = 6;      // register tile: 6 rows x 64 columns = 24 zmm accumulators
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ------------------------------------------------------------------------------ GEMM tiles
-// C[R][16 NV] = (acc ? C : 0) + sum_k A(r, k) B[k][16 NV], with A(r, k) = a[r sam + k sak]
-// (broadcast one A element, load NV vectors of B per k), B row-major with row stride ldb.
-// E = uint16_t (bf16 bits, vdpbf16ps): k runs over pairs, A(r, pair k) = a[r sam + 2 k] and
-// a[r sam + 2 k + 1] (adjacent; sak unused), B pair-packed [K][ldb][2]: K counts pairs.
-template <int R, int NV, typename E>
-void tile(const E* a, int64_t sam, int64_t sak, const E* b, int64_t ldb, int64_t K, float* c,
-          int64_t ldc, bool acc) {
-#if defined(__AVX512F__)
-  __m512 x[R][NV];
-  if (acc) {
-    mha_tiles::acc_load(x, c, ldc);
-  } else {
-    mha_tiles::acc_zero(x);
-  }
-  if constexpr (std::is_same_v<E, float>) {
-    for (int64_t k = 0; k < K; ++k) {
-      __m512 bv[NV];
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
-      mha_tiles::acc_rank1(x, bv, a + k * sak, sam);
-    }
-  } else {
-#if defined(MHA_BWD_BF16)
-    for (int64_t k = 0; k < K; ++k) {
-      __m512bh bv[NV];
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n)
-        bv[n] = (__m512bh)_mm512_loadu_si512(b + (k * ldb + n * kLanes) * 2);
-      mha_tiles::acc_rank2_bf16(x, bv, a + 2 * k, sam);
-    }
-#endif
-  }
-  mha_tiles::acc_store(x, c, ldc);
-#else
-  static_assert(std::is_same_v<E, float>, "bf16 tiles need AVX512_BF16");
-  for (int r = 0; r < R; ++r) {
-    float x[NV * kLanes];
-    for (int n = 0; n < NV * kLanes; ++n) x[n] = acc ? c[r * ldc + n] : 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float av = a[r * sam + k * sak];
-      for (int n = 0; n < NV * kLanes; ++n) x[n] += av * b[k * ldb + n];
-    }
-    for (int n = 0; n < NV * kLanes; ++n) c[r * ldc + n] = x[n];
-  }
-#endif
-}
-
-template <typename E>
-using TileFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, float*, int64_t,
-                        bool);
-
-template <int R, typename E>
-constexpr TileFn<E> tile_for(int nv) {
-  return nv == 4 ? &tile<R, 4, E> : nv == 3 ? &tile<R, 3, E> : nv == 2 ? &tile<R, 2, E>
-                                                                       : &tile<R, 1, E>;
-}
-
-template <typename E>
-TileFn<E> pick(int r, int nv) {
-  switch (r) {
-    case 6: return tile_for<6, E>(nv);
-    case 5: return tile_for<5, E>(nv);
-    case 4: return tile_for<4, E>(nv);
-    case 3: return tile_for<3, E>(nv);
-    case 2: return tile_for<2, E>(nv);
-    default: return tile_for<1, E>(nv);
-  }
-}
-
-// C[M][N] = (acc ? C : 0) + A(M x K) B[K][N]; N a multiple of 16 (buffers are padded). For bf16
-// operands (E = uint16_t) K counts pairs and B is pair-packed (see tile).
-template <typename E>
-void gemm(int64_t M, int64_t N, int64_t K, const E* a, int64_t sam, int64_t sak, const E* b,
-          int64_t ldb, float* c, int64_t ldc, bool acc) {
-  const int64_t bstep = std::is_same_v<E, float> ? 1 : 2;  // elements per B column
-  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
-    const int nv = int(std::min<int64_t>(4, (N - n0) / kLanes));
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      const int r = int(std::min<int64_t>(kTileRows, M - m0));
-      pick<E>(r, nv)(a + m0 * sam, sam, sak, b + n0 * bstep, ldb, K, c + m0 * ldc + n0, ldc,
-                     acc);
-    }
-  }
-}
+using mha_gemm::gemm;
 
 #if defined(MHA_BWD_BF16)
 // dst[2 j] = bf16(r0[j]), dst[2 j + 1] = bf16(r1[j]) (0 when r1 is null) for j < n (n % 16 == 0):
