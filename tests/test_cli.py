@@ -15,6 +15,8 @@ def test_demo_runs_and_agrees(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "all paths agree" in out
     assert "[4, 8, 20, 64]" in out  # (B, h, T, d_k) recorded from the run
+    assert "whole module, x (4, 20, 512)" in out  # timed against torch.nn.MultiheadAttention
+    assert "torch.nn.MultiheadAttention │" in out and "mha.MultiHeadAttention      │" in out
 
 
 def test_shapes_json_gqa_dv_cross(capsys):

@@ -81,5 +81,40 @@ def run(args: argparse.Namespace) -> int:
     for name, ms in sorted(results.items(), key=lambda kv: kv[1]):
         timing.add_row(name, f"{ms:.3f}", f"{ms / best:.2f}x")
     con.print(timing)
+    con.print(_module_timing(m, tm, x, args.repeat))
     con.print("[green]all paths agree[/green]" if ok else "[red]paths DISAGREE[/red]")
     return 0 if ok else 1
+
+
+def _module_timing(m, tm, x, repeat: int):
+    """The whole module (projections, attention, W_O) against torch.nn.MultiheadAttention with
+    the same weights: calls interleaved, medians."""
+    import time
+
+    import torch
+    from rich.table import Table
+
+    from mha.linear import why_not_native
+
+    calls = {"mha.MultiHeadAttention": lambda: m(x),
+             "torch.nn.MultiheadAttention": lambda: tm(x, x, x, need_weights=False)}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.no_grad():
+        for f in calls.values():
+            f()  # warm-up
+        for _ in range(repeat):
+            for name, f in calls.items():
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        reason = why_not_native(x, m.in_proj.weight, m.in_proj.bias)
+    B, T, D = x.shape
+    table = Table(title=f"whole module, x ({B}, {T}, {D}) fp32, median of {repeat} calls "
+                        f"(projections: {'mha.linear' if reason is None else 'F.linear: ' + reason})")
+    for col in ("module", "ms", "vs fastest"):
+        table.add_column(col)
+    med = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
+    best = min(med.values())
+    for name, ms in sorted(med.items(), key=lambda kv: kv[1]):
+        table.add_row(name, f"{ms:.3f}", f"{ms / best:.2f}x")
+    return table
