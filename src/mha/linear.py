@@ -1,4 +1,4 @@
-"""The module's projections ``x W^T + b`` on mha's own fp32 tiles, for inference.
+"""The module's projections ``x W^T + b`` on mha's own fp32 tiles, forward and backward.
 
 Shape legend: x ``(..., K)``, weight ``(N, K)`` (``nn.Linear`` layout), bias ``(N,)``; the result
 is ``(..., N)``.
@@ -9,11 +9,12 @@ four projections are ~98 % of the FLOPs) the projections, not attention, set the
 :func:`linear` runs them on the flash kernels' AVX-512 register tiles (``csrc/linear.cpp``,
 extension ``mha_linear``) when it can, and is ``torch.nn.functional.linear`` otherwise:
 
-* only float32 CPU tensors, with ``N % 16 == 0``, at least ``SMALL`` multiply-adds, and the
-  native extension built with AVX-512;
-* only when no gradient is needed (``torch.no_grad()``, ``torch.inference_mode()``, or no input
-  that requires grad): training keeps ``F.linear`` and its autograd;
+* only float32 CPU tensors, with ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL``
+  multiply-adds, and the native extension built with AVX-512;
 * not while ``torch.compile`` traces (it would see a Python-side cache).
+
+When a gradient is needed it runs under an autograd function whose backward is native too
+(``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles, no transposes).
 
 The weight is repacked once into 64-column panels of ``W^T`` (``(ceil(N / 64), K, 64)``) and the
 packed copy is kept on the weight tensor (attribute ``_mha_packed``; on its base for a slice),
@@ -84,10 +85,9 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     tensors = [t for t in (x, weight, bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return "float32 CPU tensors only"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "a gradient is needed (training uses F.linear)"
-    if weight.dim() != 2 or weight.shape[0] % 16 or x.shape[-1] != weight.shape[1]:
-        return "weight (N, K) with N % 16 == 0 and x (..., K)"
+    if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 16 or \
+            x.shape[-1] != weight.shape[1]:
+        return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     if x.numel() * weight.shape[0] < SMALL:
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
     return load()
@@ -102,8 +102,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, K)  # (..., K) -> (M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.ops.mha.linear_packed(x2, _packed_weight(weight), bias, weight.shape[0])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias)):
+        out = _Linear.apply(x2, weight, bias)
+    else:
+        out = torch.ops.mha.linear_packed(x2, _packed_weight(weight), bias, weight.shape[0])
     return out.view(*lead, weight.shape[0])  # (M, N) -> (..., N)
+
+
+class _Linear(torch.autograd.Function):
+    """``x W^T + b`` with native gradients: grad_x = grad_out W, grad_w = grad_out^T x (the
+    tiles read grad_out through its strides, so nothing is transposed), grad_b = sum of rows."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mha.linear_packed(x2, _packed_weight(weight), bias, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (M, N)
+        x2, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx, gw = torch.ops.mha.linear_backward(grad_out, x2, weight, need_x, need_w)
+        gb = grad_out.sum(0) if ctx.has_bias and need_b else None  # (M, N) -> (N,)
+        return (gx if need_x else None), (gw if need_w else None), gb
 
 
 def linear_module(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

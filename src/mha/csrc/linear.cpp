@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 
 #include "gemm_tiles.h"
 
@@ -26,12 +27,43 @@ constexpr int64_t kPanel = 64;    // output columns per packed panel
 constexpr int64_t kRows = 96;     // rows of x per work item (16 tiles of 6)
 constexpr int64_t kChunk = 128;   // K per pass over a row block (the panel slice stays in L1)
 
+// C (M, N, row stride ldc) = init + A (M, K) B (K, N), on the tiles of gemm_tiles.h: items are
+// (64-column panel, 96-row block) pairs over at::parallel_for, each walking K in chunks of 128
+// so the panel's slice of B stays in L1 while the block's 6-row tiles pass over it. A(r, k) =
+// a[r sam + k sak]; B row-major (ldb) or, when `packed`, panels [N / 64][K][64]. C starts as
+// the bias broadcast over rows (bias != nullptr) or 0. Each output element is summed in the
+// same order whatever the thread count.
+void blocked_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                  const float* b, int64_t ldb, bool packed, const float* bias, float* c,
+                  int64_t ldc) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, blocks = (M + kRows - 1) / kRows;
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t % panels, m0 = (t / panels) * kRows, rows = std::min(kRows, M - m0);
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      float* cb = c + m0 * ldc + n0;  // (rows, cols) of C
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) cb[r * ldc + j] = bias ? bias[n0 + j] : 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {  // C += A[:, k0:k1] B[k0:k1, panel]
+        const int64_t kc = std::min(kChunk, K - k0);
+        const float* bb = packed ? b + (p * K + k0) * kPanel : b + k0 * ldb + n0;
+        mha_gemm::gemm<float>(rows, cols, kc, a + m0 * sam + k0 * sak, sam, sak, bb,
+                              packed ? kPanel : ldb, cb, ldc, true);
+      }
+    }
+  });
+}
+
+void check_f32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "mha linear: ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// out (M, N) = x (M, K) W^T + bias, W packed by mha/linear.py as (ceil(N / 64), K, 64).
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
                          const std::optional<at::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "mha linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat,
-              "mha linear: float32 only, got x ", x.scalar_type(), " and weight ",
-              wp.scalar_type());
+  check_f32_cpu(x, "x");
+  check_f32_cpu(wp, "the packed weight");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
               "mha linear: x must be 2-D (M, K) with a contiguous last dim, got ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
@@ -41,32 +73,48 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
               "== 0, got ", wp.sizes(), " for K=", K, ", N=", N);
   at::Tensor b;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
-                "mha linear: bias must be float32 (N,) = (", N, ",), got ", bias->sizes());
+    check_f32_cpu(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N,
+                "mha linear: bias must be (N,) = (", N, ",), got ", bias->sizes());
     b = bias->contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wpp = wp.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t lda = x.stride(0), panels = wp.size(0), blocks = (M + kRows - 1) / kRows;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t % panels, m0 = (t / panels) * kRows, rows = std::min(kRows, M - m0);
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      float* c = op + m0 * N + n0;  // (rows, cols) of out, row stride N
-      for (int64_t r = 0; r < rows; ++r)  // C starts as the bias (or 0)
-        for (int64_t j = 0; j < cols; ++j) c[r * N + j] = bp ? bp[n0 + j] : 0.f;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {  // C += x[:, k0:k1] W^T[k0:k1, panel]
-        const int64_t kc = std::min(kChunk, K - k0);
-        mha_gemm::gemm<float>(rows, cols, kc, xp + m0 * lda + k0, lda, 1,
-                              wpp + (p * K + k0) * kPanel, kPanel, c, N, true);
-      }
-    }
-  });
+  blocked_gemm(M, N, K, x.data_ptr<float>(), x.stride(0), 1, wp.data_ptr<float>(), 0, true,
+               b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N);
   return out;
+}
+
+// The gradients of out = x W^T + b without transposing anything: grad_x (M, K) = grad_out
+// (M, N) W (N, K), W row-major; grad_w (N, K) = grad_out^T (N, M) x (M, K), grad_out read
+// through its strides as A(n, m). K % 16 == 0 (the output columns of both).
+std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_out,
+                                                   const at::Tensor& x, const at::Tensor& w,
+                                                   bool need_x, bool need_w) {
+  check_f32_cpu(grad_out, "grad_out");
+  check_f32_cpu(x, "x");
+  check_f32_cpu(w, "weight");
+  TORCH_CHECK(grad_out.dim() == 2 && x.dim() == 2 && w.dim() == 2 &&
+                  grad_out.size(0) == x.size(0) && grad_out.size(1) == w.size(0) &&
+                  x.size(1) == w.size(1) && w.size(1) % 16 == 0,
+              "mha linear backward: expected grad_out (M, N), x (M, K), weight (N, K) with "
+              "K % 16 == 0, got ", grad_out.sizes(), ", ", x.sizes(), ", ", w.sizes());
+  const at::Tensor g = grad_out.contiguous(), xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = g.size(0), N = g.size(1), K = xc.size(1);
+  at::Tensor gx, gw;
+  if (need_x) {
+    gx = at::empty({M, K}, x.options());
+    if (M > 0 && K > 0)
+      blocked_gemm(M, K, N, g.data_ptr<float>(), N, 1, wc.data_ptr<float>(), K, false, nullptr,
+                   gx.data_ptr<float>(), K);
+  }
+  if (need_w) {
+    gw = at::empty({N, K}, w.options());
+    if (N > 0 && K > 0)
+      blocked_gemm(N, K, M, g.data_ptr<float>(), 1, N, xc.data_ptr<float>(), K, false, nullptr,
+                   gw.data_ptr<float>(), K);
+  }
+  return {gx, gw};
 }
 
 // Whether the tiles are the AVX-512 ones (else the portable loops of gemm_tiles.h).
@@ -83,7 +131,12 @@ bool linear_vectorized() {
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias, int N) -> Tensor");
+  m.def("linear_backward(Tensor grad_out, Tensor x, Tensor w, bool need_x, bool need_w) -> "
+        "(Tensor, Tensor)");
   m.def("linear_vectorized() -> bool", &mha_linear::linear_vectorized);
 }
 
-TORCH_LIBRARY_IMPL(mha, CPU, m) { m.impl("linear_packed", &mha_linear::linear_packed); }
+TORCH_LIBRARY_IMPL(mha, CPU, m) {
+  m.impl("linear_packed", &mha_linear::linear_packed);
+  m.impl("linear_backward", &mha_linear::linear_backward);
+}
