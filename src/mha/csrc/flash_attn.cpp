@@ -206,6 +206,7 @@ struct Item {
   double cost;
 };
 
+
 template <class K, typename T>
 struct Worker {
   using packed_t = typename K::packed_t;
@@ -232,9 +233,29 @@ struct Worker {
     const T* vbase = P.v + b * P.vs[0] + kh * P.vs[1];
     int64_t j = kbeg;
 #if defined(__AVX512F__)
-    // fp32: 16 keys at a time, one (masked) gather per d_k column, contiguous stores into K^T
+    // fp32: 16 keys at a time into K^T: rows of 16 d_k columns transposed in registers when
+    // K's last dim is contiguous (3-4x cheaper than gathers on AMD cores: measured, the gathers
+    // were ~6 % of causal T = 2048), else one (masked) gather per d_k column
     if constexpr (std::is_same_v<T, float> && std::is_same_v<packed_t, float>) {
-      if (P.ks[2] * kLanes < (int64_t(1) << 28)) {
+      if (P.ks[3] == 1) {
+        for (; j < nkeys; j += kLanes) {
+          const int nreal = int(std::clamp<int64_t>(kend - j, 0, kLanes));
+          float* kblk = kt + ((j - kbeg) / Nb) * dkp * Nb + j % Nb;
+          const float* kbj = kbase + j * P.ks[2];
+          for (int64_t kk0 = 0; kk0 < dkp; kk0 += kLanes) {  // dkp == d_k for fp32
+            const __mmask16 cols = lanes_below(int(dkp - kk0));
+            __m512 r[kLanes];
+            for (int t = 0; t < kLanes; ++t)  // key j + t, columns kk0..; zeros past kend
+              r[t] = t < nreal ? _mm512_maskz_loadu_ps(cols, kbj + t * P.ks[2] + kk0)
+                               : _mm512_setzero_ps();
+            transpose16(r);  // r[c]: column kk0 + c of the 16 keys
+            for (int c = 0; c < int(std::min<int64_t>(kLanes, dkp - kk0)); ++c)
+              _mm512_storeu_ps(kblk + (kk0 + c) * Nb, r[c]);
+          }
+          for (int64_t jj = j; jj < j + kLanes; ++jj)
+            pack_v_row(vbase + jj * P.vs[2], jj - kbeg, jj < kend, vp);
+        }
+      } else if (P.ks[2] * kLanes < (int64_t(1) << 28)) {
         const __m512i idx = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(int32_t(P.ks[2])));
