@@ -1,7 +1,7 @@
 """The one timer the scripts in ``benchmarks/`` share: round-robin medians in one process.
 
 Each round calls every function once (or a batch of calls sized to ``min_time``), so a noisy
-neighbour on this shared machine slows all of them alike; the result is the median seconds per
+neighbour on a shared machine slows all of them alike; the result is the median seconds per
 call of each. (``mha bench`` has its own, fuller harness in ``mha.bench.core``.)
 """
 

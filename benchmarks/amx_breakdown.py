@@ -1,7 +1,7 @@
 """Where the bf16 AMX forward's time goes: tile products, softmax, and the rest, per key step.
 
 The kernel's parts cannot be timed apart inside one build (the tile unit and the vector units
-do not overlap here, so a sampling profile smears them), so this script builds
+do not overlap, so a sampling profile smears them), so this script builds
 ``csrc/flash_attn.cpp`` three more times with the compile-time switches
 ``MHA_BREAKDOWN_NO_SOFTMAX`` / ``MHA_BREAKDOWN_NO_TILES`` (both: only the loop, packing and
 output remain). Those builds compute wrong results: they exist only to be timed. Each variant

@@ -1,4 +1,4 @@
-// What the AMX tile unit costs here, and whether it overlaps AVX-512 work: the measurements
+// What the AMX tile unit costs, and whether it overlaps AVX-512 work: the measurements
 // behind the bf16 key loop in src/mha/csrc/flash_attn.cpp (docs/kernel.md, "bf16 on AMX").
 // Stand-alone (no torch); needs a CPU with AMX and Linux >= 5.16. Times in TSC cycles per
 // iteration (rdtsc; the TSC runs at a fixed rate, not the core clock), minimum of 5 runs.
@@ -85,8 +85,8 @@ void products16() {  // 16 products on tiles already loaded (4 accumulators)
     _tile_loadd(VB, vb + 96, kD * 4); _tile_dpbf16ps(O3, PT, VB);           \
   }
 
-// Session 2's step: S in 4 accumulators per 64 keys (Q reloaded per chunk), O loaded and
-// stored around P V.
+// A step with O in memory: S in 4 accumulators per 64 keys (Q reloaded per chunk), O loaded
+// and stored around P V.
 void step_o_in_memory() {
   const uint16_t* k = kt[blk];
   for (int c0 = 0; c0 < 8; c0 += 4) {
@@ -109,7 +109,7 @@ void step_o_in_memory() {
   _tile_stored(2, o + 32, kD * 4); _tile_stored(3, o + 48, kD * 4);
 }
 
-// This session's step: O in tiles 4-7 and Q in tiles 2-3 for the whole key loop; S 16 keys at
+// The kernel's step (d <= 64): O in tiles 4-7 and Q in tiles 2-3 for the whole key loop; S 16 keys at
 // a time in tile 0 (K in 1), then P in 0 and V in 1.
 void step_resident() {
   const uint16_t* k = kt[blk];
@@ -134,7 +134,7 @@ int main() {
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
-  // bf16 0.0078: non-zero data (zeros run the tile unit measurably faster here)
+  // bf16 0.0078: non-zero data (zeros run the tile unit measurably faster)
   std::fill_n(q, 16 * kD, uint16_t(0x3c00)); std::fill_n(p, 16 * kKeys, uint16_t(0x3c00));
   std::fill_n(&kt[0][0], kBlocks * kD * kKeys, uint16_t(0x3c00));
   std::fill_n(&v[0][0], kBlocks * kKeys * kD, uint16_t(0x3c00));

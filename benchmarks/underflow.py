@@ -2,7 +2,7 @@
 
 Each query sees one key ~135 log2-units above all others, so every other 2^(t - m) lands in
 fp32's denormal range; without flush-to-zero in the kernel's workers, each of those exp2's
-vscalefps takes a microcode assist (session 3 measured ~15x slower on this Intel CPU). The
+vscalefps takes a microcode assist on Intel cores (~15x slower, measured on a Xeon with AMX). The
 "peaky / random" ratio should stay near 1. Round-robin medians in one process.
 
     OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/underflow.py

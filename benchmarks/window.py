@@ -6,8 +6,8 @@ Run (one shape and dtype per command, under the timing lock):
 
 Shape (1, 8, T, 64), causal with the window. Prints the median ms of each, measured side by side
 in one process (round-robin), and each one's ratio to mha's pick:
-  * mha window       mha.attention(causal=True, window=w), no backend named (flash_cpu now);
-  * mha via sdpa     the same call forced to the sdpa backend (what mha did before: the
+  * mha window       mha.attention(causal=True, window=w), no backend named (flash_cpu);
+  * mha via sdpa     the same call forced to the sdpa backend (the
                      (Tq, Tk) window mask materialized, all key blocks computed);
   * torch sdpa mask  F.scaled_dot_product_attention with a precomputed bool mask;
   * mha causal       mha.attention(causal=True) without a window (the work a window saves).
