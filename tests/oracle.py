@@ -41,3 +41,27 @@ def assert_within_budget(got: torch.Tensor, q, k, v, allowed=None, scale=None, *
     budget = 2 * max_err(low, ref) + FLOOR[q.dtype]
     err = max_err(got, ref)
     assert err <= budget, f"{what}: error {err:.3e} > budget {budget:.3e} (2x naive + floor)"
+
+
+def rule_oracle(q, k, v, allowed=None, scale=None):
+    """The NaN/Inf rule of :mod:`mha.nonfinite`, in float64: row i is
+    ``softmax(q_i K_J^T * scale) V_J`` over exactly the keys J it may attend — every (row, key)
+    term of both sums is taken only where the pair is allowed, so no other key is touched —
+    and zeros when J is empty. q ``(B, h, Tq, d_k)``, k/v ``(B, h_kv, Tk, d)``, allowed
+    broadcastable to ``(B, h, Tq, Tk)``. Returns ``(B, h, Tq, d_v)`` float64."""
+    B, h, Tq, d_k = q.shape
+    Tk = k.shape[2]
+    g = h // k.shape[1]
+    scale = d_k ** -0.5 if scale is None else scale
+    if allowed is None:
+        allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool)
+    allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    vis = allowed.expand(B, h, Tq, Tk)[..., None]  # (B, h, Tq, Tk, 1)
+    kq = k.double().repeat_interleave(g, 1)[:, :, None]  # (B, h, 1, Tk, d_k)
+    vq = v.double().repeat_interleave(g, 1)[:, :, None]  # (B, h, 1, Tk, d_v)
+    terms = q.double()[:, :, :, None] * kq  # (B, h, Tq, Tk, d_k)
+    s = torch.where(vis, terms, 0.0).sum(-1) * scale  # (B, h, Tq, Tk): allowed pairs only
+    s = s.masked_fill(~vis[..., 0], float("-inf"))
+    w = torch.softmax(s, dim=-1)  # (B, h, Tq, Tk); NaN for empty rows, removed below
+    pv = torch.where(vis, w[..., None] * vq, 0.0).sum(-2)  # (B, h, Tq, d_v)
+    return torch.where(vis.any(-2), pv, 0.0)  # rows with no allowed key: zeros

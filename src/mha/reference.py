@@ -21,6 +21,7 @@ import math
 import torch
 
 from mha.masks import open_empty_rows
+from mha.nonfinite import any_nonfinite, masked_attention
 
 
 def head_attention(q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor, *,
@@ -30,9 +31,15 @@ def head_attention(q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor, *,
 
     q_i ``(B, Tq, d_k)``, k_i ``(B, Tk, d_k)``, v_i ``(B, Tk, d_v)``, allowed broadcastable to
     ``(B, Tq, Tk)`` (True = may attend). Returns ``(head_i (B, Tq, d_v), A_i (B, Tq, Tk))``.
-    Query rows with no allowed key get zero weights and a zero output.
+    Query rows with no allowed key get zero weights and a zero output. A NaN or Inf in a key or
+    value a row may not attend never reaches that row (:mod:`mha.nonfinite`).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1]) if scale is None else scale
+    if allowed is not None and any_nonfinite(q_i, k_i, v_i):  # the pairwise-exact path
+        out, A = masked_attention(q_i[:, None], k_i[:, None], v_i[:, None],  # one head:
+                                  allowed.expand(q_i.shape[0], q_i.shape[1], k_i.shape[1])[:, None],
+                                  scale, dropout_p)  # (B, 1, Tq, d_v), (B, 1, Tq, Tk)
+        return out[:, 0], A[:, 0]
     scores = q_i @ k_i.transpose(-2, -1) * scale  # (B, Tq, d_k) @ (B, d_k, Tk) -> (B, Tq, Tk)
     row_has_key = None
     if allowed is not None:
@@ -40,7 +47,7 @@ def head_attention(q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor, *,
         scores = scores.masked_fill(~allowed, float("-inf"))
     A = torch.softmax(scores, dim=-1)  # (B, Tq, Tk), each row sums to 1
     if row_has_key is not None:
-        A = A * row_has_key  # fully masked rows: zero weights
+        A = torch.where(row_has_key, A, 0.0)  # fully masked rows: zero weights
     A_used = torch.nn.functional.dropout(A, dropout_p) if dropout_p > 0 else A
     return A_used @ v_i, A  # (B, Tq, Tk) @ (B, Tk, d_v) -> (B, Tq, d_v)
 

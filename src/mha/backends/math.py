@@ -11,23 +11,27 @@ import torch
 
 from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.masks import open_empty_rows
+from mha.nonfinite import any_nonfinite, masked_attention
 
 
 def _forward(call: AttentionCall):
     q, k, v = call.q, call.k, call.v
     B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
+    allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
+    if allowed is not None and any_nonfinite(q, k, v):  # masked NaN/Inf are never read
+        out, weights = masked_attention(q, k, v, allowed, call.scale, call.dropout_p)
+        return out, (weights if call.return_weights else None)
     g = h // h_kv
     qg = q.reshape(B, h_kv, g * Tq, call.d_k)  # (B, h, Tq, d_k) -> (B, h_kv, g*Tq, d_k)
     scores = (qg @ k.transpose(-2, -1)) * call.scale  # (B, h_kv, g*Tq, Tk)
     scores = scores.view(B, h, Tq, Tk)  # (B, h_kv, g*Tq, Tk) -> (B, h, Tq, Tk)
-    allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
     row_has_key = None
     if allowed is not None:
         allowed, row_has_key = open_empty_rows(allowed)
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # (B, h, Tq, Tk)
     if row_has_key is not None:
-        weights = weights * row_has_key  # fully masked query rows: zero weights, zero output
+        weights = torch.where(row_has_key, weights, 0.0)  # fully masked rows: zero weights
     used = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     used = used.reshape(B, h_kv, g * Tq, Tk)  # (B, h, Tq, Tk) -> (B, h_kv, g*Tq, Tk)
     out = (used @ v).view(B, h, Tq, call.d_v)  # (B, h_kv, g*Tq, d_v) -> (B, h, Tq, d_v)

@@ -14,11 +14,21 @@ import torch.nn.functional as F
 
 from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.masks import open_empty_rows
+from mha.nonfinite import any_nonfinite, masked_attention
 
 
 def _forward(call: AttentionCall):
     B, h, Tq, Tk = call.B, call.h, call.Tq, call.Tk
     kwargs = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.h_kv != call.h)
+    if any_nonfinite(call.q, call.k, call.v):
+        # SDPA multiplies masked pairs (0 * NaN) in a block-size-dependent way, and its bf16
+        # kernel drops +Inf scores; mha's rule is IEEE arithmetic over the keys a row may
+        # attend (mha.nonfinite)
+        allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
+        if allowed is None:
+            allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=call.device)
+        return masked_attention(call.q, call.k, call.v, allowed, call.scale,
+                                call.dropout_p)[0], None
     if call.masks.kinds == {"causal"} and Tq == Tk:
         return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=True,
                                               **kwargs), None
@@ -28,7 +38,7 @@ def _forward(call: AttentionCall):
         allowed, row_has_key = open_empty_rows(allowed)
     out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=allowed, **kwargs)
     if row_has_key is not None:
-        out = out * row_has_key  # (B|1, h|1, Tq, 1): fully masked rows -> zeros
+        out = torch.where(row_has_key, out, 0.0)  # (B|1, h|1, Tq, 1): fully masked rows -> 0
     return out, None  # (B, h, Tq, d_v)
 
 
