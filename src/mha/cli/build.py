@@ -18,11 +18,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import time
+    import warnings
 
     from mha import _build, native
 
     print(f"compiler: {_build.compiler() or 'none found'}")
-    print(f"cache:    {_build.cache_root()}")
+    with warnings.catch_warnings(record=True) as notes:  # said here in one line, not twice
+        warnings.simplefilter("always")
+        try:
+            root = _build.cache_root()
+        except _build.BuildError as e:
+            print(f"mha build: {e}")
+            return 1
+    print(f"cache:    {root}" + "".join(f" ({n.message})" for n in notes))
     start = time.perf_counter()
     try:
         if args.verbose:
