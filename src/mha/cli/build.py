@@ -3,7 +3,8 @@
 Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd``, ``mha_decode``
 (``mha.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
-each dtype runs, the compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
+each dtype runs, the compiler and the cache path. Exit code 1 when a build fails or the cache
+directory cannot be used (the reason is printed, one line).
 """
 
 from __future__ import annotations
