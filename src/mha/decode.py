@@ -42,8 +42,9 @@ def _load() -> str | None:
         _build.load(EXTENSION, SOURCES)
     except _build.BuildError as e:
         reason = f"native decode kernel unavailable ({e})"
-        warnings.warn(f"mha: {reason}; falling back to other backends", RuntimeWarning,
-                      stacklevel=3)
+        if not e.warned:  # a cache directory that cannot be used: _build warned once
+            warnings.warn(f"mha: {reason}; falling back to other backends", RuntimeWarning,
+                          stacklevel=3)
         return reason
     _register()
     return None

@@ -117,8 +117,9 @@ def load_backward() -> str | None:
     except _build.BuildError as e:
         import warnings
 
-        warnings.warn(f"mha: fused flash backward unavailable ({e}); using the PyTorch "
-                      "backward", RuntimeWarning, stacklevel=3)
+        if not e.warned:  # a cache directory that cannot be used: _build warned once
+            warnings.warn(f"mha: fused flash backward unavailable ({e}); using the PyTorch "
+                          "backward", RuntimeWarning, stacklevel=3)
         return str(e)
     torch.library.register_fake("mha::flash_attention_bwd_fused")(_bwd_fake)
     return None

@@ -24,8 +24,9 @@ def _unavailable() -> str | None:
         native.load()
     except _build.BuildError as e:
         reason = f"native kernel unavailable ({e})"
-        warnings.warn(f"mha: flash_cpu disabled, falling back to other backends: {reason}",
-                      RuntimeWarning, stacklevel=2)
+        if not e.warned:  # a cache directory that cannot be used: _build warned once
+            warnings.warn(f"mha: flash_cpu disabled, falling back to other backends: {reason}",
+                          RuntimeWarning, stacklevel=2)
         return reason
     return None
 

@@ -3,7 +3,8 @@
 Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd``, ``mha_decode``
 (``mha.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
-each dtype runs, the compiler and the cache path. Exit code 1 when a build fails (the reason is printed).
+each dtype runs, the compiler and the cache path. Exit code 1 when a build fails or the cache
+directory cannot be used (the reason is printed, one line).
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import time
+    import warnings
 
     from mha import _build, native
 
     print(f"compiler: {_build.compiler() or 'none found'}")
-    print(f"cache:    {_build.cache_root()}")
+    with warnings.catch_warnings(record=True) as notes:  # said here in one line, not twice
+        warnings.simplefilter("always")
+        try:
+            root = _build.cache_root()
+        except _build.BuildError as e:
+            print(f"mha build: {e}")
+            return 1
+    print(f"cache:    {root}" + "".join(f" ({n.message})" for n in notes))
     start = time.perf_counter()
     try:
         if args.verbose:
