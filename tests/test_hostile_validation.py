@@ -406,3 +406,87 @@ def test_load_per_head_weights_round_trip(bias):
     b.load_per_head_weights(w)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(),
                                                  strict=True))
+
+
+# ----------------------------------------------------------------------------- distributed
+
+W_DIST = 2
+# (id, what rank 1 passes instead of rank 0's (q, k, v) / kwargs, function names to call)
+DIST_CASES = [
+    ("dtype", lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), {}),
+    ("h", lambda q, k, v: (q[:, :2], k, v), {}),
+    ("h_kv", lambda q, k, v: (q, k[:, :1], v[:, :1]), {}),
+    ("d_k", lambda q, k, v: (q[..., :4], k[..., :4], v), {}),
+    ("d_v", lambda q, k, v: (q, k, v[..., :4]), {}),
+    ("B", lambda q, k, v: (q[:1], k[:1], v[:1]), {}),
+    ("n_k", lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), {}),
+    ("causal", lambda q, k, v: (q, k, v), {"causal": True}),
+    ("scale", lambda q, k, v: (q, k, v), {"scale": 0.5}),
+]
+DIST_LOCAL = [  # refused on rank 1 alone
+    ("int q", lambda q, k, v: (q.int(), k, v), {}, TypeError),
+    ("d_k = 0", lambda q, k, v: (q[..., :0], k[..., :0], v), {}, ValueError),
+    ("causal string", lambda q, k, v: (q, k, v), {"causal": "yes"}, TypeError),
+    ("scale nan", lambda q, k, v: (q, k, v), {"scale": float("nan")}, ValueError),
+]
+
+
+def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from mha import distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=W_DIST, timeout=datetime.timedelta(seconds=60))
+    messages = {}
+    try:
+        g = torch.Generator().manual_seed(5)
+        base = (torch.randn(2, 4, 4, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
+                torch.randn(2, 2, 4, 8, generator=g))  # (B, h, n_q, d_k), (B, h_kv, n_k, d)
+        fns = {"ring": distributed.ring_attention,
+               "context": distributed.context_parallel_attention}
+        with torch.no_grad():
+            want = {name: fn(*base) for name, fn in fns.items()}
+            for case, change, kwargs in DIST_CASES:
+                args, kw = (change(*base), kwargs) if rank == 1 else (base, {})
+                for name, fn in fns.items():
+                    with pytest.raises(ValueError, match="same shapes and dtype on every rank") as e:
+                        fn(*args, **kw)
+                    messages[f"{case} {name}"] = str(e.value)
+            for case, change, kwargs, exc in DIST_LOCAL:
+                args, kw = (change(*base), kwargs) if rank == 1 else (base, {})
+                for name, fn in fns.items():
+                    with pytest.raises(exc if rank == 1 else ValueError) as e:
+                        fn(*args, **kw)
+                    if rank == 0:
+                        assert "refused on rank(s) [1]" in str(e.value), f"{case} {name}"
+        # a ring call with grad on one rank only: refused on both, nothing sent
+        q = base[0].clone().requires_grad_(rank == 1)
+        with pytest.raises(RuntimeError if rank == 1 else ValueError,
+                           match="inference-only" if rank == 1 else r"refused on rank\(s\) \[1\]"):
+            distributed.ring_attention(q, *base[1:])
+        # the group still works, with the same results as before the refusals
+        with torch.no_grad():
+            for name, fn in fns.items():
+                assert torch.equal(fn(*base), want[name]), name
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(messages, f)
+
+
+def test_distributed_ranks_that_disagree_all_raise_the_same_error(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dist_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=W_DIST,
+             join=True)
+    views = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(W_DIST)]
+    assert len(views[0]) == 2 * len(DIST_CASES)
+    assert views[0] == views[1]  # the same message on every rank
+    assert "bfloat16" in views[0]["dtype ring"] and "causal=True" in views[0]["causal context"]
