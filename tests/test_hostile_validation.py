@@ -203,6 +203,58 @@ def test_cu_seqlens_integer_forms_work(cu):
     assert torch.equal(mha.varlen_attention(q, k, v, cu, causal=np.bool_(True)), want)
 
 
+def _p(n, h=H, d=D, dtype=torch.float32):
+    return torch.randn(n, h, d, dtype=dtype)  # (N, heads, d)
+
+
+PACKED_REFUSALS = [
+    # (id, (q, k, v), cu_seqlens_q, kwargs, exception, pattern) — several with no sequence at
+    # all (S = 0), where nothing is attended and the checks used to be skipped
+    ("S=0 dtypes differ", lambda: (_p(0), _p(0, H_KV, dtype=torch.float64), _p(0, H_KV)), [0], {},
+     TypeError, r"q, k, v must share one dtype"),
+    ("S=0 causal string", lambda: (_p(0), _p(0, H_KV), _p(0, H_KV)), [0], {"causal": "yes"},
+     TypeError, r"^causal must be a bool"),
+    ("S=0 scale nan", lambda: (_p(0), _p(0, H_KV), _p(0, H_KV)), [0], {"scale": float("nan")},
+     ValueError, r"^scale must lie in"),
+    ("S=0 d_k mismatch", lambda: (_p(0), _p(0, H_KV, 4), _p(0, H_KV)), [0], {},
+     ValueError, r"must share d_k >= 1"),
+    ("v shorter than k", lambda: (_p(6), _p(6, H_KV), _p(5, H_KV)), [0, 3, 6], {},
+     ValueError, r"k \(N_k, h_kv, d_k\) and v \(N_k, h_kv, d_v\) must have the same tokens"),
+    ("d_k = 0", lambda: (_p(6, d=0), _p(6, H_KV, 0), _p(6, H_KV)), [0, 3, 6], {},
+     ValueError, r"must share d_k >= 1"),
+    ("h_kv does not divide h", lambda: (_p(6), _p(6, 3), _p(6, 3)), [0, 3, 6], {},
+     ValueError, r"query heads h=4 must be a multiple of the key/value heads h_kv=3"),
+    ("sparse q", lambda: (_p(6).to_sparse(), _p(6, H_KV), _p(6, H_KV)), [0, 3, 6], {},
+     TypeError, r"^q must be a dense \(strided\) tensor"),
+    ("dropout_p numpy 1", lambda: (_p(6), _p(6, H_KV), _p(6, H_KV)), [0, 3, 6],
+     {"dropout_p": np.float32(1.0)}, ValueError, r"^dropout_p must lie in"),
+    ("strategy None", lambda: (_p(6), _p(6, H_KV), _p(6, H_KV)), [0, 3, 6], {"strategy": None},
+     ValueError, r"^strategy must be one of"),
+]
+
+
+@pytest.mark.parametrize("make, cu, kwargs, exc, pattern", [c[1:] for c in PACKED_REFUSALS],
+                         ids=[c[0] for c in PACKED_REFUSALS])
+def test_varlen_checks_its_inputs_whole(make, cu, kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        mha.varlen_attention(*make(), cu, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"q": "sparse"}, r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    ({"mask": "sparse"}, r"^mask must be a dense \(strided\) bool tensor"),
+], ids=["sparse q", "sparse mask"])
+def test_sparse_layouts_are_named(kwargs, pattern):
+    q, k, v = _qkv()
+    mask = torch.ones(TQ, TK, dtype=torch.bool)
+    if kwargs.get("q"):
+        q = q.to_sparse()
+    if kwargs.get("mask"):
+        mask = mask.to_sparse()
+    with pytest.raises(TypeError, match=pattern):
+        mha.attention(q, k, v, mask=mask)
+
+
 # ----------------------------------------------------------------------------- KVCache
 
 KV_ARGS = dict(batch_size=2, num_kv_heads=2, max_len=8, head_dim=4, v_head_dim=4)
@@ -275,6 +327,12 @@ def test_a_prompt_shorter_than_its_left_padding_is_refused(padding, prompt):
     with pytest.raises(ValueError, match=r"stays short of the left padding"), torch.no_grad():
         c.append(torch.randn(2, 2, prompt, 4), torch.randn(2, 2, prompt, 4))
     assert _same(before, _cache_state(c))
+
+
+@pytest.mark.parametrize("Tn, exc", [(1.5, TypeError), (-1, ValueError), (torch.tensor(2), TypeError)])
+def test_cache_positions_takes_a_count(Tn, exc):
+    with pytest.raises(exc, match=r"^Tn must be a non-negative int"):
+        mha.KVCache(**KV_ARGS).positions(Tn)
 
 
 def test_left_padding_within_the_prompt_is_accepted():

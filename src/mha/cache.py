@@ -115,6 +115,7 @@ class KVCache:
     def positions(self, Tn: int) -> torch.Tensor:
         """``(B, Tn)`` int64: the positions (counted from each row's start) that the next
         ``Tn`` appended tokens will take — what a model needs for its position embeddings."""
+        Tn = check_int("Tn", Tn, low=0, what="a non-negative int")
         return (self.lengths - self.starts).unsqueeze(1) + torch.arange(Tn, device=self.device)
 
     def masks(self, Tq: int) -> dict:

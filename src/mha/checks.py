@@ -23,6 +23,9 @@ def check_tensor(name: str, t, ndim: int, expected: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), "
                         f"got {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; "
+                        f"convert it with .to_dense()")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have shape {expected} ({ndim} dims), "
                          f"got {tuple(t.shape)} ({t.dim()} dims)")
@@ -72,6 +75,27 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"k {tuple(k.shape)}")
 
 
+def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Packed sequences: q ``(N_q, h, d_k)``, k ``(N_k, h_kv, d_k)``, v ``(N_k, h_kv, d_v)``,
+    h_kv | h, d_k >= 1 — checked whole, even when there are no sequences to attend over."""
+    check_tensor("q", q, 3, "(N_q, h, d_k)")
+    check_tensor("k", k, 3, "(N_k, h_kv, d_k)")
+    check_tensor("v", v, 3, "(N_k, h_kv, d_v)")
+    check_same(("q", "k", "v"), (q, k, v))
+    _, h, d_k = q.shape
+    N_k, h_kv, kd = k.shape
+    if kd != d_k or d_k == 0:
+        raise ValueError(f"q (N_q, h, d_k) and k (N_k, h_kv, d_k) must share d_k >= 1, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if v.shape[:2] != (N_k, h_kv):
+        raise ValueError(f"k (N_k, h_kv, d_k) and v (N_k, h_kv, d_v) must have the same tokens "
+                         f"and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
+                         f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+
+
 def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     """A bool mask broadcastable to ``(B, h, Tq, Tk)``; returned as a 4-D view."""
     if not isinstance(mask, torch.Tensor):
@@ -80,6 +104,9 @@ def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> 
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}; "
                         "convert an additive float mask with `mask = bias == 0`")
+    if mask.layout != torch.strided:
+        raise TypeError(f"mask must be a dense (strided) bool tensor, got layout {mask.layout}; "
+                        f"convert it with .to_dense()")
     if mask.device != device:
         raise ValueError(f"mask must be on {device} like q, got {mask.device}")
     if mask.dim() > 4:
