@@ -319,14 +319,21 @@ def test_mark_left_padding_refusals_leave_the_cache_unchanged(n, exc, pattern):
     assert _same(before, _cache_state(c))
 
 
-@pytest.mark.parametrize("padding, prompt", [(5, 4), ([2, 6], 5), ([0, 8], 7)])
-def test_a_prompt_shorter_than_its_left_padding_is_refused(padding, prompt):
-    c = mha.KVCache(**KV_ARGS)
-    c.mark_left_padding(padding)
-    before = _cache_state(c)
-    with pytest.raises(ValueError, match=r"stays short of the left padding"), torch.no_grad():
-        c.append(torch.randn(2, 2, prompt, 4), torch.randn(2, 2, prompt, 4))
-    assert _same(before, _cache_state(c))
+def test_left_padded_prompt_may_be_prefilled_in_chunks_shorter_than_the_padding():
+    """mark_left_padding on an empty cache is bounded by T_max only: a first chunk that lies
+    inside the padding is legitimate, and the real tokens get the one-shot prefill's result."""
+    m = mha.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 8, 16)  # (B, T_pad, d_model), 5 padding tokens then 3 real ones
+    with torch.no_grad():
+        one = m.new_cache(2, 12)
+        one.mark_left_padding(5)
+        want = m(x, cache=one)[:, 5:]
+        chunked = m.new_cache(2, 12)
+        chunked.mark_left_padding(5)
+        m(x[:, :3], cache=chunked)
+        got = m(x[:, 3:], cache=chunked)[:, 2:]
+    torch.testing.assert_close(got, want)
+    assert torch.equal(chunked.lengths, one.lengths) and torch.equal(chunked.starts, one.starts)
 
 
 @pytest.mark.parametrize("Tn, exc", [(1.5, TypeError), (-1, ValueError), (torch.tensor(2), TypeError)])

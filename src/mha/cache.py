@@ -149,11 +149,6 @@ class KVCache:
                              f"{self.lengths.tolist()} exceeds the capacity T_max={self.capacity}; "
                              "the cache is unchanged (make it larger with new_cache(batch_size, "
                              "max_len), or truncate/reset it)")
-        if self.batch_size and bool((end < self.starts).any()):
-            raise ValueError(f"KVCache: appending {Tn} token(s) to rows of lengths "
-                             f"{self.lengths.tolist()} stays short of the left padding "
-                             f"declared with mark_left_padding, starts={self.starts.tolist()}; "
-                             "the padded prompt must cover its padding. The cache is unchanged")
         if Tn == 0:
             return
         L0 = int(self.lengths[0])
@@ -239,10 +234,11 @@ class KVCache:
         """Declare that the first ``n`` positions (int or ``(B,)``) of each row are padding
         (left-padded prompts): no query attends them, and :meth:`positions` counts from there.
 
-        Usually called on an empty cache, before the padded prompt is appended (which must then
-        be at least ``n`` tokens long per row); on a row that already holds tokens, ``n`` may
-        not exceed its length. Refused (ValueError / TypeError, the cache unchanged) otherwise,
-        or when ``n`` is negative, above T_max, or not an int / integer ``(B,)``."""
+        Usually called on an empty cache, before the padded prompt is appended (possibly in
+        chunks: tokens appended inside the padding are never attended, so the prompt must
+        reach past ``n`` before decoding); on a row that already holds tokens, ``n`` may not
+        exceed its length. Refused (ValueError / TypeError, the cache unchanged) otherwise, or
+        when ``n`` is negative, above T_max, or not an int / integer ``(B,)``."""
         n = _as_rows("n", n, self.batch_size, self.device)
         limit = torch.where(self.lengths > 0, self.lengths, self.capacity)  # (B,)
         if bool((n < 0).any()) or bool((n > limit).any()):
