@@ -141,6 +141,15 @@ def test_d_v_zero_still_returns_the_softmax_weights():
     assert torch.equal(w, w1)
 
 
+@pytest.mark.parametrize("backend", [None, "reference", "math", "sdpa"])
+@pytest.mark.parametrize("window", [TK + 1, 2**63, 10**30])
+def test_a_window_past_every_key_is_plain_causal(backend, window):
+    q, k, v = _qkv()
+    got = mha.attention(q, k, v, causal=True, window=window, backend=backend)
+    assert torch.equal(got, mha.attention(q, k, v, causal=True, window=TK, backend=backend))
+    torch.testing.assert_close(got, mha.attention(q, k, v, causal=True, backend=backend))
+
+
 ATTENTION_ACCEPTED = [
     # (id, unusual kwargs, the plain-Python equivalent)
     ("causal numpy bool", {"causal": np.bool_(True)}, {"causal": True}),
@@ -529,6 +538,9 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
                         fn(*args, **kw)
                     if rank == 0:
                         assert "refused on rank(s) [1]" in str(e.value), f"{case} {name}"
+            kw = {"dropout_p": 2.0} if rank == 1 else {}  # refused on rank 1 alone, before any gather
+            with pytest.raises(ValueError, match="dropout_p must lie in" if rank == 1 else "refused on"):
+                distributed.context_parallel_attention(*base, **kw)
         # a ring call with grad on one rank only: refused on both, nothing sent
         q = base[0].clone().requires_grad_(rank == 1)
         with pytest.raises(RuntimeError if rank == 1 else ValueError,

@@ -157,3 +157,10 @@ def test_a_file_that_fails_leaves_an_existing_module_alone(tmp_path):
     with pytest.raises(ValueError):
         io.load(path)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("thing", [torch.nn.Linear(2, 2), {"w": torch.zeros(1)}])
+def test_save_names_what_it_got(tmp_path, thing):
+    with pytest.raises(TypeError, match=r"^m must be an mha.MultiHeadAttention"):
+        io.save(thing, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()

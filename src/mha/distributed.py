@@ -40,7 +40,8 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_shards(q, k, v, group, *, causal, scale, inference: bool = False) -> tuple[int, int]:
+def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
+                  inference: bool = False) -> tuple[int, int]:
     """Valid shards that agree across ranks, checked on every rank before any K/V moves.
 
     Each rank checks its own arguments, then one small all-gather exchanges a description of
@@ -56,11 +57,12 @@ def _check_shards(q, k, v, group, *, causal, scale, inference: bool = False) -> 
         check_qkv(q, k, v)
         causal = check_bool("causal", causal)
         scale = None if scale is None else check_scalar("scale", scale, low=0.0)
+        check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
         if inference and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise RuntimeError("ring_attention is inference-only (no backward through the "
                                "ring); use context_parallel_attention for training, or "
                                "torch.no_grad()")
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:  # raised below, after the exchange
         error = e
     if error is None:
         row = [1.0, float(FLOAT_DTYPES.index(q.dtype)), *q.shape, *k.shape, *v.shape,
@@ -133,7 +135,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     from mha.functional import attention
 
-    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale)
+    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, dropout_p=dropout_p)
     k_all = _GatherSeq.apply(k, group)  # (B, h_kv, Tk, d_k)
     v_all = _GatherSeq.apply(v, group)  # (B, h_kv, Tk, d_v)
     if causal:  # keys past what the shard's last query sees are never needed

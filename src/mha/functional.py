@@ -37,8 +37,8 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    if window is not None:
-        window = check_window(window, causal)
+    if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
+        window = min(check_window(window, causal), max(Tk, 1))
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
                          return_weights)
 

@@ -37,6 +37,8 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
     """Write ``m``'s weights and configuration to a ``.safetensors`` file."""
     from safetensors.torch import save_file
 
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"m must be an mha.MultiHeadAttention, got {type(m).__name__}")
     tensors = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
     save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(config(m))})
 
