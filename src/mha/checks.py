@@ -128,8 +128,8 @@ def check_int_tensor(name: str, value, expected: str, device=None) -> torch.Tens
         try:
             value = torch.as_tensor(value, device=device)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"{name} must be an integer tensor {expected}, got "
-                            f"{type(value).__name__} that is not one ({e})") from None
+            raise TypeError(f"{name} must be an integer tensor {expected}; the "
+                            f"{type(value).__name__} given does not convert to one ({e})") from None
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor {expected}, got {value.dtype}")
     return value

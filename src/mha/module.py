@@ -43,6 +43,10 @@ class MultiHeadAttention(nn.Module):
         bias: biases on the four projections.
         dropout: dropout on the attention weights while training.
 
+    Sizes are positive ints, ``bias`` a bool, ``dropout`` a number in [0, 1), ``dtype`` None or
+    floating (numpy scalars of those kinds are accepted); anything else is refused before a
+    parameter exists, with an error naming the argument.
+
     Parameters: ``in_proj`` (packed ``[W^Q; W^K; W^V]``, when kdim == vdim == d_model) or
     ``q_proj``/``k_proj``/``v_proj``; and ``out_proj`` (W_O). Like ``nn.Linear``, weights are
     stored ``(out_features, in_features)``; the seeds' ``W`` of ``X W`` is their transpose.
