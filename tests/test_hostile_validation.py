@@ -528,7 +528,7 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
             for case, change, kwargs in DIST_CASES:
                 args, kw = (change(*base), kwargs) if rank == 1 else (base, {})
                 for name, fn in fns.items():
-                    with pytest.raises(ValueError, match="same shapes and dtype on every rank") as e:
+                    with pytest.raises(ValueError, match="same shapes on every rank, and the same dtype") as e:
                         fn(*args, **kw)
                     messages[f"{case} {name}"] = str(e.value)
             for case, change, kwargs, exc in DIST_LOCAL:

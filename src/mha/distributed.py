@@ -80,8 +80,8 @@ def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
                          f"see the error raised there (every rank of the group raises)")
     if any(not torch.equal(t, every[0]) for t in every[1:]):
         views = "; ".join(f"rank {rank}: {_describe(t)}" for rank, t in enumerate(every))
-        raise ValueError(f"q, k, v shards must have the same shapes and dtype on every rank, "
-                         f"with the same causal and scale: {views}")
+        raise ValueError(f"q, k, v shards must have the same shapes on every rank, and the "
+                         f"same dtype, causal and scale: {views}")
     return W, r
 
 
