@@ -46,7 +46,7 @@ def test_attention_errors(args, kwargs, exc, pattern):
     (dict(d_model=10, num_heads=3), r"d_model=10 must be divisible by num_heads=3 \(d_k = d_model / h"),
     (dict(d_model=16, num_heads=4, num_kv_heads=3), r"num_heads=4 must be a multiple of num_kv_heads=3"),
     (dict(d_model=0, num_heads=4), r"d_model must be a positive int, got 0"),
-    (dict(d_model=16, num_heads=4, dropout=1.5), r"dropout must lie in \[0, 1\)"),
+    (dict(d_model=16, num_heads=4, dropout=1.5), r"dropout must lie in \[0.0, 1.0\)"),
     (dict(d_model=16, num_heads=4, head_dim=-2), r"head_dim must be a positive int"),
 ])
 def test_module_construction_errors(kwargs, pattern):

@@ -26,14 +26,12 @@ import contextlib
 
 import torch
 
-from mha.checks import check_tensor
+from mha.checks import check_float_dtype, check_int, check_int_tensor, check_tensor
 
 
 def _as_rows(name: str, n, B: int, device: torch.device) -> torch.Tensor:
     """An int or ``(B,)`` integer tensor/sequence -> ``(B,)`` int64 on ``device``."""
-    t = torch.as_tensor(n, device=device)
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an int or integers (B,) = ({B},), got {t.dtype}")
+    t = check_int_tensor(name, n, f"(B,) = ({B},) or an int", device).to(device)
     if t.dim() == 0:
         t = t.expand(B)
     if t.shape != (B,):
@@ -66,18 +64,17 @@ class KVCache:
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
-        for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                          ("max_len", max_len), ("head_dim", head_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        kw = dict(dtype=dtype, device=device)
+        sizes = dict(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
+                     head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
+        B, h_kv, T_max, d_k, d_v = (check_int(name, val, low=1, what="a positive int")
+                                    for name, val in sizes.items())
+        kw = dict(dtype=check_float_dtype("dtype", dtype), device=device)
         # zeros, not empty: positions past a row's end are inside the (B, h_kv, Tk, d) views
         # that masked backends multiply by zero weights, and 0 * NaN garbage would be NaN.
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, **kw)
-        self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, **kw)
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
-        self.starts = torch.zeros(batch_size, dtype=torch.int64, device=self.k.device)
+        self.k = torch.zeros(B, h_kv, T_max, d_k, **kw)  # (B, h_kv, T_max, d_k)
+        self.v = torch.zeros(B, h_kv, T_max, d_v, **kw)  # (B, h_kv, T_max, d_v)
+        self.lengths = torch.zeros(B, dtype=torch.int64, device=self.k.device)
+        self.starts = torch.zeros(B, dtype=torch.int64, device=self.k.device)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -118,6 +115,7 @@ class KVCache:
     def positions(self, Tn: int) -> torch.Tensor:
         """``(B, Tn)`` int64: the positions (counted from each row's start) that the next
         ``Tn`` appended tokens will take — what a model needs for its position embeddings."""
+        Tn = check_int("Tn", Tn, low=0, what="a non-negative int")
         return (self.lengths - self.starts).unsqueeze(1) + torch.arange(Tn, device=self.device)
 
     def masks(self, Tq: int) -> dict:
@@ -234,11 +232,19 @@ class KVCache:
 
     def mark_left_padding(self, n) -> None:
         """Declare that the first ``n`` positions (int or ``(B,)``) of each row are padding
-        (left-padded prompts): no query attends them, and :meth:`positions` counts from there."""
+        (left-padded prompts): no query attends them, and :meth:`positions` counts from there.
+
+        Usually called on an empty cache, before the padded prompt is appended (possibly in
+        chunks: tokens appended inside the padding are never attended, so the prompt must
+        reach past ``n`` before decoding); on a row that already holds tokens, ``n`` may not
+        exceed its length. Refused (ValueError / TypeError, the cache unchanged) otherwise, or
+        when ``n`` is negative, above T_max, or not an int / integer ``(B,)``."""
         n = _as_rows("n", n, self.batch_size, self.device)
-        if bool((n < 0).any()) or bool((n > self.capacity).any()):
-            raise ValueError(f"mark_left_padding: n must lie in [0, T_max={self.capacity}], "
-                             f"got {n.tolist()}")
+        limit = torch.where(self.lengths > 0, self.lengths, self.capacity)  # (B,)
+        if bool((n < 0).any()) or bool((n > limit).any()):
+            raise ValueError(f"mark_left_padding: n must lie in [0, T_max={self.capacity}] and, "
+                             f"for rows already holding tokens, within their lengths "
+                             f"{self.lengths.tolist()}; got n={n.tolist()}")
         self.starts.copy_(n)
 
     def _check_new(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

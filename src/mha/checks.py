@@ -6,6 +6,10 @@ Shape legend: B batch, h query heads, h_kv key/value heads, Tq/Tk lengths, d_k/d
 
 from __future__ import annotations
 
+import math
+import numbers
+import sys
+
 import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -19,6 +23,9 @@ def check_tensor(name: str, t, ndim: int, expected: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), "
                         f"got {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; "
+                        f"convert it with .to_dense()")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have shape {expected} ({ndim} dims), "
                          f"got {tuple(t.shape)} ({t.dim()} dims)")
@@ -48,6 +55,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check_same(("q", "k", "v"), (q, k, v))
     B, h, _, d_k = q.shape
     kB, h_kv, Tk, kd = k.shape
+    if d_k == 0:
+        raise ValueError(f"q and k must have d_k >= 1 (the scores q k^T sum over d_k; the "
+                         f"default scale is 1/sqrt(d_k)), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     vB, vh, vT, _ = v.shape
     if kB != B or vB != B:
         raise ValueError(f"q, k, v must share the batch size B: q {tuple(q.shape)}, "
@@ -64,6 +75,27 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"k {tuple(k.shape)}")
 
 
+def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Packed sequences: q ``(N_q, h, d_k)``, k ``(N_k, h_kv, d_k)``, v ``(N_k, h_kv, d_v)``,
+    h_kv | h, d_k >= 1 — checked whole, even when there are no sequences to attend over."""
+    check_tensor("q", q, 3, "(N_q, h, d_k)")
+    check_tensor("k", k, 3, "(N_k, h_kv, d_k)")
+    check_tensor("v", v, 3, "(N_k, h_kv, d_v)")
+    check_same(("q", "k", "v"), (q, k, v))
+    _, h, d_k = q.shape
+    N_k, h_kv, kd = k.shape
+    if kd != d_k or d_k == 0:
+        raise ValueError(f"q (N_q, h, d_k) and k (N_k, h_kv, d_k) must share d_k >= 1, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if v.shape[:2] != (N_k, h_kv):
+        raise ValueError(f"k (N_k, h_kv, d_k) and v (N_k, h_kv, d_v) must have the same tokens "
+                         f"and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
+                         f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+
+
 def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     """A bool mask broadcastable to ``(B, h, Tq, Tk)``; returned as a 4-D view."""
     if not isinstance(mask, torch.Tensor):
@@ -72,6 +104,9 @@ def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> 
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}; "
                         "convert an additive float mask with `mask = bias == 0`")
+    if mask.layout != torch.strided:
+        raise TypeError(f"mask must be a dense (strided) bool tensor, got layout {mask.layout}; "
+                        f"convert it with .to_dense()")
     if mask.device != device:
         raise ValueError(f"mask must be on {device} like q, got {mask.device}")
     if mask.dim() > 4:
@@ -85,13 +120,24 @@ def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> 
     return m
 
 
+def check_int_tensor(name: str, value, expected: str, device=None) -> torch.Tensor:
+    """A tensor of integers (a torch integer tensor, a numpy integer array or a list of ints);
+    bool, floating and complex values are refused with a TypeError naming ``name``. Moved to
+    ``device`` only when it is not a tensor already."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value, device=device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{name} must be an integer tensor {expected}; the "
+                            f"{type(value).__name__} given does not convert to one ({e})") from None
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {expected}, got {value.dtype}")
+    return value
+
+
 def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> torch.Tensor:
     """An integer tensor ``(B,)`` with ``0 <= key_lengths[b] <= Tk``; returned as int64."""
-    if not isinstance(key_lengths, torch.Tensor):
-        key_lengths = torch.as_tensor(key_lengths, device=device)
-    if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool:
-        raise TypeError(f"key_lengths must be an integer tensor (B,) = ({B},), "
-                        f"got {key_lengths.dtype}")
+    key_lengths = check_int_tensor("key_lengths", key_lengths, f"(B,) = ({B},)", device)
     if key_lengths.shape != (B,):
         raise ValueError(f"key_lengths must have shape (B,) = ({B},), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device:
@@ -104,10 +150,7 @@ def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> tor
 def check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[int]:
     """Packed-sequence offsets ``(S + 1,)``: integers, ``0 = c_0 <= ... <= c_S = total``.
     Returns the lengths ``[c_1 - c_0, ..., c_S - c_{S-1}]``."""
-    if not isinstance(cu, torch.Tensor):
-        cu = torch.as_tensor(cu)
-    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (S + 1,), got {cu.dtype}")
+    cu = check_int_tensor(name, cu, "(S + 1,)")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must have shape (S + 1,) with S >= 0, got {tuple(cu.shape)}")
     if cu.device != device:
@@ -122,9 +165,7 @@ def check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[in
 
 def check_window(window, causal: bool) -> int:
     """A sliding window: a positive int, used together with ``causal=True``."""
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int (keys each query sees), "
-                        f"got {type(window).__name__}")
+    window = check_int("window", window, what="a positive int (keys each query sees)")
     if window < 1:
         raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
     if not causal:
@@ -133,14 +174,60 @@ def check_window(window, causal: bool) -> int:
     return window
 
 
+# Scalars. Python's own types and numpy's scalars of the same kind are accepted (np.bool_ is a
+# bool, np.integer an int, np.floating a real); 0-d tensors are refused with a hint, because
+# reading one synchronizes with its device and silently drops its autograd graph.
+
+def _numpy_bool(value) -> bool:
+    np = sys.modules.get("numpy")  # a numpy scalar exists only if numpy was imported
+    return np is not None and isinstance(value, np.bool_)
+
+
+def _type_hint(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"a {value.dim()}-d {value.dtype} tensor (pass a Python number, e.g. "
+                f"t.item(), if that is what you mean)")
+    return type(value).__name__
+
+
+def check_bool(name: str, value) -> bool:
+    """``True`` / ``False`` (or a numpy bool); anything else is a TypeError naming its type."""
+    if isinstance(value, bool) or _numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {_type_hint(value)}")
+
+
+def check_int(name: str, value, *, low: int | None = None, what: str = "an int") -> int:
+    """An integer (Python or numpy; not a bool), ``>= low`` when given; returned as int.
+    ``what`` names the expectation in both errors, e.g. "a positive int" with ``low=1``."""
+    if isinstance(value, bool) or _numpy_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}, got {_type_hint(value)}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return value
+
+
 def check_scalar(name: str, value, *, low: float, high: float | None = None,
                  high_open: bool = False) -> float:
-    """A real number in ``[low, high]`` (``[low, high)`` when ``high_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    """A finite real number (Python or numpy; not a bool) in ``[low, high]`` (``[low, high)``
+    when ``high_open``); returned as float."""
+    if isinstance(value, bool) or _numpy_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {_type_hint(value)}")
     value = float(value)
     too_high = high is not None and (value >= high if high_open else value > high)
-    if not value >= low or too_high:
+    if not math.isfinite(value) or not value >= low or too_high:
         bound = "" if high is None else (f", {high})" if high_open else f", {high}]")
-        raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'}, got {value}")
+        raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'} (a finite number), "
+                         f"got {value}")
     return value
+
+
+def check_float_dtype(name: str, dtype) -> torch.dtype | None:
+    """None (the default dtype) or one of the floating dtypes attention computes in."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None or a floating dtype (float32, bfloat16, float16, "
+                        f"float64), got {dtype!r}")
+    return dtype

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mha.checks import check_qkv
+from mha.checks import FLOAT_DTYPES, check_bool, check_qkv, check_scalar
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -40,19 +40,58 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_shards(q, k, v, group) -> tuple[int, int]:
-    """Same shard shapes on every rank (one small all-gather); returns (W, r)."""
-    check_qkv(q, k, v)
+def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
+                  inference: bool = False) -> tuple[int, int]:
+    """Valid shards that agree across ranks, checked on every rank before any K/V moves.
+
+    Each rank checks its own arguments, then one small all-gather exchanges a description of
+    them (valid or not, dtype, shapes of q / k / v, causal, scale): a rank whose arguments are
+    refused raises its own error and every other rank raises a ValueError naming it, and ranks
+    that disagree (dtype, B, h, h_kv, lengths, d_k, d_v, causal, scale) all raise the same
+    ValueError listing every rank's view — instead of a mismatched collective aborting the
+    process or waiting forever. Returns (W, r).
+    """
     W, r = _group_info(group)
-    mine = torch.tensor([*q.shape, *k.shape, *v.shape], dtype=torch.int64)  # (12,)
+    error = None
+    try:
+        check_qkv(q, k, v)
+        causal = check_bool("causal", causal)
+        scale = None if scale is None else check_scalar("scale", scale, low=0.0)
+        check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
+        if inference and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise RuntimeError("ring_attention is inference-only (no backward through the "
+                               "ring); use context_parallel_attention for training, or "
+                               "torch.no_grad()")
+    except (TypeError, ValueError, RuntimeError) as e:  # raised below, after the exchange
+        error = e
+    if error is None:
+        row = [1.0, float(FLOAT_DTYPES.index(q.dtype)), *q.shape, *k.shape, *v.shape,
+               float(causal), -1.0 if scale is None else scale]
+    else:
+        row = [0.0] * 16
+    mine = torch.tensor(row, dtype=torch.float64)  # (16,) exact for sizes < 2^53
     every = [torch.empty_like(mine) for _ in range(W)]
     dist.all_gather(every, mine, group=group)
-    for rank, shapes in enumerate(every):
-        if not torch.equal(shapes, mine):
-            raise ValueError(f"q, k, v shards must have the same shapes on every rank: rank {r} "
-                             f"has q/k/v {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)}, "
-                             f"rank {rank} has {shapes.view(3, 4).tolist()}")
+    refused = [rank for rank, t in enumerate(every) if t[0] == 0]
+    if error is not None:
+        raise error
+    if refused:
+        raise ValueError(f"q, k, v (or causal / scale) were refused on rank(s) {refused}; "
+                         f"see the error raised there (every rank of the group raises)")
+    if any(not torch.equal(t, every[0]) for t in every[1:]):
+        views = "; ".join(f"rank {rank}: {_describe(t)}" for rank, t in enumerate(every))
+        raise ValueError(f"q, k, v shards must have the same shapes on every rank, and the "
+                         f"same dtype, causal and scale: {views}")
     return W, r
+
+
+def _describe(row: torch.Tensor) -> str:
+    """One rank's exchanged description, in words."""
+    vals = [int(x) for x in row[1:14].tolist()]
+    scale = float(row[15])
+    return (f"{str(FLOAT_DTYPES[vals[0]]).replace('torch.', '')} q {tuple(vals[1:5])} "
+            f"k {tuple(vals[5:9])} v {tuple(vals[9:13])} causal={bool(row[14])} "
+            f"scale={'default' if scale < 0 else scale}")
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -96,7 +135,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     from mha.functional import attention
 
-    W, r = _check_shards(q, k, v, group)
+    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, dropout_p=dropout_p)
     k_all = _GatherSeq.apply(k, group)  # (B, h_kv, Tk, d_k)
     v_all = _GatherSeq.apply(v, group)  # (B, h_kv, Tk, d_v)
     if causal:  # keys past what the shard's last query sees are never needed
@@ -153,10 +192,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
     Args and shapes as in :func:`context_parallel_attention`. Returns ``(B, h, n_q, d_v)``.
     """
-    W, r = _check_shards(q, k, v, group)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError("ring_attention is inference-only (no backward through the ring); "
-                           "use context_parallel_attention for training, or torch.no_grad()")
+    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, inference=True)
     n_q, n_k = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     nxt, prv = (r + 1) % W, (r - 1) % W

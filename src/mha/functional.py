@@ -12,7 +12,14 @@ import torch
 
 from mha import dispatch, trace
 from mha.backends.base import AttentionCall
-from mha.checks import check_key_lengths, check_mask, check_qkv, check_scalar, check_window
+from mha.checks import (
+    check_bool,
+    check_key_lengths,
+    check_mask,
+    check_qkv,
+    check_scalar,
+    check_window,
+)
 from mha.masks import MaskSpec
 
 
@@ -24,16 +31,16 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
     Tk = k.shape[2]
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    causal = check_bool("causal", causal)
+    return_weights = check_bool("return_weights", return_weights)
     m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    if window is not None:
-        check_window(window, causal)
+    if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
+        window = min(check_window(window, causal), max(Tk, 1))
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
-                         bool(return_weights))
+                         return_weights)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
@@ -66,12 +73,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     All masks combine with AND. Query rows that may attend no key return zeros (and zero
     weights), with finite gradients.
 
+    Sizes: d_k must be >= 1 (a ValueError otherwise: with no dimension to sum over, the scores
+    and the default scale are undefined). Every other size may be 0 and gives the correctly
+    shaped, possibly empty, result on every backend: ``d_v = 0`` is an empty output
+    ``(B, h, Tq, 0)`` (with ``return_weights``, the weights are still the softmax).
+    Scalars: ``causal`` / ``return_weights`` are bools, ``scale`` / ``dropout_p`` finite real
+    numbers, ``window`` an int; numpy scalars of those kinds are accepted, tensors are not.
+
     Returns:
         ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
     """
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
                      dropout_p=dropout_p, return_weights=return_weights, window=window)
-    if call.Tq == 0 or call.Tk == 0 or call.B == 0:
+    if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (call.d_v == 0 and not return_weights):
         out, weights = _empty(call)
     else:
         chosen = dispatch.choose(call, backend)

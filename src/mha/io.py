@@ -1,14 +1,29 @@
 """Saving and loading modules with safetensors: weights plus the constructor arguments as
-metadata. Nothing is ever unpickled, so loading an untrusted file cannot run code."""
+metadata. Nothing is ever unpickled, so loading an untrusted file cannot run code.
+
+Loading trusts nothing in the file: the metadata is parsed strictly (each field's JSON type,
+sizes positive and no larger than the file's tensors), the expected tensor names, shapes and
+dtypes are derived from it on the meta device (no memory), and only a file whose header
+matches exactly is read and built into a module — so the module never holds more than the file.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import torch
+
+from mha.checks import check_float_dtype
 from mha.module import MultiHeadAttention
 
 _CONFIG_KEY = "mha.MultiHeadAttention"
+_SIZE_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "kdim", "vdim")
+_FIELDS = (*_SIZE_FIELDS, "bias", "dropout")
+#: safetensors dtype codes of the floating dtypes a module may be saved in.
+_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+                "F16": torch.float16}
 
 
 def config(m: MultiHeadAttention) -> dict:
@@ -22,21 +37,90 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
     """Write ``m``'s weights and configuration to a ``.safetensors`` file."""
     from safetensors.torch import save_file
 
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"m must be an mha.MultiHeadAttention, got {type(m).__name__}")
     tensors = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
     save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(config(m))})
 
 
 def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
-    """Rebuild the module saved by :func:`save` (ValueError if the file holds something else)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    """Rebuild the module saved by :func:`save`.
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    Raises ValueError naming the file and the field or tensor at fault when the file is not a
+    safetensors file (or is truncated), holds no mha configuration, or its configuration and
+    tensors disagree; no module is built before all of that has been checked.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    dtype = check_float_dtype("dtype", dtype)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                      for name in f.keys()}
+            cfg = _parse_config(path, f.metadata() or {}, header)
+            _check_tensors(path, cfg, header)
+            state = {name: f.get_tensor(name) for name in header}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    m = MultiHeadAttention(**cfg, device=device, dtype=dtype)
+    m.load_state_dict(state)
+    return m
+
+
+def _parse_config(path, meta: dict, header: dict) -> dict:
+    """The constructor arguments stored in ``meta``, each field's type and range checked; sizes
+    are bounded by the largest dimension of the file's (non-empty) tensors."""
     if _CONFIG_KEY not in meta:
         raise ValueError(f"{path}: not an mha.MultiHeadAttention file (no '{_CONFIG_KEY}' "
                          f"metadata; found keys {sorted(meta)})")
-    m = MultiHeadAttention(**json.loads(meta[_CONFIG_KEY]), device=device, dtype=dtype)
-    state = load_file(str(path), device=str(device or "cpu"))
-    m.load_state_dict({k: v.to(dtype) if dtype else v for k, v in state.items()})
-    return m
+    try:
+        cfg = json.loads(meta[_CONFIG_KEY])
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' must be a JSON object of the fields "
+                         f"{list(_FIELDS)}, got {type(cfg).__name__}")
+    missing, unknown = sorted(set(_FIELDS) - set(cfg)), sorted(set(cfg) - set(_FIELDS))
+    if missing or unknown:
+        raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' must hold exactly the fields "
+                         f"{list(_FIELDS)}; missing {missing}, unknown {unknown}")
+    largest = max((max(shape) for shape, _ in header.values() if math.prod(shape) > 0), default=0)
+    for name in _SIZE_FIELDS:
+        value = cfg[name]
+        if type(value) is not int:  # JSON true/false arrive as bool, 4.0 as float: refused
+            raise ValueError(f"{path}: metadata field '{name}' must be a JSON integer, got "
+                             f"{json.dumps(value)[:40]}")
+        if not 1 <= value <= largest:
+            raise ValueError(f"{path}: metadata field '{name}' must lie in [1, {largest}] (the "
+                             f"largest dimension of the file's tensors), got {value}")
+    if type(cfg["bias"]) is not bool:
+        raise ValueError(f"{path}: metadata field 'bias' must be a JSON bool (true or false), "
+                         f"got {json.dumps(cfg['bias'])[:40]}")
+    dropout = cfg["dropout"]
+    if type(dropout) not in (int, float) or not 0.0 <= dropout < 1.0:  # NaN fails the range
+        raise ValueError(f"{path}: metadata field 'dropout' must be a number in [0, 1), got "
+                         f"{json.dumps(dropout)[:40]}")
+    return cfg
+
+
+def _check_tensors(path, cfg: dict, header: dict) -> None:
+    """The file's tensors are exactly the state dict of the module ``cfg`` describes (names and
+    shapes, read off a module built on the meta device), in floating dtypes."""
+    try:
+        expected = {k: tuple(t.shape) for k, t in
+                    MultiHeadAttention(**cfg, device="meta").state_dict().items()}
+    except (ValueError, TypeError, RuntimeError) as e:  # inconsistent or overflowing sizes
+        raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' describes no valid module ({e})") \
+            from None
+    missing, unknown = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"{path}: the tensors must be exactly {sorted(expected)} for this "
+                         f"configuration; missing {missing}, unknown {unknown}")
+    for name, want in expected.items():
+        shape, code = header[name]
+        if shape != want:
+            raise ValueError(f"{path}: tensor '{name}' must have shape {want} for the "
+                             f"configuration {cfg}, got {shape}")
+        if code not in _FILE_DTYPES:
+            raise ValueError(f"{path}: tensor '{name}' must be floating "
+                             f"({', '.join(_FILE_DTYPES)}), got {code}")

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from mha import trace
-from mha.checks import check_same, check_tensor
+from mha.checks import (
+    check_bool,
+    check_float_dtype,
+    check_int,
+    check_same,
+    check_scalar,
+    check_tensor,
+)
 from mha.functional import attention
 from mha.linear import linear
 from mha.varlen import varlen_attention
@@ -36,6 +43,10 @@ class MultiHeadAttention(nn.Module):
         bias: biases on the four projections.
         dropout: dropout on the attention weights while training.
 
+    Sizes are positive ints, ``bias`` a bool, ``dropout`` a number in [0, 1), ``dtype`` None or
+    floating (numpy scalars of those kinds are accepted); anything else is refused before a
+    parameter exists, with an error naming the argument.
+
     Parameters: ``in_proj`` (packed ``[W^Q; W^K; W^V]``, when kdim == vdim == d_model) or
     ``q_proj``/``k_proj``/``v_proj``; and ``out_proj`` (W_O). Like ``nn.Linear``, weights are
     stored ``(out_features, in_features)``; the seeds' ``W`` of ``X W`` is their transpose.
@@ -46,28 +57,24 @@ class MultiHeadAttention(nn.Module):
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
                  dropout: float = 0.0, device=None, dtype=None) -> None:
         super().__init__()
-        _check_positive_int("d_model", d_model)
-        _check_positive_int("num_heads", num_heads)
+        d_model, num_heads = _positive("d_model", d_model), _positive("num_heads", num_heads)
         if head_dim is None and d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads} "
                              f"(d_k = d_model / h, seed 000), or pass head_dim explicitly")
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_positive_int("num_kv_heads", num_kv_heads)
+        num_kv_heads = _positive("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of "
                              f"num_kv_heads={num_kv_heads} (each K/V head serves h/h_kv query heads)")
+        head_dim = _positive("head_dim", d_model // num_heads if head_dim is None else head_dim)
+        v_head_dim = _positive("v_head_dim", head_dim if v_head_dim is None else v_head_dim)
+        kdim = _positive("kdim", d_model if kdim is None else kdim)
+        vdim = _positive("vdim", d_model if vdim is None else vdim)
+        bias = check_bool("bias", bias)
+        dropout = check_scalar("dropout", dropout, low=0.0, high=1.0, high_open=True)
+        dtype = check_float_dtype("dtype", dtype)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
-        self.head_dim = d_model // num_heads if head_dim is None else head_dim
-        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
-        _check_positive_int("head_dim", self.head_dim)
-        _check_positive_int("v_head_dim", self.v_head_dim)
-        self.kdim = d_model if kdim is None else kdim
-        self.vdim = d_model if vdim is None else vdim
-        _check_positive_int("kdim", self.kdim)
-        _check_positive_int("vdim", self.vdim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
-        self.dropout = float(dropout)
+        self.head_dim, self.v_head_dim, self.kdim, self.vdim = head_dim, v_head_dim, kdim, vdim
+        self.dropout = dropout
         kw = dict(bias=bias, device=device, dtype=dtype)
         q_w, k_w, v_w = self.q_width, self.k_width, self.v_width
         self.packed = self.kdim == d_model and self.vdim == d_model
@@ -269,21 +276,49 @@ class MultiHeadAttention(nn.Module):
 
     @torch.no_grad()
     def load_per_head_weights(self, weights: dict) -> None:
-        """Load the seed-000 per-head matrices (the format of :meth:`per_head_weights`)."""
+        """Load the seed-000 per-head matrices (the format of :meth:`per_head_weights`).
+
+        All or nothing: the whole dict is checked first (keys, counts, shapes, real dtypes,
+        biases present iff the module has them); a refused dict raises (ValueError /
+        TypeError naming the entry) and leaves every weight unchanged."""
+        targets = self._per_head_targets(weights)  # validated, before the first copy
+        for dst, src in targets:
+            dst.copy_(src)
+
+    def _per_head_targets(self, weights) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(parameter view, new value in nn.Linear layout)]`` for every weight and bias,
+        after checking ``weights`` entirely; nothing is written here."""
+        if not isinstance(weights, dict):
+            raise TypeError(f"weights must be a dict as returned by per_head_weights(), got "
+                            f"{type(weights).__name__}")
+        has_bias = self.out_proj.bias is not None
+        names = {"W_q", "W_k", "W_v", "W_o"} | ({"b_q", "b_k", "b_v", "b_o"} if has_bias else set())
+        missing = sorted(names - set(weights))
+        if missing:
+            raise ValueError(f"weights: missing {missing} (expected the keys of "
+                             f"per_head_weights(): {sorted(names)})")
+        extra = sorted(n for n in set(weights) - names
+                       if not (n in {"b_q", "b_k", "b_v", "b_o"} and weights[n] is None))
+        if extra:
+            why = " (this module has no biases)" if not has_bias and any(
+                n.startswith("b_") for n in extra) else ""
+            raise ValueError(f"weights: unexpected {extra}{why}; expected {sorted(names)}")
         (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
-        for W, b, key in ((wq, bq, "q"), (wk, bk, "k"), (wv, bv, "v")):
-            mats = weights[f"W_{key}"]
-            stacked = torch.cat([m.t() for m in mats], dim=0)  # heads x (in, d) -> (heads*d, in)
-            if stacked.shape != W.shape:
-                raise ValueError(f"W_{key}: expected {W.shape[0] // mats[0].shape[1]} matrices "
-                                 f"making {tuple(W.shape)} in nn.Linear layout, got "
-                                 f"{len(mats)} of {tuple(mats[0].shape)}")
-            W.copy_(stacked)
+        h, h_kv, d_k, d_v = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        targets = []
+        for key, W, b, n, rows, d in (("q", wq, bq, h, self.d_model, d_k),
+                                     ("k", wk, bk, h_kv, self.kdim, d_k),
+                                     ("v", wv, bv, h_kv, self.vdim, d_v)):
+            mats = _tensor_list(f"W_{key}", weights[f"W_{key}"], n, (rows, d))
+            targets.append((W, torch.cat([m.t() for m in mats], dim=0)))  # n x (in, d) -> (n*d, in)
             if b is not None:
-                b.copy_(torch.cat(weights[f"b_{key}"]))
-        self.out_proj.weight.copy_(weights["W_o"].t())
-        if self.out_proj.bias is not None:
-            self.out_proj.bias.copy_(weights["b_o"])
+                biases = _tensor_list(f"b_{key}", weights[f"b_{key}"], n, (d,))
+                targets.append((b, torch.cat(biases)))  # n x (d,) -> (n*d,)
+        W_o = _real_tensor("W_o", weights["W_o"], (h * d_v, self.d_model))
+        targets.append((self.out_proj.weight, W_o.t()))  # (h*d_v, d_model) -> nn.Linear layout
+        if has_bias:
+            targets.append((self.out_proj.bias, _real_tensor("b_o", weights["b_o"], (self.d_model,))))
+        return targets
 
     # ----------------------------------------------------------------------------- interop
     @classmethod
@@ -326,6 +361,27 @@ def _check_cache_call(key, value, mask, key_lengths) -> None:
                          "KVCache.mark_left_padding for padded rows)")
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _real_tensor(name: str, t, shape: tuple[int, ...]) -> torch.Tensor:
+    """A real (floating or integer, not bool/complex) tensor of exactly ``shape``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
+    if t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real tensor (floating or integer), got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    return t
+
+
+def _tensor_list(name: str, seq, n: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """A list or tuple of ``n`` real tensors of ``shape`` (one per head)."""
+    if not isinstance(seq, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {n} tensors {shape} (one per head), got "
+                        f"{type(seq).__name__}")
+    if len(seq) != n:
+        raise ValueError(f"{name} must hold {n} tensors {shape} (one per head), got {len(seq)}")
+    return [_real_tensor(f"{name}[{i}]", t, shape) for i, t in enumerate(seq)]
+
+
+def _positive(name: str, value) -> int:
+    """A constructor size: a positive int (numpy integers accepted), returned as int."""
+    return check_int(name, value, low=1, what="a positive int")

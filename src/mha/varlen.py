@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from mha.checks import check_cu_seqlens, check_tensor
+from mha.checks import check_bool, check_cu_seqlens, check_packed_qkv, check_scalar
 
 #: Cost model: seconds per attention FLOP, per call, and per padded element copied (zeroed new
 #: buffers, page faults included). Rough figures of this CPU (~150 GFLOP/s attention, ~40 us a
@@ -62,10 +62,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     from mha.functional import attention
 
-    check_tensor("q", q, 3, "(N_q, h, d_k)")
-    check_tensor("k", k, 3, "(N_k, h_kv, d_k)")
-    check_tensor("v", v, 3, "(N_k, h_kv, d_v)")
-    if strategy not in STRATEGIES:
+    check_packed_qkv(q, k, v)
+    causal = check_bool("causal", causal)
+    scale = None if scale is None else check_scalar("scale", scale, low=0.0)
+    dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if cu_seqlens_k is None:
         if k.shape[0] != q.shape[0]:
