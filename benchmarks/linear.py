@@ -124,8 +124,8 @@ def _impls(old: bool) -> dict:
 def _ratios(t: dict, unit: str, work: float) -> str:
     parts = [f"{name} {work / t[name] / 1e9:.0f}" if work else f"{name} {t[name] * 1e3:.2f}"
              for name in t]
-    rel = [f"mha/{name} {t[name] / t['mha']:.2f}x" for name in t if name != "mha"]
-    return f"{', '.join(parts)} {unit} ({'; '.join(rel)})"
+    rel = [f"{name} {t[name] / t['mha']:.2f}x" for name in t if name != "mha"]
+    return f"{', '.join(parts)} {unit} (mha's speed-up over {', '.join(rel)})"
 
 
 def _shape(M: int, K: int, N: int, rounds: int, old: bool) -> list[str]:

@@ -70,6 +70,16 @@ def test_strided_input_and_weight_slices():
     _check(x, torch.randn(208, 2 * 256, generator=g)[:, ::2], torch.randn(208, generator=g))
 
 
+def test_opcheck():
+    """Schema, fake (meta) twin and dispatch of mha::linear agree (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(96, 128, generator=g), torch.randn(192, 128, generator=g), \
+        torch.randn(192, generator=g)
+    w_strided = torch.randn(192, 256, generator=g)[:, ::2]  # (N, K) = (192, 128), K stride 2
+    for args in ((x, w, b), (x, w, None), (x, w_strided, b)):
+        torch.library.opcheck(torch.ops.mha.linear.default, args)
+
+
 def test_weight_read_at_every_call():
     """Nothing derived from the weight is kept: writes that bump no version counter (through
     .data, numpy, the storage) and a rebound .data are all read by the next call."""

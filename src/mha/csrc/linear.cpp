@@ -5,13 +5,14 @@
 // nn.Linear layout (any strides), bias (N,) or none; out (M, N) contiguous, fp32.
 //
 // torch's fp32 matmul runs MKL's AVX2 path on AMD CPUs (~40 % of the FMA peak here); these are
-// the 6 x 64 FMA tiles of the flash kernels (gemm_tiles.h). The forward packs W^T into a
-// 64-column panel (K, 64) per work item, in a thread-local buffer, as BLAS libraries pack B:
-// O(N K) moves against the GEMM's O(M N K), and nothing derived from the weight outlives the
-// call, so a weight changed by any route (in place, through .data, numpy or the storage) is read
-// as it is. Each item walks K in chunks of 128 so the panel's 128 x 64 slice (32 KB) stays in L1
-// while every 6-row tile of a 96-row block passes over it. Each output element is summed in the
-// same order whatever the thread count.
+// the 6 x 64 FMA tiles of the flash kernels (gemm_tiles.h). Each call first packs W^T into
+// 64-column panels (P, K, 64) in a buffer of its own, as BLAS libraries pack B: O(N K) moves
+// against the GEMM's O(M N K), and nothing derived from the weight outlives the call, so a
+// weight changed by any means (in place, through .data, through numpy) is always read as it is.
+// Work items are then (panel, 96-row block) pairs handed out by at::parallel_for; each item
+// walks K in chunks of 128 so the panel's 128 x 64 slice (32 KB) stays in L1 while every 6-row
+// tile of the block passes over it. Each output element is summed in the same order whatever
+// the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,7 +20,6 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -31,16 +31,18 @@ namespace mha_linear {
 namespace {
 
 constexpr int64_t kPanel = 64;    // output columns per packed panel
-constexpr int64_t kRows = 96;     // rows of x per block (16 tiles of 6)
+constexpr int64_t kRows = 96;     // rows of x per work item (16 tiles of 6)
 constexpr int64_t kChunk = 128;   // K per pass over a row block (the panel slice stays in L1)
 
-// C (M, N, row stride ldc) = A (M, K) B (K, N), on the tiles of gemm_tiles.h (the gradients):
-// items are (64-column panel, 96-row block) pairs over at::parallel_for, each walking K in
-// chunks of 128 so the panel's slice of B stays in L1 while the block's 6-row tiles pass over
-// it. A(r, k) = a[r sam + k sak]; B row-major (ldb). Each output element is summed in the same
-// order whatever the thread count.
+// C (M, N, row stride ldc) = init + A (M, K) B (K, N), on the tiles of gemm_tiles.h: items are
+// (64-column panel, 96-row block) pairs over at::parallel_for, each walking K in chunks of 128
+// so the panel's slice of B stays in L1 while the block's 6-row tiles pass over it. A(r, k) =
+// a[r sam + k sak]; B row-major (ldb) or, when `packed`, panels [N / 64][K][64]. C starts as
+// the bias broadcast over rows (bias != nullptr) or 0. Each output element is summed in the
+// same order whatever the thread count.
 void blocked_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-                  const float* b, int64_t ldb, float* c, int64_t ldc) {
+                  const float* b, int64_t ldb, bool packed, const float* bias, float* c,
+                  int64_t ldc) {
   const int64_t panels = (N + kPanel - 1) / kPanel, blocks = (M + kRows - 1) / kRows;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -48,10 +50,13 @@ void blocked_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, 
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       float* cb = c + m0 * ldc + n0;  // (rows, cols) of C
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < cols; ++j) cb[r * ldc + j] = 0.f;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk)  // C += A[:, k0:k1] B[k0:k1, panel]
-        mha_gemm::gemm<float>(rows, cols, std::min(kChunk, K - k0), a + m0 * sam + k0 * sak, sam,
-                              sak, b + k0 * ldb + n0, ldb, cb, ldc, true);
+        for (int64_t j = 0; j < cols; ++j) cb[r * ldc + j] = bias ? bias[n0 + j] : 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {  // C += A[:, k0:k1] B[k0:k1, panel]
+        const int64_t kc = std::min(kChunk, K - k0);
+        const float* bb = packed ? b + (p * K + k0) * kPanel : b + k0 * ldb + n0;
+        mha_gemm::gemm<float>(rows, cols, kc, a + m0 * sam + k0 * sak, sam, sak, bb,
+                              packed ? kPanel : ldb, cb, ldc, true);
+      }
     }
   });
 }
@@ -83,59 +88,34 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 }
 #endif
 
-// dst (K, 64) = panel p of W^T, zero past N: dst[k][j] = W(64 p + j, k), W(n, k) = w[n sn + k sk].
-// A contiguous last dim moves 8 x 8 blocks through registers; anything else goes element by
-// element.
-void pack_panel(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, int64_t p,
-                float* dst) {
-  const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-  int64_t kv = 0;  // k below kv: done by 8 x 8 blocks
-#if defined(__AVX2__)
-  if (sk == 1 && cols % 8 == 0) {
-    for (; kv + 8 <= K; kv += 8)
-      for (int64_t j = 0; j < cols; j += 8)
-        transpose8(w + (n0 + j) * sn + kv, sn, dst + kv * kPanel + j, kPanel);
-  }
-#endif
-  for (int64_t k = kv; k < K; ++k)
-    for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
-}
-
-// out (M, N) = bias + x (M, K) W^T, x rows sxm apart, W (N, K) read through its strides.
-// Items are (panel, run of 96-row blocks) pairs, as few runs per panel as keep every thread
-// busy; an item packs its panel of W^T (K, 64) into its thread's buffer (skipped when the
-// thread's previous item of this call packed the same panel), then walks its blocks as
-// blocked_gemm does. The buffer is rewritten before it is read: nothing outlives the call.
-void linear_forward(int64_t M, int64_t N, int64_t K, const float* x, int64_t sxm, const float* w,
-                    int64_t sn, int64_t sk, const float* bias, float* out) {
-  const int64_t panels = (N + kPanel - 1) / kPanel, blocks = (M + kRows - 1) / kRows;
-  const int64_t runs = std::min(blocks, std::max<int64_t>(1, (2 * at::get_num_threads() +
-                                                              panels - 1) / panels));
-  at::parallel_for(0, panels * runs, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> buf;
-    buf.resize(std::max<size_t>(buf.size(), size_t(K * kPanel)));
-    int64_t packed = -1;  // the panel in buf, for this call's items on this thread
+// wp (P, K, 64) = W^T in 64-column panels, zero past N: wp[p][k][j] = W(64 p + j, k), with
+// W(n, k) = w[n sn + k sk]. Items are (panel, 64-wide K block) pairs; a contiguous last dim
+// moves 8 x 8 blocks through registers, anything else goes element by element.
+void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* wp) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, kblocks = (K + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels * kblocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / runs, run = t % runs;
-      if (p != packed) pack_panel(w, N, K, sn, sk, p, buf.data());
-      packed = p;
+      const int64_t p = t / kblocks, k0 = (t % kblocks) * kPanel;
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      for (int64_t blk = run * blocks / runs; blk < (run + 1) * blocks / runs; ++blk) {
-        const int64_t m0 = blk * kRows, rows = std::min(kRows, M - m0);
-        float* cb = out + m0 * N + n0;  // (rows, cols) of out
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < cols; ++j) cb[r * N + j] = bias ? bias[n0 + j] : 0.f;
-        for (int64_t k0 = 0; k0 < K; k0 += kChunk)  // out += x[:, k0:k1] W^T[k0:k1, panel]
-          mha_gemm::gemm<float>(rows, cols, std::min(kChunk, K - k0), x + m0 * sxm + k0, sxm, 1,
-                                buf.data() + k0 * kPanel, kPanel, cb, N, true);
+      const int64_t k1 = std::min(K, k0 + kPanel);
+      float* dst = wp + p * K * kPanel;  // this panel's (K, 64)
+      int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
+#if defined(__AVX2__)
+      if (sk == 1 && cols % 8 == 0) {
+        for (; kv + 8 <= k1; kv += 8)
+          for (int64_t j = 0; j < cols; j += 8)
+            transpose8(w + (n0 + j) * sn + kv, sn, dst + kv * kPanel + j, kPanel);
       }
+#endif
+      for (int64_t k = kv; k < k1; ++k)
+        for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
     }
   });
 }
 
-// out (M, N) = x (M, K) W^T + bias, W (N, K) read through its strides and packed in this call.
+// out (M, N) = x (M, K) W^T + bias, W (N, K) read through its strides and packed for this call.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
                   const std::optional<at::Tensor>& bias) {
   check_f32_cpu(x, "x");
@@ -156,9 +136,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  linear_forward(M, N, K, x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0),
-                 w.stride(1), b.defined() ? b.data_ptr<float>() : nullptr,
-                 out.data_ptr<float>());
+  at::Tensor wp = at::empty({(N + kPanel - 1) / kPanel, K, kPanel}, w.options());  // (P, K, 64)
+  pack_panels(w.data_ptr<float>(), N, K, w.stride(0), w.stride(1), wp.data_ptr<float>());
+  blocked_gemm(M, N, K, x.data_ptr<float>(), x.stride(0), 1, wp.data_ptr<float>(), 0, true,
+               b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N);
   return out;
 }
 
@@ -182,13 +163,13 @@ std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_out,
   if (need_x) {
     gx = at::empty({M, K}, x.options());
     if (M > 0 && K > 0)
-      blocked_gemm(M, K, N, g.data_ptr<float>(), N, 1, wc.data_ptr<float>(), K,
+      blocked_gemm(M, K, N, g.data_ptr<float>(), N, 1, wc.data_ptr<float>(), K, false, nullptr,
                    gx.data_ptr<float>(), K);
   }
   if (need_w) {
     gw = at::empty({N, K}, w.options());
     if (N > 0 && K > 0)
-      blocked_gemm(N, K, M, g.data_ptr<float>(), 1, N, xc.data_ptr<float>(), K,
+      blocked_gemm(N, K, M, g.data_ptr<float>(), 1, N, xc.data_ptr<float>(), K, false, nullptr,
                    gw.data_ptr<float>(), K);
   }
   return {gx, gw};
