@@ -31,7 +31,7 @@ from _timing import interleaved
 from mha import _build, linear
 
 SHAPES = ((640, 512, 1536), (640, 512, 512), (2048, 512, 1536), (2048, 2048, 2048),
-          (8, 512, 1536))
+          (16, 512, 1536))
 PANEL = 64  # output columns per packed panel (csrc/linear.cpp kPanel)
 
 

@@ -10,7 +10,7 @@ four projections are ~98 % of the FLOPs) the projections, not attention, set the
 extension ``mha_linear``) when it can, and is ``torch.nn.functional.linear`` otherwise:
 
 * only float32 CPU tensors, with ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL``
-  multiply-adds, and the native extension built with AVX-512;
+  multiply-adds and ``ROWS`` rows of x, and the native extension built with AVX-512;
 * not while ``torch.compile`` traces (the op has no autograd formula registered with
   ``torch.library`` for the compiler to trace; it gets ``F.linear``).
 
@@ -37,7 +37,9 @@ from mha import _build
 NAME = "mha_linear"
 SOURCES = ("linear.cpp",)
 SMALL = 1 << 20  # M N K below this: F.linear (7 x 33 x 32 ran at 0.4x F.linear; 5 x 512 x 512
-                 # at 3x)
+                 # at 3x with the weight packed ahead of the call)
+ROWS = 16  # M below this: F.linear, since each call packs W (O(N K)) for only M rows of GEMM
+           # (8 x 512 x 1536 ran at 0.5x F.linear; benchmarks/linear.py)
 
 
 @functools.cache
@@ -70,6 +72,8 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     if x.numel() * weight.shape[0] < SMALL:
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
+    if x.numel() < ROWS * x.shape[-1]:
+        return f"fewer than {ROWS} rows of x (packing the weight would dominate)"
     return load()
 
 
