@@ -89,16 +89,17 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 #endif
 
 // wp (P, K, 64) = W^T in 64-column panels, zero past N: wp[p][k][j] = W(64 p + j, k), with
-// W(n, k) = w[n sn + k sk]. Items are (panel, 64-wide K block) pairs; a contiguous last dim
-// moves 8 x 8 blocks through registers, anything else goes element by element.
+// W(n, k) = w[n sn + k sk]. On the calling thread, in (panel, 64-wide K block) steps: a second
+// parallel region (a barrier more per call) cost more than the O(N K) moves it spread (see
+// benchmarks/linear.py). A contiguous last dim moves 8 x 8 blocks through registers, anything
+// else goes element by element.
 void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* wp) {
-  const int64_t panels = (N + kPanel - 1) / kPanel, kblocks = (K + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels * kblocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / kblocks, k0 = (t % kblocks) * kPanel;
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    float* dst = wp + p * K * kPanel;  // this panel's (K, 64)
+    for (int64_t k0 = 0; k0 < K; k0 += kPanel) {
       const int64_t k1 = std::min(K, k0 + kPanel);
-      float* dst = wp + p * K * kPanel;  // this panel's (K, 64)
       int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
 #if defined(__AVX2__)
       if (sk == 1 && cols % 8 == 0) {
@@ -112,7 +113,7 @@ void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, f
       for (int64_t k = k0; k < k1; ++k)
         for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
     }
-  });
+  }
 }
 
 // out (M, N) = x (M, K) W^T + bias, W (N, K) read through its strides and packed for this call.
