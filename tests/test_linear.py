@@ -18,8 +18,18 @@ import mha
 from examples import examples
 from mha import linear
 
-pytestmark = pytest.mark.skipif(linear.load() is not None, reason=f"the native projections are "
-                                f"unavailable here: {linear.load()}")
+
+@pytest.fixture(autouse=True)
+def native_linear(monkeypatch):
+    """The native op; where the CPU lacks AVX-512, its portable loops (same packing and
+    blocking, scalar tiles) rather than the F.linear fallback, so the op is still tested."""
+    reason = linear.load()
+    if reason is not None:
+        try:
+            torch.ops.mha.linear_vectorized  # noqa: B018 — present once the extension loaded
+        except (AttributeError, RuntimeError):
+            pytest.skip(f"the native projections did not build: {reason}")
+        monkeypatch.setattr(linear, "load", lambda: None)
 
 
 def _check(x, w, b):
@@ -43,8 +53,8 @@ def test_matches_float64(M, K16, N16, bias, lead, seed):
     N, K = 16 * N16, 16 * K16
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, M, K, generator=g)
-    if x.numel() * N < linear.SMALL:  # make it big enough to take the native path
-        x = torch.randn(*lead, linear.SMALL // (K * N) + 1, K, generator=g)
+    if x.numel() * N < linear.SMALL or x.numel() < linear.ROWS * K:  # big enough to go native
+        x = torch.randn(*lead, max(linear.SMALL // (K * N) + 1, linear.ROWS), K, generator=g)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
     _check(x, w, b)
@@ -55,10 +65,40 @@ def test_strided_input_and_weight_slices():
     x = torch.randn(40, 30, 2 * 256, generator=g)[..., ::2]  # last dim stride 2
     W = torch.randn(3 * 256, 256, generator=g)
     _check(x, W[256:512], None)  # a view of a larger weight (the module's W^K)
+    _check(x, torch.randn(256, 2 * 208, generator=g)[:, 16:224].t(), None)  # (N, K) = (208, 256)
+    _check(x, torch.randn(208, 300, generator=g)[:, 20:276], None)  # rows 300 apart
+    _check(x, torch.randn(208, 2 * 256, generator=g)[:, ::2], torch.randn(208, generator=g))
+
+
+def test_opcheck():
+    """Schema, fake (meta) twin and dispatch of mha::linear agree (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(96, 128, generator=g), torch.randn(192, 128, generator=g), \
+        torch.randn(192, generator=g)
+    w_strided = torch.randn(192, 256, generator=g)[:, ::2]  # (N, K) = (192, 128), K stride 2
+    for args in ((x, w, b), (x, w, None), (x, w_strided, b)):
+        torch.library.opcheck(torch.ops.mha.linear.default, args)
+
+
+def test_weight_read_at_every_call():
+    """Nothing derived from the weight is kept: writes that bump no version counter (through
+    .data, numpy, the storage) and a rebound .data are all read by the next call."""
+    lin = torch.nn.Linear(256, 512)
+    x = torch.randn(64, 256)
+    w = lin.weight
+    with torch.no_grad():
+        for change in (lambda: w.data.mul_(2), lambda: w.detach().numpy().__imul__(-1),
+                       lambda: setattr(w, "data", torch.randn(512, 256)),
+                       lambda: w.untyped_storage().copy_(torch.randn(512, 256).untyped_storage())):
+            before = linear.linear_module(lin, x)
+            change()
+            want = F.linear(x, w, lin.bias)
+            torch.testing.assert_close(linear.linear_module(lin, x), want, rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(before, want, rtol=1e-2, atol=1e-2)
 
 
 def test_in_place_weight_updates_are_seen():
-    """The packed copy is cached per weight and dropped when the weight changes in place."""
+    """In-place updates that bump the version counter, and load_state_dict."""
     lin = torch.nn.Linear(256, 512)
     x = torch.randn(64, 256)
     with torch.no_grad():
@@ -79,6 +119,7 @@ def test_falls_back_with_a_reason():
     assert "N % 16" in linear.why_not_native(x, w[:500], None)
     assert "K % 16" in linear.why_not_native(x[:, :250], w[:, :250], None)
     assert "multiply-adds" in linear.why_not_native(x[:2, :16], w[:16, :16], None)
+    assert "rows" in linear.why_not_native(x[:linear.ROWS - 1], torch.randn(4096, 256), None)
 
 
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,7 +131,7 @@ def test_gradients_match_float64(M, K16, N16, bias, need_x, seed):
     yardstick; x without requires_grad gets no gradient."""
     N, K = 16 * N16, 16 * K16
     g = torch.Generator().manual_seed(seed)
-    M = max(M, linear.SMALL // (K * N) + 1)
+    M = max(M, linear.SMALL // (K * N) + 1, linear.ROWS)
     x, w, gy = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((M, K), (N, K), (M, N)))
     b = torch.randn(N, generator=g, dtype=torch.float64) if bias else None
 
@@ -110,6 +151,25 @@ def test_gradients_match_float64(M, K16, N16, bias, need_x, seed):
         err, ref_err = (a.double() - e).abs().max().item(), (r.double() - e).abs().max().item()
         bound = n * 6e-8 * e.abs().max().item() * 4
         assert err <= 4 * ref_err + bound, f"grad_{name}: {err:.3e} vs F.linear's {ref_err:.3e}"
+
+
+def test_double_backward_matches_float64():
+    """create_graph=True: the gradients are differentiable (a gradient penalty's gradients equal
+    float64 autograd of F.linear's)."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((96, 128), (192, 128),
+                                                                           (192,)))
+
+    def penalty_grads(fn, dtype):
+        ins = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+        gx, gw, gb = torch.autograd.grad(fn(*ins).square().sum(), ins, create_graph=True)
+        return torch.autograd.grad(gx.square().sum() + gw.square().sum() + gb.sum(), ins)
+
+    assert linear.why_not_native(x.float(), w.float(), b.float()) is None
+    got, want = penalty_grads(linear.linear, torch.float32), penalty_grads(F.linear, torch.float64)
+    for name, a, e in zip(("x", "w", "b"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4 * e.abs().max().item(),
+                                   msg=lambda m, name=name: f"grad_{name}: {m}")
 
 
 def test_module_training_step_matches_f_linear(monkeypatch):

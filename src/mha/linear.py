@@ -10,16 +10,19 @@ four projections are ~98 % of the FLOPs) the projections, not attention, set the
 extension ``mha_linear``) when it can, and is ``torch.nn.functional.linear`` otherwise:
 
 * only float32 CPU tensors, with ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL``
-  multiply-adds, and the native extension built with AVX-512;
-* not while ``torch.compile`` traces (it would see a Python-side cache).
+  multiply-adds and ``ROWS`` rows of x, and the native extension built with AVX-512;
+* not while ``torch.compile`` traces (the op has no autograd formula registered with
+  ``torch.library`` for the compiler to trace; it gets ``F.linear``).
 
 When a gradient is needed it runs under an autograd function whose backward is native too
-(``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles, no transposes).
+(``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles, no transposes). With
+``create_graph=True`` the backward is written with differentiable torch ops instead, so double
+backward (a gradient penalty, Hessian-vector products) works.
 
-The weight is repacked once into 64-column panels of ``W^T`` (``(ceil(N / 64), K, 64)``) and the
-packed copy is kept on the weight tensor (attribute ``_mha_packed``; on its base for a slice),
-keyed by storage, shape and version counter, so an in-place update (``load_state_dict``, an
-optimizer step) is seen at the next call.
+Nothing derived from a weight is kept between calls: the native op packs ``W^T`` into 64-column
+panels (``(ceil(N / 64), K, 64)``) inside every call, O(N K) against the GEMM's O(M N K). So a
+weight changed by any route — an optimizer step, ``load_state_dict``, ``w.data.mul_(2)``,
+``p.data = t``, writes through ``w.numpy()`` or ``w.untyped_storage()`` — is read as it is now.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from mha import _build
 
 NAME = "mha_linear"
 SOURCES = ("linear.cpp",)
-PANEL = 64  # output columns per packed panel (csrc/linear.cpp kPanel)
 SMALL = 1 << 20  # M N K below this: F.linear (7 x 33 x 32 ran at 0.4x F.linear; 5 x 512 x 512
-                 # at 3x)
+                 # at 3x with the weight packed ahead of the call)
+ROWS = 16  # M below this: F.linear, since each call packs W (O(N K)) for only M rows of GEMM
+           # (8 x 512 x 1536 ran at 0.5x F.linear; benchmarks/linear.py)
 
 
 @functools.cache
@@ -46,36 +50,14 @@ def load() -> str | None:
         _build.load(NAME, SOURCES)
     except _build.BuildError as e:
         return str(e)
-    torch.library.register_fake("mha::linear_packed")(_fake)
+    torch.library.register_fake("mha::linear")(_fake)
     if not torch.ops.mha.linear_vectorized():
         return "the native projections need AVX-512 (this build has the portable loops only)"
     return None
 
 
-def _fake(x, wp, bias, N):
-    return x.new_empty((x.shape[0], N))
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``(N, K)`` -> ``(ceil(N / 64), K, 64)``: W^T in 64-column panels, zero past N."""
-    N, K = weight.shape
-    P = -(-N // PANEL)
-    w = F.pad(weight.detach(), (0, 0, 0, P * PANEL - N))  # (P * 64, K)
-    return w.view(P, PANEL, K).transpose(1, 2).contiguous()  # (P, 64, K) -> (P, K, 64)
-
-
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy, kept on the weight tensor itself, or on its base when it is a view (the
-    module's W^Q, W^K, W^V are slices of one parameter): it lives and dies with the weight."""
-    holder = weight if weight._base is None else weight._base
-    cache = getattr(holder, "_mha_packed", None)
-    if cache is None or cache[0] != (holder.data_ptr(), holder._version):
-        cache = ((holder.data_ptr(), holder._version), {})  # a new version drops every entry
-        holder._mha_packed = cache
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
-    if key not in cache[1]:
-        cache[1][key] = pack(weight)
-    return cache[1][key]
+def _fake(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))  # (M, K) x (N, K) -> (M, N)
 
 
 def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -90,6 +72,8 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     if x.numel() * weight.shape[0] < SMALL:
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
+    if x.numel() < ROWS * x.shape[-1]:
+        return f"fewer than {ROWS} rows of x (packing the weight would dominate)"
     return load()
 
 
@@ -106,26 +90,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                        for t in (x, weight, bias)):
         out = _Linear.apply(x2, weight, bias)
     else:
-        out = torch.ops.mha.linear_packed(x2, _packed_weight(weight), bias, weight.shape[0])
+        out = torch.ops.mha.linear(x2, weight, bias)
     return out.view(*lead, weight.shape[0])  # (M, N) -> (..., N)
 
 
 class _Linear(torch.autograd.Function):
     """``x W^T + b`` with native gradients: grad_x = grad_out W, grad_w = grad_out^T x (the
-    tiles read grad_out through its strides, so nothing is transposed), grad_b = sum of rows."""
+    tiles read grad_out through its strides, so nothing is transposed), grad_b = sum of rows.
+    Under ``create_graph=True`` (grad mode on inside backward) the same three products are torch
+    ops, so the gradients are themselves differentiable."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mha.linear_packed(x2, _packed_weight(weight), bias, weight.shape[0])
+        return torch.ops.mha.linear(x2, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (M, N)
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        gx, gw = torch.ops.mha.linear_backward(grad_out, x2, weight, need_x, need_w)
         gb = grad_out.sum(0) if ctx.has_bias and need_b else None  # (M, N) -> (N,)
+        if torch.is_grad_enabled():  # create_graph=True: differentiable products
+            gx = grad_out @ weight if need_x else None  # (M, N) @ (N, K) -> (M, K)
+            gw = grad_out.t() @ x2 if need_w else None  # (N, M) @ (M, K) -> (N, K)
+            return gx, gw, gb
+        gx, gw = torch.ops.mha.linear_backward(grad_out, x2, weight, need_x, need_w)
         return (gx if need_x else None), (gw if need_w else None), gb
 
 

@@ -1,15 +1,18 @@
-// The module's projections (x W^T + b) in fp32 on AVX-512 register tiles, for inference.
+// The module's projections (x W^T + b) in fp32 on AVX-512 register tiles, forward and backward.
 //
 // Shape legend: M rows of x (B * T), K input features, N output features, P = ceil(N / 64)
-// column panels. x (M, K) with a contiguous last dim (any row stride), the weight pre-packed by
-// mha/linear.py as panels wp (P, K, 64) (W^T, 64 output columns per panel, zero past N), bias
-// (N,) or none; out (M, N) contiguous, fp32.
+// column panels. x (M, K) with a contiguous last dim (any row stride), the weight W (N, K) in
+// nn.Linear layout (any strides), bias (N,) or none; out (M, N) contiguous, fp32.
 //
 // torch's fp32 matmul runs MKL's AVX2 path on AMD CPUs (~40 % of the FMA peak here); these are
-// the 6 x 64 FMA tiles of the flash kernels (gemm_tiles.h). Work items are (panel, 96-row
-// block) pairs handed out by at::parallel_for; each item walks K in chunks of 128 so the
-// panel's 128 x 64 slice (32 KB) stays in L1 while every 6-row tile of the block passes over
-// it. Each output element is summed in the same order whatever the thread count.
+// the 6 x 64 FMA tiles of the flash kernels (gemm_tiles.h). Each call first packs W^T into
+// 64-column panels (P, K, 64) in a buffer of its own, as BLAS libraries pack B: O(N K) moves
+// against the GEMM's O(M N K), and nothing derived from the weight outlives the call, so a
+// weight changed by any means (in place, through .data, through numpy) is always read as it is.
+// Work items are then (panel, 96-row block) pairs handed out by at::parallel_for; each item
+// walks K in chunks of 128 so the panel's 128 x 64 slice (32 KB) stays in L1 while every 6-row
+// tile of the block passes over it. Each output element is summed in the same order whatever
+// the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +20,10 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "gemm_tiles.h"
 
@@ -59,18 +66,68 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
               " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-// out (M, N) = x (M, K) W^T + bias, W packed by mha/linear.py as (ceil(N / 64), K, 64).
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
-                         const std::optional<at::Tensor>& bias, int64_t N) {
+#if defined(__AVX2__)
+// dst[i * ldd + j] = src[j * lds + i] for an 8 x 8 block: rows of src become columns of dst.
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {  // interleave row pairs: 2 x 2 blocks
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // 4 x 4 blocks within each 128-bit lane
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // the 128-bit halves: columns i (low) and 4 + i (high)
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+    _mm256_storeu_ps(dst + (4 + i) * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+  }
+}
+#endif
+
+// wp (P, K, 64) = W^T in 64-column panels, zero past N: wp[p][k][j] = W(64 p + j, k), with
+// W(n, k) = w[n sn + k sk]. On the calling thread, in (panel, 64-wide K block) steps: a second
+// parallel region (a barrier more per call) cost more than the O(N K) moves it spread (see
+// benchmarks/linear.py). A contiguous last dim moves 8 x 8 blocks through registers, anything
+// else goes element by element.
+void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* wp) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    float* dst = wp + p * K * kPanel;  // this panel's (K, 64)
+    for (int64_t k0 = 0; k0 < K; k0 += kPanel) {
+      const int64_t k1 = std::min(K, k0 + kPanel);
+      int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
+#if defined(__AVX2__)
+      if (sk == 1 && cols % 8 == 0) {
+        for (; kv + 8 <= k1; kv += 8)
+          for (int64_t j = 0; j < cols; j += 8)
+            transpose8(w + (n0 + j) * sn + kv, sn, dst + kv * kPanel + j, kPanel);
+      }
+#endif
+      for (int64_t k = kv; k < k1; ++k)
+        for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
+    }
+  }
+}
+
+// out (M, N) = x (M, K) W^T + bias, W (N, K) read through its strides and packed for this call.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w,
+                  const std::optional<at::Tensor>& bias) {
   check_f32_cpu(x, "x");
-  check_f32_cpu(wp, "the packed weight");
+  check_f32_cpu(w, "weight");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
               "mha linear: x must be 2-D (M, K) with a contiguous last dim, got ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(wp.dim() == 3 && wp.size(1) == K && wp.size(2) == kPanel && wp.is_contiguous() &&
-                  wp.size(0) * kPanel >= N && N > (wp.size(0) - 1) * kPanel && N % 16 == 0,
-              "mha linear: packed weight must be (ceil(N / 64), K, 64) contiguous with N % 16 "
-              "== 0, got ", wp.sizes(), " for K=", K, ", N=", N);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.size(0) % 16 == 0,
+              "mha linear: weight must be (N, K) with K=", K, " and N % 16 == 0, got ",
+              w.sizes());
+  const int64_t N = w.size(0);
   at::Tensor b;
   if (bias.has_value()) {
     check_f32_cpu(*bias, "bias");
@@ -80,6 +137,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  at::Tensor wp = at::empty({(N + kPanel - 1) / kPanel, K, kPanel}, w.options());  // (P, K, 64)
+  pack_panels(w.data_ptr<float>(), N, K, w.stride(0), w.stride(1), wp.data_ptr<float>());
   blocked_gemm(M, N, K, x.data_ptr<float>(), x.stride(0), 1, wp.data_ptr<float>(), 0, true,
                b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N);
   return out;
@@ -130,13 +189,13 @@ bool linear_vectorized() {
 }  // namespace mha_linear
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
-  m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias, int N) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_backward(Tensor grad_out, Tensor x, Tensor w, bool need_x, bool need_w) -> "
         "(Tensor, Tensor)");
   m.def("linear_vectorized() -> bool", &mha_linear::linear_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
-  m.impl("linear_packed", &mha_linear::linear_packed);
+  m.impl("linear", &mha_linear::linear);
   m.impl("linear_backward", &mha_linear::linear_backward);
 }
