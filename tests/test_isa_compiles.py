@@ -1,0 +1,57 @@
+"""Every instruction-set path of the native kernels compiles, whatever CPU runs the tests.
+
+``mha build`` compiles with ``-march=native``, so a machine builds (and the numerical tests run)
+only the paths its CPU has: an AVX2-only CPU runs the portable loops, AMD Zen 5 the AVX-512 and
+``vdpbf16ps`` paths, an Intel Xeon with AMX all of them. This compiles each translation unit the
+way ``mha build`` does but for a named target CPU — Cooper Lake (AVX-512 with BF16, no AMX) and
+Sapphire Rapids (AVX-512 with AMX) — syntax and templates only (``-fsyntax-only``: nothing runs),
+and checks that the path's code was really seen (its feature macro is defined).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sysconfig
+
+import pytest
+
+from mha import _build
+
+AVX512_BF16 = "-march=cooperlake"
+AMX = "-march=sapphirerapids"
+CASES = [  # (source, target, macros the source defines when the path is compiled in)
+    ("flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
+                                     "MHA_FLASH_SMALL")),
+    ("flash_attn.cpp", AMX, ("MHA_FLASH_AMX",)),
+    ("flash_decode.cpp", AVX512_BF16, ("__AVX512BF16__",)),
+    ("flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
+    ("flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
+    ("linear.cpp", AVX512_BF16, ("__AVX512F__",)),
+]
+
+
+def _compile(source: str, target: str, macros, tmp_path) -> subprocess.CompletedProcess:
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = _build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
+    wrapper = tmp_path / f"isa_{source}"
+    checks = "".join(f'#ifndef {m}\n#error "{m} is not defined: the {target} path was not '
+                     'compiled"\n#endif\n' for m in macros)
+    wrapper.write_text(f'#include "{source}"\n{checks}')
+    incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], _build.CSRC)]
+    flags = [f for f in _build.FLAGS if f != "-march=native"]
+    cmd = [cxx, "-fsyntax-only", *flags, target, *incs, str(wrapper)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("source,target,macros", CASES,
+                         ids=[f"{s}-{t.split('=')[1]}" for s, t, _ in CASES])
+def test_isa_path_compiles(source, target, macros, tmp_path):
+    r = _compile(source, target, macros, tmp_path)
+    if r.returncode != 0 and ("unrecognized command-line option" in r.stderr
+                              or "bad value" in r.stderr):
+        pytest.skip(f"the compiler does not know {target}: {r.stderr.strip()[:200]}")
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert r.returncode == 0, "\n".join(errors[:20]) or r.stderr[-2000:]
