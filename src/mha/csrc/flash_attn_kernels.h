@@ -72,12 +72,14 @@ struct PortableF32 {
                           float* lsum, float& alpha, float* p) {
     float x[NV * kLanes];
     float bm = kNegInf;
+    bool nan = std::isnan(m);  // a NaN score seen earlier in the row stays the row's max
     for (int n = 0; n < NV * kLanes; ++n) {
       const bool ok = n < nvalid && (!bits || ((bits[n / kLanes] >> (n % kLanes)) & 1));
       x[n] = ok ? s[n] * c : kNegInf;
       bm = std::max(bm, x[n]);
+      nan |= std::isnan(x[n]);  // std::max drops NaN: a visible NaN score makes the max NaN
     }
-    const float mnew = std::max(m, bm);
+    const float mnew = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m, bm);
     if (mnew == kNegInf) {  // nothing visible yet in this row
       alpha = 1.f;
       for (int n = 0; n < NV * kLanes; ++n) p[n] = 0.f;
@@ -170,20 +172,25 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
                                 float* lsum, float* alpha, P* p, int64_t ldp) {
   const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(c);
   __m512 x[RS][NV], mx[RS];
+  __mmask16 nan[RS];  // lanes holding a visible NaN score (vmaxps would drop them)
   float mnew[RS];
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     mx[r] = neg;
+    nan[r] = 0;
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
       __mmask16 k = lanes_below(nvalid[r] - v * kLanes);
       if (bits) k &= bits[r * bstride + v];
       x[r][v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + r * lds + v * kLanes), cv);
       mx[r] = _mm512_max_ps(mx[r], x[r][v]);
+      nan[r] |= _mm512_cmp_ps_mask(x[r][v], x[r][v], _CMP_UNORD_Q);
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < RS; ++r) mnew[r] = std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+  for (int r = 0; r < RS; ++r)  // a NaN score (now or in an earlier block) makes the max NaN
+    mnew[r] = (nan[r] || std::isnan(m[r])) ? std::numeric_limits<float>::quiet_NaN()
+                                           : std::max(m[r], _mm512_reduce_max_ps(mx[r]));
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     P* pr = p + r * ldp;
@@ -192,7 +199,7 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
       for (int n = 0; n < NV * kLanes; ++n) pr[n] = P(0);
       continue;
     }
-    alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mnew[r])));  // m = -inf: 0
+    alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mnew[r])));  // m = -inf: 0; NaN
     m[r] = mnew[r];
     const __m512 mv = _mm512_set1_ps(mnew[r]);
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes), _mm512_set1_ps(alpha[r]));
@@ -306,7 +313,8 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
       }
     }
     alpha[r] = 1.f;
-    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it)
+    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it: a NaN
+                            // score gives a NaN P and a NaN l, so the row's output is NaN)
       const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
       if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
         _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
@@ -314,11 +322,16 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
       }
     }
     __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
+    __mmask16 nan = 0;  // visible NaN scores: vmaxps drops them, the max must not
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v)
-      mx = _mm512_mask_max_ps(mx, keep[v], mx, _mm512_loadu_ps(sr + v * kLanes));
-    const float mb = _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
-    if (mb > m[r]) {
+    for (int v = 0; v < NV; ++v) {
+      const __m512 sv = _mm512_loadu_ps(sr + v * kLanes);
+      mx = _mm512_mask_max_ps(mx, keep[v], mx, sv);
+      nan |= _mm512_mask_cmp_ps_mask(keep[v], sv, sv, _CMP_UNORD_Q);
+    }
+    const float mb = nan ? std::numeric_limits<float>::quiet_NaN()
+                         : _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
+    if (mb > m[r] || std::isnan(mb)) {  // NaN: m, alpha, l and P of the row all become NaN
       alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
       m[r] = mb;
       _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));
