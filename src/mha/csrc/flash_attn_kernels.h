@@ -72,14 +72,18 @@ struct PortableF32 {
                           float* lsum, float& alpha, float* p) {
     float x[NV * kLanes];
     float bm = kNegInf;
-    bool nan = std::isnan(m);  // a NaN score seen earlier in the row stays the row's max
     for (int n = 0; n < NV * kLanes; ++n) {
       const bool ok = n < nvalid && (!bits || ((bits[n / kLanes] >> (n % kLanes)) & 1));
       x[n] = ok ? s[n] * c : kNegInf;
       bm = std::max(bm, x[n]);
-      nan |= std::isnan(x[n]);  // std::max drops NaN: a visible NaN score makes the max NaN
     }
-    const float mnew = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m, bm);
+    // std::max drops NaN. A NaN score next to a finite one still gives a NaN P, so a NaN l and
+    // a NaN row; a NaN max (m) stays (m < x is false). Only "every visible score NaN" would
+    // look like "nothing visible": checked there.
+    float mnew = std::isnan(m) ? m : std::max(m, bm);
+    if (mnew == kNegInf)
+      for (int n = 0; n < NV * kLanes; ++n)
+        if (std::isnan(x[n])) mnew = x[n];
     if (mnew == kNegInf) {  // nothing visible yet in this row
       alpha = 1.f;
       for (int n = 0; n < NV * kLanes; ++n) p[n] = 0.f;
@@ -172,25 +176,30 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
                                 float* lsum, float* alpha, P* p, int64_t ldp) {
   const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(c);
   __m512 x[RS][NV], mx[RS];
-  __mmask16 nan[RS];  // lanes holding a visible NaN score (vmaxps would drop them)
   float mnew[RS];
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     mx[r] = neg;
-    nan[r] = 0;
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
       __mmask16 k = lanes_below(nvalid[r] - v * kLanes);
       if (bits) k &= bits[r * bstride + v];
       x[r][v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + r * lds + v * kLanes), cv);
       mx[r] = _mm512_max_ps(mx[r], x[r][v]);
-      nan[r] |= _mm512_cmp_ps_mask(x[r][v], x[r][v], _CMP_UNORD_Q);
     }
   }
+  // vmaxps may drop a NaN score: next to a finite one it still gives a NaN P (exp2 keeps NaN),
+  // so a NaN l and a NaN row; a NaN running max stays. Only "every visible score NaN" would
+  // look like "nothing visible": checked there (masked lanes hold -inf, never NaN).
 #pragma GCC unroll 4
-  for (int r = 0; r < RS; ++r)  // a NaN score (now or in an earlier block) makes the max NaN
-    mnew[r] = (nan[r] || std::isnan(m[r])) ? std::numeric_limits<float>::quiet_NaN()
-                                           : std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+  for (int r = 0; r < RS; ++r) {
+    mnew[r] = std::isnan(m[r]) ? m[r] : std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+    if (mnew[r] == kNegInf) {
+      __mmask16 nan = 0;
+      for (int v = 0; v < NV; ++v) nan |= _mm512_cmp_ps_mask(x[r][v], x[r][v], _CMP_UNORD_Q);
+      if (nan) mnew[r] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     P* pr = p + r * ldp;

@@ -113,12 +113,12 @@ void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, 
 // NaN entry makes the max, every entry and the sum NaN.
 std::pair<float, float> softmax_portable(float* s, int64_t n) {
   float m = kNegInf, l = 0.f;
-  bool nan = false;
-  for (int64_t j = 0; j < n; ++j) {
-    m = std::max(m, s[j]);  // drops NaN: tracked apart
-    nan |= std::isnan(s[j]);
-  }
-  if (nan) m = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  // std::max drops NaN; next to a finite score a NaN one still gives a NaN weight and sum.
+  // Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
   for (int64_t j = 0; j < n; ++j) {
     s[j] = (s[j] == kNegInf) ? 0.f : std::exp2(s[j] - m);
     l += s[j];
@@ -366,13 +366,14 @@ MHA_INLINE __m512 exp2_vec(__m512 x) {
 std::pair<float, float> softmax_vec(float* s, int64_t n) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 mx = ninf;
-  __mmask16 nan = 0;  // vmaxps drops NaN: a NaN score makes the max NaN
-  for (int64_t j = 0; j < n; j += 16) {
-    const __m512 x = _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j);
-    mx = _mm512_max_ps(mx, x);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  }
-  const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+  for (int64_t j = 0; j < n; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j));
+  float m = _mm512_reduce_max_ps(mx);
+  // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN weight (exp2_vec keeps
+  // NaN) and sum. Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
   if (m == kNegInf) {
     std::fill(s, s + n, 0.f);
     return {m, 0.f};

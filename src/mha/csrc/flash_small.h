@@ -335,7 +335,7 @@ struct SmallWorker {
         start = _mm512_max_epi32(start, _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(
                                                                  P.Tk - P.Tq - P.window + 1))));
       __m512 m = neg;
-      __mmask16 nan = 0;  // rows with a visible NaN score (vmaxps drops them from the max)
+      __mmask16 nan = 0;  // rows whose visible scores are all NaN
       float* col = st + vq * kLanes;
       for (int j = 0; j < nkeys; ++j) {
         __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(j)) &
@@ -344,8 +344,15 @@ struct SmallWorker {
         const __m512 x = _mm512_mask_mul_ps(neg, ok, _mm512_load_ps(col + j * kSmallCols), cv);
         _mm512_store_ps(col + j * kSmallCols, x);
         m = _mm512_max_ps(m, x);
-        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
       }
+      // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN P and l. Rows
+      // whose max is -inf saw no key, or only NaN scores: told apart here (rare)
+      const __mmask16 empty = _mm512_cmp_ps_mask(m, neg, _CMP_EQ_OQ);
+      if (empty)
+        for (int j = 0; j < nkeys; ++j) {
+          const __m512 x = _mm512_load_ps(col + j * kSmallCols);
+          nan |= _mm512_mask_cmp_ps_mask(empty, x, x, _CMP_UNORD_Q);
+        }
       m = _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
       // rows that see no key: 2^(-inf - 0) = 0; a NaN max gives NaN P, l, inv and lse
       const __mmask16 any = _mm512_cmp_ps_mask(m, neg, _CMP_NEQ_UQ);
