@@ -92,7 +92,10 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
         scale: None means ``1 / sqrt(d_k)``.
         portable: run the portable C++ loops instead of the AVX-512 path (for tests).
 
-    Returns ``(B, h, Tq, d_v)`` in q's dtype. Rows with no visible key are zeros.
+    Returns ``(B, h, Tq, d_v)`` in q's dtype. Rows with no visible key are zeros. NaN / Inf:
+    a row depends on its query and the keys it may attend only, as IEEE arithmetic of the
+    formula makes it (a NaN in the query or a NaN / Inf in a visible key row: the row NaN; a
+    NaN in a visible value row: that column NaN); rows of keys it may not attend never reach it.
     Deterministic: the key splits are fixed-size, independent of the thread count.
     """
     check_qkv(q, k, v)

@@ -29,10 +29,11 @@ __attribute__((always_inline)) inline __m512 exp2_poly(__m512 f) {
 // 2^x for x <= 0 (or -inf): round to n, polynomial on f = x - n, scale by 2^n. Inputs below
 // -125 give exactly 0 (true value < 3e-38): results stay normal numbers, because an underflowing
 // vscalefps takes a slow microcode assist on Intel cores (measured: it dominated the softmax
-// whenever masked or far-below-max scores were present).
+// whenever masked or far-below-max scores were present). NaN gives NaN: the lanes kept are those
+// not below -125 (unordered compare), and vmaxps returns its second operand, x, when x is NaN.
 __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(exp2_poly(_mm512_sub_ps(x, n)), n));
 }
@@ -42,6 +43,7 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
 // f = x - round(x) (one vreduceps), 2^round(x) by a vscalefps that also zeroes the lanes outside
 // `keep`. No clamp: results below the smallest normal float flush to 0 (they take no
 // microcode assist with FTZ set). Same accuracy as exp2_avx512 down to x = -126; 0 below.
+// NaN in a kept lane gives NaN (vreduceps and vscalefps pass it through).
 __attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm512_maskz_scalef_ps(keep, exp2_poly(f), _mm512_sub_ps(x, f));

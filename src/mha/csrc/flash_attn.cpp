@@ -11,6 +11,20 @@
 // and a sliding window w > 0 (the left edge: query i sees keys j > i + Tk - Tq - w; used with
 // causal). Query row i thus sees keys [key_start(i), key_limit(b, i)), before the bool mask.
 //
+// NaN and Inf (every kernel path follows this rule; so do flash_decode.cpp and flash_small.h):
+//   1. Output row i is computed from q_i and the K/V rows of the keys it may attend only, the
+//      way IEEE arithmetic of softmax(q k^T * scale) V does it: a NaN in q_i, or a NaN / Inf in
+//      a visible K row (a NaN or +inf score), makes the whole row NaN and its lse NaN (the
+//      row's running max keeps a NaN score, which max() would drop); a NaN in V_j[d] of a
+//      visible key makes out[i, d] NaN; +-Inf in V gives +-Inf or NaN. lse is never -inf then.
+//   2. K/V rows of keys row i may not attend never affect it. Scores of such keys are masked
+//      before the max; their P is 0, and where the tiles' 0 * (a non-finite V) made a row's O
+//      non-finite, its query block is run again with those products skipped (the exact pass,
+//      Worker::key_loop): all-finite inputs never take it.
+//   3. A row that may attend no key returns zeros and lse -inf, whatever q_i holds.
+//   (Known gap: a row whose visible scores are all -inf, from an Inf in K, returns zeros and
+//   lse -inf, where IEEE softmax gives NaN: the kernels tell "no key" by a zero sum.)
+//
 // Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
 // group. The item packs its head's K (transposed) and V once into thread-local buffers, then
 // walks 48-row query blocks; each block streams key blocks of Nb <= 128 keys through
@@ -381,9 +395,10 @@ struct Worker {
     vp += (jlo - kbeg) * dvp;            // same offset for both V layouts (jlo - kbeg is even)
     const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
     packed_t* q = sc.q.get(rp * dkp);
-    // AMX: one 16-row S and P (a group at a time); else rows of each
-    float* s = sc.s.get(K::kAmx ? 32 * Nb : rp * Nb);  // AMX: two groups' S (group_pair_runs)
-    p_t* p = sc.p.get(K::kAmx ? 16 * Nb : rp * Nb);
+    // AMX: one 16-row S and P (a group at a time), two groups' S (group_pair_runs); the exact
+    // pass (key_loop) takes rows of each, as the other kernels do
+    float* s = sc.s.get(std::max(K::kAmx ? 32 : 0, rp) * Nb);
+    p_t* p = sc.p.get(std::max(K::kAmx ? 16 : 0, rp) * Nb);
     float* o = sc.o.get(rp * dvp);
     float* m = sc.m.get(rows);
     float* alpha = sc.alpha.get(rows);
@@ -401,17 +416,62 @@ struct Worker {
         for (int64_t kk = 0; kk < dkp; ++kk)
           q[r * dkp + kk] = kk < P.dk ? pack_elem<packed_t>(qrow[kk * P.qs[3]]) : packed_t(0);
       }
-      m[r] = kNegInf;
     }
-    std::fill(lsum, lsum + rows * kLanes, 0.f);
-    std::fill(o, o + rp * dvp, 0.f);
     std::fill(q + rows * dkp, q + rp * dkp, packed_t(0));  // AMX padding rows
     const bool* mrow0 = P.mask ? P.mask + b * P.ms[0] + hq * P.ms[1] : nullptr;
+    key_loop(b, i0, rows, rp, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits, false);
+    // The tiles multiply every key of a block by its P, P = 0 at keys a row may not attend, and
+    // 0 * NaN (or Inf) in V is NaN: a non-finite O in a row whose l is finite (not NaN: then
+    // every output of the row is NaN anyway) may come from such a key. Only then is the block
+    // run again with those products skipped (key_loop's exact pass): finite inputs never pay.
+    bool redo = false;
+    for (int r = 0; r < rows && !redo; ++r) {
+      const float l = K::row_sum(lsum + r * kLanes);
+      redo = !std::isnan(l) && !all_finite(o + r * dvp, P.dv);
+    }
+    if (redo)
+      key_loop(b, i0, rows, rp, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits, true);
+    for (int r = 0; r < rows; ++r) {  // O / l and the log-sum-exp
+      // l == 0: the row saw no key (zeros, lse -inf). l NaN (a NaN or +inf score reached the
+      // row): inv and lse are NaN, so is the whole row. Never both: a row that saw a key has
+      // a P of 1 at its max.
+      const float l = K::row_sum(lsum + r * kLanes);
+      const float inv = l != 0.f ? 1.f / l : 0.f;
+      T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
+      store_row(o + r * dvp, inv, orow);
+      P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l != 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
+    }
+  }
+
+  // Whether x[0, n) holds no NaN and no +-Inf (exponent bits all ones).
+  static bool all_finite(const float* x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      uint32_t u;
+      std::memcpy(&u, x + c, sizeof(u));
+      bad |= uint32_t((u & 0x7F800000u) == 0x7F800000u);
+    }
+    return bad == 0;
+  }
+
+  // The key loop of one query block (rows from i0) over keys [jlo, kend): m, lsum, o start from
+  // an empty row. exact: products of P with V rows a row may not attend are skipped (pv_exact)
+  // in every block some row does not see whole; the AMX kernel runs it on its vector tiles.
+  void key_loop(int64_t b, int64_t i0, int rows, int rp, int64_t jlo, int64_t kend,
+                const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* vp,
+                float* s, p_t* p, float* o, float* m, float* alpha, float* lsum, uint16_t* bits,
+                bool exact) {
+    std::fill(m, m + rows, kNegInf);
+    std::fill(lsum, lsum + rows * kLanes, 0.f);
+    std::fill(o, o + rp * dvp, 0.f);
 #if defined(MHA_FLASH_AMX)
     if constexpr (K::kAmx) {
-      std::fill(p, p + 16 * Nb, p_t(0));  // rows of a partial last group stay finite
-      key_loop_amx(b, i0, rows, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits);
-    } else
+      if (!exact) {
+        std::fill(p, p + 16 * Nb, p_t(0));  // rows of a partial last group stay finite
+        return key_loop_amx(b, i0, rows, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum,
+                            bits);
+      }
+    }
 #endif
     // From the 16 keys holding the first row's window start (0 without a window) to the
     // end of its packed block, then whole blocks: the tiles read packed K^T at a column offset.
@@ -422,19 +482,46 @@ struct Worker {
       const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
       switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
-  case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits); break;
+  case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits, exact); break;
         MHA_KEY_BLOCK(1) MHA_KEY_BLOCK(2) MHA_KEY_BLOCK(3) MHA_KEY_BLOCK(4)
         MHA_KEY_BLOCK(5) MHA_KEY_BLOCK(6) MHA_KEY_BLOCK(7) MHA_KEY_BLOCK(8)
 #undef MHA_KEY_BLOCK
         default: TORCH_CHECK(false, "flash_attention: bad key block width");
       }
     }
-    for (int r = 0; r < rows; ++r) {  // O / l and the log-sum-exp
-      const float l = K::row_sum(lsum + r * kLanes);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
-      store_row(o + r * dvp, inv, orow);
-      P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l > 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
+  }
+
+  // O = alpha O + P V for the rows [i0, i0 + rows) of one key block (keys j0 + n, n < jn),
+  // adding only the keys each row may attend (key_start, key_limit, the bool mask): the exact
+  // pass for blocks where a row would otherwise add 0 * (a non-finite V). Plain loops (hostile
+  // inputs only). p rows of Nb (fp32, or bf16 bits), v packed from key j0 (fp32 [n][dvp], or
+  // bf16 pairs [n/2][dvp][2]).
+  void pv_exact(int64_t b, int64_t i0, int rows, int64_t j0, int jn, const bool* mrow0,
+                const p_t* p, const packed_t* v, float* o, const float* alpha) const {
+    auto to_float = [](auto x) {
+      if constexpr (std::is_same_v<decltype(x), uint16_t>) {
+        const uint32_t u = uint32_t(x) << 16;  // bf16 bits: the top half of an fp32
+        float f;
+        std::memcpy(&f, &u, sizeof(f));
+        return f;
+      } else {
+        return float(x);
+      }
+    };
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r, lo = P.key_start(i), hi = P.key_limit(b, i);
+      const bool* mrow = mrow0 ? mrow0 + i * P.ms[2] : nullptr;
+      float* orow = o + r * dvp;
+      for (int64_t c = 0; c < dvp; ++c) orow[c] *= alpha[r];
+      for (int n = 0; n < jn; ++n) {
+        const int64_t j = j0 + n;
+        if (j < lo || j >= hi || (mrow && !mrow[j * P.ms[3]])) continue;
+        const float pj = to_float(p[r * Nb + n]);
+        for (int64_t c = 0; c < P.dv; ++c) {
+          const packed_t x = K::kPairs ? v[(n / 2) * dvp * 2 + c * 2 + (n & 1)] : v[n * dvp + c];
+          orow[c] += pj * to_float(x);
+        }
+      }
     }
   }
 
@@ -710,7 +797,7 @@ struct Worker {
   void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn,
                  const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
                  float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
-                 uint16_t* bits) {
+                 uint16_t* bits, bool exact) {
     for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
       const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
       float* sc = s + c0 * kLanes;
@@ -722,6 +809,10 @@ struct Worker {
       }
     }
     softmax_group<NV>(b, i0, rows, j0, mrow0, s, p, m, alpha, lsum, bits);
+    // exact pass: the tiles where every row sees every key of the block, else pv_exact
+    if (exact && !(mrow0 == nullptr && j0 >= P.key_start(i0 + rows - 1) &&
+                   j0 + jn <= P.key_limit(b, i0)))
+      return pv_exact(b, i0, rows, j0, jn, mrow0, p, v, o, alpha);
     const int nvt = int(dvp / kLanes);
     for (int c0 = 0; c0 < nvt; c0 += 4) {
       const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);

@@ -77,7 +77,13 @@ struct PortableF32 {
       x[n] = ok ? s[n] * c : kNegInf;
       bm = std::max(bm, x[n]);
     }
-    const float mnew = std::max(m, bm);
+    // std::max drops NaN. A NaN score next to a finite one still gives a NaN P, so a NaN l and
+    // a NaN row; a NaN max (m) stays (m < x is false). Only "every visible score NaN" would
+    // look like "nothing visible": checked there.
+    float mnew = std::isnan(m) ? m : std::max(m, bm);
+    if (mnew == kNegInf)
+      for (int n = 0; n < NV * kLanes; ++n)
+        if (std::isnan(x[n])) mnew = x[n];
     if (mnew == kNegInf) {  // nothing visible yet in this row
       alpha = 1.f;
       for (int n = 0; n < NV * kLanes; ++n) p[n] = 0.f;
@@ -182,8 +188,18 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
       mx[r] = _mm512_max_ps(mx[r], x[r][v]);
     }
   }
+  // vmaxps may drop a NaN score: next to a finite one it still gives a NaN P (exp2 keeps NaN),
+  // so a NaN l and a NaN row; a NaN running max stays. Only "every visible score NaN" would
+  // look like "nothing visible": checked there (masked lanes hold -inf, never NaN).
 #pragma GCC unroll 4
-  for (int r = 0; r < RS; ++r) mnew[r] = std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+  for (int r = 0; r < RS; ++r) {
+    mnew[r] = std::isnan(m[r]) ? m[r] : std::max(m[r], _mm512_reduce_max_ps(mx[r]));
+    if (mnew[r] == kNegInf) {
+      __mmask16 nan = 0;
+      for (int v = 0; v < NV; ++v) nan |= _mm512_cmp_ps_mask(x[r][v], x[r][v], _CMP_UNORD_Q);
+      if (nan) mnew[r] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     P* pr = p + r * ldp;
@@ -192,7 +208,7 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
       for (int n = 0; n < NV * kLanes; ++n) pr[n] = P(0);
       continue;
     }
-    alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mnew[r])));  // m = -inf: 0
+    alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mnew[r])));  // m = -inf: 0; NaN
     m[r] = mnew[r];
     const __m512 mv = _mm512_set1_ps(mnew[r]);
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes), _mm512_set1_ps(alpha[r]));
@@ -306,7 +322,8 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
       }
     }
     alpha[r] = 1.f;
-    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it)
+    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it: a NaN
+                            // score gives a NaN P and a NaN l, so the row's output is NaN)
       const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
       if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
         _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
@@ -314,11 +331,16 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
       }
     }
     __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
+    __mmask16 nan = 0;  // visible NaN scores: vmaxps drops them, the max must not
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v)
-      mx = _mm512_mask_max_ps(mx, keep[v], mx, _mm512_loadu_ps(sr + v * kLanes));
-    const float mb = _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
-    if (mb > m[r]) {
+    for (int v = 0; v < NV; ++v) {
+      const __m512 sv = _mm512_loadu_ps(sr + v * kLanes);
+      mx = _mm512_mask_max_ps(mx, keep[v], mx, sv);
+      nan |= _mm512_mask_cmp_ps_mask(keep[v], sv, sv, _CMP_UNORD_Q);
+    }
+    const float mb = nan ? std::numeric_limits<float>::quiet_NaN()
+                         : _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
+    if (mb > m[r] || std::isnan(mb)) {  // NaN: m, alpha, l and P of the row all become NaN
       alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
       m[r] = mb;
       _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));

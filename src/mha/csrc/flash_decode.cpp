@@ -23,6 +23,14 @@
 //   mask         bool, 4-D, broadcastable to (B, h, Tq, Tk) (size-1 dims are broadcast)
 // Query rows that may attend no key return zeros.
 //
+// NaN and Inf (the rule of flash_attn.cpp): a row's output depends only on q and the keys it
+// may attend, as IEEE arithmetic of softmax(q k^T scale) v makes it: a NaN score (NaN in q, or
+// NaN / Inf in a visible K row) makes the row's max, every weight and the whole output row NaN
+// (softmax_*, merge_group keep a NaN max instead of dropping it as max() would); a NaN in a
+// visible V row makes that column NaN. Keys a row may not attend never reach it: their weight
+// is 0, and where 0 * (a non-finite V) made a row's partial output non-finite, that row is
+// computed again from its visible keys only (pv_exact; finite inputs never pay for it).
+//
 // Two ops: mha::flash_decode (vectorized under __AVX512F__ / __AVX512BF16__, portable C++
 // otherwise) and mha::flash_decode_portable (always the portable loops; for tests).
 
@@ -35,6 +43,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <tuple>
@@ -100,10 +109,16 @@ void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, 
     }
 }
 
-// Row max, then s <- 2^(s - max) in place; returns (max, sum). Entries at -inf become 0.
+// Row max, then s <- 2^(s - max) in place; returns (max, sum). Entries at -inf become 0; a
+// NaN entry makes the max, every entry and the sum NaN.
 std::pair<float, float> softmax_portable(float* s, int64_t n) {
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  // std::max drops NaN; next to a finite score a NaN one still gives a NaN weight and sum.
+  // Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
   for (int64_t j = 0; j < n; ++j) {
     s[j] = (s[j] == kNegInf) ? 0.f : std::exp2(s[j] - m);
     l += s[j];
@@ -331,9 +346,10 @@ void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64
 }
 
 // 2^x for x <= 0: x = n + r with r in [-1/2, 1/2]; 2^r by its degree-7 Taylor polynomial
-// (relative error < 1e-8 before rounding), then scaled by 2^n.
+// (relative error < 1e-8 before rounding), then scaled by 2^n. NaN stays NaN (vmaxps returns
+// its second operand, x, when x is NaN).
 MHA_INLINE __m512 exp2_vec(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-127.f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);  // ln2^7 / 7!
@@ -352,7 +368,12 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
   __m512 mx = ninf;
   for (int64_t j = 0; j < n; j += 16)
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j));
-  const float m = _mm512_reduce_max_ps(mx);
+  float m = _mm512_reduce_max_ps(mx);
+  // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN weight (exp2_vec keeps
+  // NaN) and sum. Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
   if (m == kNegInf) {
     std::fill(s, s + n, 0.f);
     return {m, 0.f};
@@ -363,9 +384,10 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
     const __mmask16 mk = tail16(n - j);
     const __m512 x = _mm512_maskz_loadu_ps(mk, s + j);
     // below 2^-125 (relative to the row max) the weight is flushed to an exact 0: -inf
-    // (masked) keys, and no denormal results, which can cost floating-point assists
+    // (masked) keys, and no denormal results, which can cost floating-point assists; NaN
+    // (a NaN max) stays NaN
     const __m512 dx = _mm512_sub_ps(x, vm);
-    const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_vec(dx));
     _mm512_mask_storeu_ps(s + j, mk, e);
     sum = _mm512_add_ps(sum, e);
@@ -427,6 +449,35 @@ struct AmxScope {
   }
 };
 
+// Whether x[0, n) holds no NaN and no +-Inf.
+bool all_finite(const float* x, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t u;
+    std::memcpy(&u, x + c, sizeof(u));
+    bad |= uint32_t((u & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad == 0;
+}
+
+// Row r of a split's O again, from the keys [j0, j1) it may attend only (causal, mask):
+// p (the row's weights, 0 where masked) times V with the masked keys skipped, so that 0 * a
+// non-finite V never reaches it. Plain loops (inputs with a NaN or an Inf only).
+template <typename T>
+void pv_exact(const Problem& P, int64_t b, int64_t kvh, int64_t r, int64_t j0, int64_t j1,
+              const float* p, const T* v, float* O) {
+  const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
+  const int64_t last = P.causal ? i + P.Tk - P.Tq : j1;  // query i sees keys j <= last
+  const bool* mr = P.mask ? P.mask + b * P.msb + head * P.msh + i * P.msq : nullptr;
+  std::fill(O, O + P.dv, 0.f);
+  for (int64_t j = j0; j < std::min(j1, last + 1); ++j) {
+    if (mr && !mr[j * P.msk]) continue;
+    const float w = p[j - j0];
+    const T* vt = v + (j - j0) * P.vst;
+    for (int64_t c = 0; c < P.dv; ++c) O[c] += w * to_f(vt[c]);
+  }
+}
+
 template <typename T, bool kVec>
 void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, Scratch& w,
                 float* O, float* m, float* l) {
@@ -463,10 +514,14 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
         if (!mr[j * P.msk]) s[j - j0] = kNegInf;
     }
     std::tie(m[r], l[r]) = softmax2<kVec>(s, n);
-    any = any || l[r] > 0.f;
+    any = any || l[r] != 0.f;  // NaN too
   }
   // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v)
-  if (any) pv<T, kVec>(scores, G, n, v, P.vst, P.dv, O);
+  if (!any) return;
+  pv<T, kVec>(scores, G, n, v, P.vst, P.dv, O);
+  for (int64_t r = 0; r < G; ++r)  // a NaN l: the whole row is NaN anyway
+    if (!std::isnan(l[r]) && !all_finite(O + r * P.dv, P.dv))
+      pv_exact(P, b, kvh, r, j0, j1, scores + r * kChunk, v, O + r * P.dv);
 }
 
 struct Partials {
@@ -481,7 +536,10 @@ template <typename T>
 void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc, T* out) {
   for (int64_t r = 0; r < P.G; ++r) {
     float Mx = kNegInf;
-    for (int64_t s = 0; s < P.S; ++s) Mx = std::max(Mx, part.M[(bh * P.S + s) * P.G + r]);
+    for (int64_t s = 0; s < P.S; ++s) {
+      const float ms = part.M[(bh * P.S + s) * P.G + r];
+      Mx = std::isnan(ms) || std::isnan(Mx) ? ms + Mx : std::max(Mx, ms);  // NaN stays NaN
+    }
     std::fill(acc, acc + P.dv, 0.f);
     float Ls = 0.f;
     for (int64_t s = 0; Mx != kNegInf && s < P.S; ++s) {
@@ -492,7 +550,7 @@ void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc,
       const float* o = part.O + at * P.dv;
       for (int64_t c = 0; c < P.dv; ++c) acc[c] += w * o[c];
     }
-    const float inv = Ls > 0.f ? 1.f / Ls : 0.f;  // no visible key: zeros
+    const float inv = Ls != 0.f ? 1.f / Ls : 0.f;  // no visible key: zeros; NaN: NaN
     T* dst = out + (bh * P.G + r) * P.dv;
     for (int64_t c = 0; c < P.dv; ++c) dst[c] = static_cast<T>(acc[c] * inv);
   }

@@ -24,7 +24,8 @@ namespace mha_decode_amx {
 // reading K straight from the cache: K rows are the A operand (16 keys x 32 d, row stride
 // kst), the query rows the B operand (16 d pairs x G, packed once per item), and C is
 // (16 keys, G) fp32. Products of bf16 are exact in fp32 and accumulate in fp32, as with
-// vdpbf16ps. Tiles: 0-1 = C, 2-3 = A, 4..4+dk/32 = B (d_k % 32 == 0, d_k <= 128).
+// vdpbf16ps; NaN and Inf pass through the tile products into the scores like any other value
+// (flash_decode.cpp's softmax and merge handle them, one rule for every q.k path). Tiles: 0-1 = C, 2-3 = A, 4..4+dk/32 = B (d_k % 32 == 0, d_k <= 128).
 using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
 

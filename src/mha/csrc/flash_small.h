@@ -21,6 +21,8 @@
 //     by at::parallel_for (no atomic counter; the parallel region is skipped when tiny).
 // bf16 inputs are widened to fp32 (fp32 products, sums and softmax; out rounded once).
 // Every item is computed by one thread in a fixed order: bitwise deterministic.
+// NaN / Inf follow flash_attn.cpp's rule: a visible NaN score makes its row's max, P, l and
+// output NaN; keys a row may not attend never reach it (chunk: the exact pass).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -83,8 +85,10 @@ inline void small_qk(const float* k, int64_t ldk, const float* qt, int dk, float
 }
 
 // O[r][16 c + l] = inv[r] sum_j PT[j][r] V[j][16 c + l] for R query rows, then stored in T.
+// Returns whether some sum is not finite (see SmallWorker::chunk: 0 * a non-finite V may have
+// leaked into it from a key the row may not attend).
 template <int R, int CV, typename T>
-inline void small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, const float* inv,
+inline bool small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, const float* inv,
                      int64_t dv, T* const* orows, int64_t c0) {
   __m512 acc[R][CV];
   acc_zero(acc);
@@ -94,6 +98,13 @@ inline void small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, co
     for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(v + j * ldv + c0 + c * kLanes);
     acc_rank1(acc, vv, pt + j * kSmallCols, 1);
   }
+  __m512 chk[CV];  // column sums of the tile: not finite iff some sum is (or they overflow)
+#pragma GCC unroll 4
+  for (int c = 0; c < CV; ++c) chk[c] = acc[0][c];
+#pragma GCC unroll 16
+  for (int r = 1; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) chk[c] = _mm512_add_ps(chk[c], acc[r][c]);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 iv = _mm512_set1_ps(inv[r]);
@@ -116,6 +127,11 @@ inline void small_pv(const float* pt, int nkeys, const float* v, int64_t ldv, co
       }
     }
   }
+  __m512 all = chk[0];
+#pragma GCC unroll 4
+  for (int c = 1; c < CV; ++c) all = _mm512_add_ps(all, chk[c]);
+  const __m512 zero = _mm512_setzero_ps();  // x * 0 is 0 for finite x, NaN for NaN and +-Inf
+  return _mm512_cmp_ps_mask(_mm512_mul_ps(all, zero), zero, _CMP_NEQ_UQ) != 0;
 }
 
 template <typename T>
@@ -227,13 +243,36 @@ struct SmallWorker {
     }
     alignas(64) float inv[kSmallCols];
     softmax(b, hq, i0, nq, nkeys, st, inv, lse);
+    bool nonfinite = false;
     for (int64_t c0 = 0; c0 < P.dv; c0 += 4 * kLanes) {
       switch (std::min<int64_t>(4, (P.dv - c0 + kLanes - 1) / kLanes)) {
-        case 1: rows<12, 1>(st, nkeys, v, ldv, inv, nq, orows, c0); break;
-        case 2: rows<12, 2>(st, nkeys, v, ldv, inv, nq, orows, c0); break;
-        case 3: rows<8, 3>(st, nkeys, v, ldv, inv, nq, orows, c0); break;
-        default: rows<6, 4>(st, nkeys, v, ldv, inv, nq, orows, c0); break;
+        case 1: rows<12, 1>(st, nkeys, v, ldv, inv, nq, orows, c0, nonfinite); break;
+        case 2: rows<12, 2>(st, nkeys, v, ldv, inv, nq, orows, c0, nonfinite); break;
+        case 3: rows<8, 3>(st, nkeys, v, ldv, inv, nq, orows, c0, nonfinite); break;
+        default: rows<6, 4>(st, nkeys, v, ldv, inv, nq, orows, c0, nonfinite); break;
       }
+    }
+    // Every row multiplies all nkeys keys by its P, P = 0 at keys it may not attend, and 0 *
+    // NaN (or Inf) in V is NaN. Only when some sum is not finite are the outputs computed
+    // again from the keys each row may attend (finite inputs never pay).
+    if (nonfinite) exact_rows(b, hq, i0, nq, nkeys, st, v, ldv, inv, orows);
+  }
+
+  // out[r] = inv[r] sum over the keys j < nkeys row i0 + r may attend of PT[j][r] V[j] (plain
+  // loops: only for inputs with a NaN or an Inf).
+  void exact_rows(int64_t b, int64_t hq, int64_t i0, int nq, int nkeys, const float* pt,
+                  const float* v, int64_t ldv, const float* inv, T* const* orows) const {
+    std::vector<float> acc(P.dv);
+    for (int r = 0; r < nq; ++r) {
+      const int64_t i = i0 + r, lo = P.key_start(i), hi = P.key_limit(b, i);
+      const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hq * P.ms[1] + i * P.ms[2] : nullptr;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = lo; j < std::min<int64_t>(hi, nkeys); ++j) {
+        if (mrow && !mrow[j * P.ms[3]]) continue;
+        const float pj = pt[j * kSmallCols + r];
+        for (int64_t c = 0; c < P.dv; ++c) acc[c] += pj * v[j * ldv + c];
+      }
+      for (int64_t c = 0; c < P.dv; ++c) orows[r][c] = T(acc[c] * inv[r]);
     }
   }
 
@@ -259,15 +298,16 @@ struct SmallWorker {
     int nkeys;
     int64_t ldv, dv, c0;
     T* const* orows;
+    bool* nonfinite;  // set when some tile's sums are not finite
     template <int R>
     void run(int r0) const {
-      small_pv<R, CV>(pt + r0, nkeys, v, ldv, inv + r0, dv, orows + r0, c0);
+      if (small_pv<R, CV>(pt + r0, nkeys, v, ldv, inv + r0, dv, orows + r0, c0)) *nonfinite = true;
     }
   };
   template <int R, int CV>
   void rows(const float* pt, int nkeys, const float* v, int64_t ldv, const float* inv, int nq,
-            T* const* orows, int64_t c0) const {
-    for_row_tiles<R>(nq, PvTiles<CV>{pt, v, inv, nkeys, ldv, P.dv, c0, orows});
+            T* const* orows, int64_t c0, bool& nonfinite) const {
+    for_row_tiles<R>(nq, PvTiles<CV>{pt, v, inv, nkeys, ldv, P.dv, c0, orows, &nonfinite});
   }
 
   // In place over st: scores -> P^T = 2^(t - m) per query column (t = s * scale * log2 e,
@@ -295,6 +335,7 @@ struct SmallWorker {
         start = _mm512_max_epi32(start, _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(
                                                                  P.Tk - P.Tq - P.window + 1))));
       __m512 m = neg;
+      __mmask16 nan = 0;  // rows whose visible scores are all NaN
       float* col = st + vq * kLanes;
       for (int j = 0; j < nkeys; ++j) {
         __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(j)) &
@@ -304,21 +345,31 @@ struct SmallWorker {
         _mm512_store_ps(col + j * kSmallCols, x);
         m = _mm512_max_ps(m, x);
       }
-      const __mmask16 any = _mm512_cmp_ps_mask(m, neg, _CMP_NEQ_OQ);
-      const __m512 ms = _mm512_maskz_mov_ps(any, m);  // rows that see no key: 2^(-inf - 0) = 0
+      // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN P and l. Rows
+      // whose max is -inf saw no key, or only NaN scores: told apart here (rare)
+      const __mmask16 empty = _mm512_cmp_ps_mask(m, neg, _CMP_EQ_OQ);
+      if (empty)
+        for (int j = 0; j < nkeys; ++j) {
+          const __m512 x = _mm512_load_ps(col + j * kSmallCols);
+          nan |= _mm512_mask_cmp_ps_mask(empty, x, x, _CMP_UNORD_Q);
+        }
+      m = _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+      // rows that see no key: 2^(-inf - 0) = 0; a NaN max gives NaN P, l, inv and lse
+      const __mmask16 any = _mm512_cmp_ps_mask(m, neg, _CMP_NEQ_UQ);
+      const __m512 ms = _mm512_maskz_mov_ps(any, m);
       __m512 l = _mm512_setzero_ps();
       for (int j = 0; j < nkeys; ++j) {
         const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_load_ps(col + j * kSmallCols), ms));
         _mm512_store_ps(col + j * kSmallCols, p);
         l = _mm512_add_ps(l, p);
       }
-      const __mmask16 seen = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ);
+      const __mmask16 seen = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_NEQ_UQ);
       _mm512_store_ps(inv + vq * kLanes, _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.f), l));
       alignas(64) float lv[kLanes], mv[kLanes];
       _mm512_store_ps(lv, l);
       _mm512_store_ps(mv, m);
       for (int r = 0; r < kLanes && vq * kLanes + r < nq; ++r)
-        lse[vq * kLanes + r] = lv[r] > 0.f ? (mv[r] + std::log2(lv[r])) * kLn2 : kNegInf;
+        lse[vq * kLanes + r] = lv[r] != 0.f ? (mv[r] + std::log2(lv[r])) * kLn2 : kNegInf;
     }
   }
 
