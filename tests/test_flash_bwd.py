@@ -255,3 +255,21 @@ def test_bench_train_rows_check_gradients():
         assert r.status == "ok", r.reason
         assert r.check.startswith("max |grad - SDPA fp32|")
     assert "flash_cpu" in rows["mha auto"].note
+
+
+def test_double_backward_raises_one_clear_error():
+    """create_graph=True works for one gradient; a gradient of it through flash_cpu raises
+    a message that names the way out, not a torch internal one."""
+    import mha
+
+    q, k, v, _, _ = _inputs(1, 2, 1, 20, 20, 16, 16, torch.float32, "bhtd", 0)
+    ins = [t.requires_grad_() for t in (q, k, v)]
+    out = mha.attention(*ins, causal=True, backend="flash_cpu")
+    dq, = torch.autograd.grad((out ** 2).sum(), ins[0], create_graph=True)
+    assert torch.isfinite(dq).all()
+    with pytest.raises(RuntimeError, match=r'double backward .* not supported by the native '
+                                           r'kernel.*backend="math"'):
+        torch.autograd.grad(dq.sum(), ins)
+    out = mha.attention(*ins, causal=True, backend="math")  # the way out works
+    dq, = torch.autograd.grad((out ** 2).sum(), ins[0], create_graph=True)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(dq.sum(), ins))

@@ -13,6 +13,24 @@ Three layers, as in flash-attention's interface:
    that cannot be built, :func:`flash_attention_bwd_torch`; both recompute the softmax weights
    from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
 3. :func:`flash_attention` — the typed public function.
+
+NaN / Inf semantics (the rule every backend follows):
+
+1. Output row i (query i of head hh, batch b) is computed from q_i and the K/V rows of the keys
+   j that row i may attend (mask AND causal AND window AND j < key_lengths[b]). A NaN or +-Inf
+   in those inputs makes the row non-finite the way IEEE arithmetic of
+   ``softmax(q k^T * scale) V`` does: a NaN in q_i makes the whole row NaN; a NaN/Inf in K_j of
+   a visible key makes the row NaN; a NaN in V_j[d] of a visible key makes out[i, d] NaN; +-Inf
+   in V can give +-Inf or NaN. The log-sum-exp of such a row is NaN (or +inf), never -inf.
+2. K/V rows at keys row i may not attend never affect row i (no 0 * NaN from masked pairs
+   inside partially masked blocks: they are never read into row i's result).
+3. A row that may attend no key returns zeros (lse = -inf, zero gradients), whatever q_i is.
+
+The backward follows the same rule: a pair (i, j) that row i may not attend contributes
+exactly 0 to dq, dk and dv (``dS`` there is 0, never ``0 * NaN``, even where ``dP = dO V^T`` is
+NaN); rows whose output is NaN give NaN gradients from every key they see (as SDPA does).
+Double backward (a gradient of these gradients) is not supported: it raises and names
+``backend="math"`` as the way out.
 """
 
 from __future__ import annotations
@@ -70,36 +88,37 @@ def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, key_lengths, mask, causal, scale, window = inputs
-    if window > 0:  # the backward below does not apply the window
-        raise NotImplementedError("flash_attention: a sliding window has no native backward yet")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.window = causal, scale, window
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, key_lengths, mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.mha.flash_attention_bwd(grad_out, grad_lse, q, k, v, out, lse,
-                                                   key_lengths, mask, ctx.causal, ctx.scale)
+                                                   key_lengths, mask, ctx.causal, ctx.scale,
+                                                   ctx.window)
     return dq, dk, dv, None, None, None, None, None
 
 
-def _allowed_chunk(i0: int, i1: int, jmax: int, Tq: int, Tk: int, causal: bool,
-                   key_lengths: torch.Tensor | None, mask: torch.Tensor | None):
-    """The mask (True = may attend) of query rows [i0, i1) and keys [0, jmax), broadcastable to
-    ``(B, h, i1 - i0, jmax)``; None when nothing is masked."""
+def _allowed_chunk(i0: int, i1: int, j0: int, j1: int, Tq: int, Tk: int, causal: bool,
+                   window: int, key_lengths: torch.Tensor | None, mask: torch.Tensor | None):
+    """The mask (True = may attend) of query rows [i0, i1) and keys [j0, j1), broadcastable to
+    ``(B, h, i1 - i0, j1 - j0)``; None when nothing is masked. ``window`` 0 means none."""
     allowed = None
+    i = torch.arange(i0, i1).unsqueeze(1)  # (C, 1)
+    j = torch.arange(j0, j1)  # (n,)
     if causal:
-        i = torch.arange(i0, i1).unsqueeze(1)  # (C, 1)
-        j = torch.arange(jmax).unsqueeze(0)  # (1, jmax)
-        allowed = (j <= i + (Tk - Tq))[None, None]  # (1, 1, C, jmax)
+        allowed = (j[None] <= i + (Tk - Tq))[None, None]  # (1, 1, C, n)
+    if window:
+        wm = (j[None] > i + (Tk - Tq) - window)[None, None]  # (1, 1, C, n)
+        allowed = wm if allowed is None else allowed & wm
     if key_lengths is not None:
-        j = torch.arange(jmax)  # (jmax,)
-        lm = (j < key_lengths.unsqueeze(1))[:, None, None, :]  # (B, 1, 1, jmax)
+        lm = (j < key_lengths.unsqueeze(1))[:, None, None, :]  # (B, 1, 1, n)
         allowed = lm if allowed is None else allowed & lm
     if mask is not None:
         m = mask if mask.shape[2] == 1 else mask[:, :, i0:i1]  # (B|1, h|1, C|1, Tk|1)
-        m = m if m.shape[3] == 1 else m[..., :jmax]  # (B|1, h|1, C|1, jmax|1)
+        m = m if m.shape[3] == 1 else m[..., j0:j1]  # (B|1, h|1, C|1, n|1)
         allowed = m if allowed is None else allowed & m
     return allowed
 
@@ -129,26 +148,43 @@ def load_backward() -> str | None:
 def flash_attention_bwd(grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, key_lengths: torch.Tensor | None,
-                        mask: torch.Tensor | None, causal: bool,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        mask: torch.Tensor | None, causal: bool, scale: float,
+                        window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`flash_attention`, in fp32 arithmetic: the fused
     native kernel ``mha::flash_attention_bwd_fused`` when it builds, else
-    :func:`flash_attention_bwd_torch`."""
+    :func:`flash_attention_bwd_torch`. ``window`` 0 means none."""
     if load_backward() is None:
         return torch.ops.mha.flash_attention_bwd_fused(grad_out, grad_lse, q, k, v, out, lse,
-                                                       key_lengths, mask, causal, scale)
+                                                       key_lengths, mask, causal, scale, window)
     return flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
-                                     causal, scale)
+                                     causal, scale, window)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "flash_attention: double backward (a gradient of the gradients, e.g. "
+        "torch.autograd.grad(..., create_graph=True) then grad again) is not supported by the "
+        'native kernel (backend "flash_cpu"); use backend="math" for it')
+
+
+flash_attention_bwd.register_autograd(_no_double_backward,
+                                      setup_context=lambda ctx, inputs, output: None)
 
 
 def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
-                              causal: bool, scale: float):
+                              causal: bool, scale: float, window: int = 0):
     """The backward in PyTorch ops (fallback and test oracle): recomputes
-    ``P = exp(S - lse)`` for chunks of query rows (keys past the causal diagonal skipped)."""
+    ``P = exp(S - lse)`` for chunks of query rows, reading only the keys between the chunk's
+    first window start and its last causal diagonal (with a window: O(Tq w) work and memory).
+    Masked pairs give exactly 0 (``dS`` selected, never ``0 * NaN``); Q and K enter the
+    products with ``dS`` with non-finite elements as 0, and a row whose q is not finite or whose
+    lse is +inf gets ``lse = NaN`` (P = NaN at every pair it sees, as softmax gives), so every
+    pair such a row sees still carries its NaN (the module's NaN / Inf rule)."""
     B, h, Tq, d_k = q.shape
     h_kv, Tk, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = h // h_kv
     f32 = torch.float32
+    window = window if 0 < window < Tk else 0  # w >= Tk hides no key
     dq = torch.zeros(B, h, Tq, d_k, dtype=f32)
     dk = torch.zeros(B, h_kv, Tk, d_k, dtype=f32)
     dv = torch.zeros(B, h_kv, Tk, d_v, dtype=f32)
@@ -158,34 +194,47 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
     delta = (d_out * out.to(f32)).sum(-1)  # (B, h, Tq)
     if grad_lse is not None:
         delta = delta - grad_lse.to(f32)  # dS = P * (dP - delta + dlse)
-    lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))  # empty rows: P = 0
-    kf, vf = k.to(f32), v.to(f32)  # (B, h_kv, Tk, d_k), (B, h_kv, Tk, d_v)
-    rows = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * h * Tk)))
+    qf, kf, vf = q.to(f32), k.to(f32), v.to(f32)  # (B, h|h_kv, Tq|Tk, d_k|d_v)
+    q_finite = torch.isfinite(qf).all(-1)  # (B, h, Tq)
+    qf = torch.where(torch.isfinite(qf), qf, 0.0)  # (B, h, Tq, d_k)
+    k_safe = torch.where(torch.isfinite(kf), kf, 0.0)  # (B, h_kv, Tk, d_k), for dq = dS K
+    lse_safe = torch.where(q_finite & (lse != float("inf")), lse.to(f32), float("nan"))
+    lse_safe = lse_safe.masked_fill(lse == float("-inf"), float("inf"))  # empty rows: P = 0
+    if window:  # rows <= w: a chunk reads at most rows + w - 1 < 2 w keys
+        rows = max(1, min(Tq, window, _CHUNK_ELEMENTS // max(1, B * h * min(Tk, 2 * window))))
+    else:
+        rows = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * h * Tk)))
     for i0 in range(0, Tq, rows):
         i1 = min(Tq, i0 + rows)
         C = i1 - i0
-        jmax = min(Tk, i1 + Tk - Tq) if causal else Tk  # last key any row of the chunk sees
-        if jmax <= 0:
+        j1 = min(Tk, i1 + Tk - Tq) if causal else Tk  # past the last key the chunk sees
+        j0 = max(0, i0 + Tk - Tq - window + 1) if window else 0  # first row's window start
+        if j1 <= j0:
             continue
-        q_c = q[:, :, i0:i1].to(f32).reshape(B, h_kv, g * C, d_k)  # (B, h_kv, g*C, d_k)
+        n = j1 - j0
+        q_c = qf[:, :, i0:i1].reshape(B, h_kv, g * C, d_k)  # (B, h_kv, g*C, d_k)
         do_c = d_out[:, :, i0:i1].reshape(B, h_kv, g * C, d_v)  # (B, h_kv, g*C, d_v)
-        k_c, v_c = kf[:, :, :jmax], vf[:, :, :jmax]  # (B, h_kv, jmax, d_k|d_v)
-        s = (q_c @ k_c.transpose(-2, -1)).view(B, h, C, jmax) * scale  # (B, h, C, jmax)
-        p = torch.exp(s - lse_safe[:, :, i0:i1, None])  # (B, h, C, jmax)
-        allowed = _allowed_chunk(i0, i1, jmax, Tq, Tk, causal, key_lengths, mask)
+        k_c, v_c = kf[:, :, j0:j1], vf[:, :, j0:j1]  # (B, h_kv, n, d_k|d_v)
+        s = (q_c @ k_c.transpose(-2, -1)).view(B, h, C, n) * scale  # (B, h, C, n)
+        p = torch.exp(s - lse_safe[:, :, i0:i1, None])  # (B, h, C, n)
+        allowed = _allowed_chunk(i0, i1, j0, j1, Tq, Tk, causal, window, key_lengths, mask)
         if allowed is not None:
             p = p.masked_fill(~allowed, 0.0)
-        p_g = p.view(B, h_kv, g * C, jmax)  # (B, h, C, jmax) -> (B, h_kv, g*C, jmax)
-        dv[:, :, :jmax] += p_g.transpose(-2, -1) @ do_c  # (B, h_kv, jmax, d_v)
-        dp = (do_c @ v_c.transpose(-2, -1)).view(B, h, C, jmax)  # (B, h, C, jmax)
-        ds = (p * (dp - delta[:, :, i0:i1, None])).view(B, h_kv, g * C, jmax)
-        dq[:, :, i0:i1] = (ds @ k_c).view(B, h, C, d_k) * scale  # (B, h, C, d_k)
-        dk[:, :, :jmax] += (ds.transpose(-2, -1) @ q_c) * scale  # (B, h_kv, jmax, d_k)
+        p_g = p.view(B, h_kv, g * C, n)  # (B, h, C, n) -> (B, h_kv, g*C, n)
+        dv[:, :, j0:j1] += p_g.transpose(-2, -1) @ do_c  # (B, h_kv, n, d_v)
+        dp = (do_c @ v_c.transpose(-2, -1)).view(B, h, C, n)  # (B, h, C, n)
+        ds = p * (dp - delta[:, :, i0:i1, None])  # (B, h, C, n)
+        if allowed is not None:
+            ds = ds.masked_fill(~allowed, 0.0)  # dP may be NaN at a masked pair: dS is 0
+        ds = ds.view(B, h_kv, g * C, n)  # (B, h, C, n) -> (B, h_kv, g*C, n)
+        dq[:, :, i0:i1] = (ds @ k_safe[:, :, j0:j1]).view(B, h, C, d_k) * scale  # (B, h, C, d_k)
+        dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ q_c) * scale  # (B, h_kv, n, d_k)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @flash_attention_bwd.register_fake
-def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale):
+def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
+              window=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -209,13 +258,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             through its strides (broadcast dims are not expanded).
         scale: multiplies the scores; None means ``1 / sqrt(d_k)``.
         window: sliding window (use with ``causal``): query ``i`` sees only keys
-            ``j > i + Tk - Tq - window``; key blocks left of it are skipped. None: no window.
-            Forward only: with inputs that require grad it raises ``NotImplementedError``.
+            ``j > i + Tk - Tq - window``; key blocks left of it are skipped, in the forward
+            and in the backward (O(Tq window) work). None: no window.
 
     Returns:
         ``out (B, h, Tq, d_v)`` in q's dtype (memory laid out as ``(B, Tq, h, d_v)``) and
         ``lse (B, h, Tq)`` float32, ``log sum_j exp(s_ij)`` over visible keys. Query rows that
-        see no key give zeros and ``lse = -inf`` (and zero, finite gradients).
+        see no key give zeros and ``lse = -inf`` (and zero, finite gradients). NaN / Inf
+        in the inputs follow the module's rule (see the module docstring).
     """
     load()
     if mask is not None:

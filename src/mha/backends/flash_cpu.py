@@ -2,8 +2,10 @@
 
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 A thin adapter: the capability table says what it serves; the kernel is built on first use
-(:func:`mha.native.load`). When the build fails, one warning gives the reason, the backend
-rejects every call with that reason (``mha.explain`` shows it) and dispatch falls back.
+(:func:`mha.native.load`). Training runs the fused native backward, sliding windows included
+(O(Tq window) work and memory); NaN / Inf follow the rule in :mod:`mha.native`. When the build
+fails, one warning gives the reason, the backend rejects every call with that reason
+(``mha.explain`` shows it) and dispatch falls back.
 """
 
 from __future__ import annotations
@@ -41,12 +43,6 @@ def _forward(call: AttentionCall):
     return out, None  # (B, h, Tq, d_v)
 
 
-def _extra_reasons(call: AttentionCall) -> list[str]:
-    if call.masks.window is not None and call.needs_grad:
-        return ["sliding window has no native backward yet"]
-    return []
-
-
 BACKEND = Backend(
     name="flash_cpu",
     summary="native flash-attention kernel for the CPU (AVX-512 / AVX512_BF16), O(T d) memory",
@@ -56,5 +52,4 @@ BACKEND = Backend(
                       dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS),
     forward=_forward,
     unavailable=_unavailable,
-    extra_reasons=_extra_reasons,
 )

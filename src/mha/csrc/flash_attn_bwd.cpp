@@ -6,14 +6,26 @@
 // (B, h, Tq, d_v), lse and grad_lse (B, h, Tq), any strides. Returns dq, dk, dv (contiguous,
 // in q's dtype). Masks as in the forward (True = may attend, combined with AND): causal aligned
 // bottom-right (query i sees keys j <= i + Tk - Tq), key_lengths (B,), a bool mask
-// broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims).
+// broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims), and
+// a sliding window w > 0 exactly as the forward's (the left edge: query i sees keys
+// j > i + Tk - Tq - w; with causal, keys i + Tk - Tq - w < j <= i + Tk - Tq).
 //
 // For each key block j (Bc keys) and each query block i (Br rows) that can see it:
 //   S = Q_i K_j^T,  P = exp(S scale - lse_i) (masked -> 0),  dP = dO_i V_j^T,
 //   dS = P (dP - delta_i) with delta_i = rowsum(dO_i O_i) - dlse_i,
 //   dV_j += P^T dO_i,  dK_j += dS^T Q_i scale,  dQ_i += dS K_j scale.
-// Query blocks wholly above the causal diagonal of a key block, and keys past key_lengths, are
-// never touched. No (Tq, Tk) matrix exists: S, P, dP, dS live in one Br x Bc scratch per thread.
+// Query blocks wholly above the causal diagonal of a key block or wholly right of its window,
+// and keys past key_lengths, are never touched (with a window the work is O(Tq w)). No (Tq, Tk)
+// matrix exists: S, P, dP, dS live in one Br x Bc scratch per thread.
+//
+// NaN / Inf (the rule every backend follows, see mha.native): a pair (i, j) row i may not
+// attend contributes exactly 0 to every gradient. dP = dO V^T and S can be NaN there (a NaN in
+// V_j or K_j), so P and dS are selected to 0 on masked lanes (never 0 * NaN); the operands the
+// products multiply by dS (Q in dK += dS^T Q, K in dQ += dS K) are packed with non-finite
+// elements as 0, and a row whose q is non-finite (or whose lse is +inf) gets lse = NaN, so its
+// visible pairs still give P = dS = NaN. Rows whose output is NaN have delta = rowsum(dO O) =
+// NaN, hence NaN gradients from each key they see (as SDPA); rows that see no key get zero
+// gradients.
 //
 // Work: a unit is one (b, K/V head) and one of S interleaved subsets of its key blocks
 // (j = s, s + S, ...), for all g query heads of the group. It owns its dK_j, dV_j outright and
@@ -54,7 +66,7 @@ namespace mha_flash_bwd {
 namespace {
 
 constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
-// Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64 (01:00 UTC).
+// Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64.
 constexpr int64_t kBr = 64;       // query rows per block
 constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
 constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
@@ -108,8 +120,14 @@ struct Problem {
   int64_t B, h, hkv, Tq, Tk, dk, dv, splits;
   float scale;
   bool causal;
+  int64_t window;           // > 0: sliding window (the left edge); 0: none
   T *dq, *dkey, *dval;      // contiguous outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
   float* dq_part;           // (S, B, h, Tq, d_k) partial dQ when splits > 1, else null
+
+  // Keys j < start are left of query row i's window (0 without a window), as in the forward.
+  int64_t key_start(int64_t i) const {
+    return window > 0 ? std::max<int64_t>(0, i + Tk - Tq - window + 1) : 0;
+  }
 };
 
 // Scratch of one unit, sized once per unit.
@@ -137,8 +155,9 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
   const int64_t ncols = round_up(kn, kLanes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
-    int64_t lim = kn;  // keys [j0, j0 + lim) are visible before the bool mask
+    int64_t lim = kn;  // keys [j0 + first, j0 + lim) are visible before the bool mask
     if (P.causal) lim = std::min(lim, i + P.Tk - P.Tq + 1 - j0);
+    const int64_t first = std::max<int64_t>(0, P.key_start(i) - j0);
     float* sr = s + r * kBc;
     float* dr = dp + r * kBc;
     const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hi * P.ms[1] + i * P.ms[2] + j0 * P.ms[3]
@@ -147,8 +166,10 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
     for (int64_t c0 = 0; c0 < ncols; c0 += kLanes) {
       const int64_t nvis = std::clamp<int64_t>(lim - c0, 0, kLanes);
       uint32_t bits = nvis == kLanes ? 0xFFFFu : (1u << nvis) - 1;  // lane l visible
+      const int64_t nleft = std::clamp<int64_t>(first - c0, 0, kLanes);  // left of the window
+      if (nleft > 0) bits &= nleft == kLanes ? 0u : ~((1u << nleft) - 1);
       if (mrow)
-        for (int l = 0; l < nvis; ++l)
+        for (int l = int(nleft); l < nvis; ++l)
           if (!mrow[(c0 + l) * P.ms[3]]) bits &= ~(1u << l);
 #if defined(__AVX512F__)
       const __mmask16 m = __mmask16(bits);
@@ -156,22 +177,37 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
                                        _mm512_set1_ps(l2));
       const __m512 p = _mm512_maskz_mov_ps(m, exp2_avx512(x));
       const __m512 d = has_go ? _mm512_loadu_ps(dr + c0) : _mm512_setzero_ps();
-      _mm512_storeu_ps(sr + c0, p);
-      _mm512_storeu_ps(dr + c0, _mm512_mul_ps(p, _mm512_sub_ps(d, _mm512_set1_ps(dl))));
+      _mm512_storeu_ps(sr + c0, p);  // masked lanes: exactly 0, whatever S or dP hold there
+      _mm512_storeu_ps(dr + c0, _mm512_maskz_mul_ps(m, p, _mm512_sub_ps(d, _mm512_set1_ps(dl))));
 #else
       for (int l = 0; l < kLanes; ++l) {
         const float p = ((bits >> l) & 1) ? std::exp2(sr[c0 + l] * c - l2) : 0.f;
         const float d = has_go ? dr[c0 + l] : 0.f;
         sr[c0 + l] = p;
-        dr[c0 + l] = p * (d - dl);
+        dr[c0 + l] = ((bits >> l) & 1) ? p * (d - dl) : 0.f;
       }
 #endif
     }
   }
 }
 
-// Pack the g query heads of (b, kvh): Q, dO (zero-padded to 16-multiples), lse in base 2
-// (+inf for rows that see nothing, so P = 0), delta = rowsum(dO O) - dlse.
+// Sets non-finite elements of x[0, n) to 0; false when there was one. Branch-free (x - x is
+// 0 exactly for finite x, NaN for +-Inf and NaN), so the loop vectorizes.
+bool zero_non_finite(float* x, int64_t n) {
+  int bad = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = x[c];
+    const bool ok = v - v == 0.f;
+    x[c] = ok ? v : 0.f;
+    bad |= !ok;
+  }
+  return bad == 0;
+}
+
+// Pack the g query heads of (b, kvh): Q with non-finite elements as 0, dO (zero-padded to
+// 16-multiples), lse in base 2 (+inf for rows that see nothing, so P = 0; NaN for rows whose q
+// is not finite or whose lse is +inf, so P = NaN on all their visible lanes, as softmax gives
+// for a row with a NaN or +inf score), delta = rowsum(dO O) - dlse.
 template <typename T>
 void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp, int64_t dvp) {
   const int64_t g = P.h / P.hkv;
@@ -186,6 +222,7 @@ void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t 
       else
         for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c * P.qs[3]]);
       std::fill(dst + P.dk, dst + dkp, 0.f);
+      const bool finite = zero_non_finite(dst, P.dk);
       float* od = w.dout.data() + row * dvp;
       float dsum = 0.f;
       if (P.go) {
@@ -210,7 +247,7 @@ void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t 
       if (P.glse) dsum -= P.glse[b * P.gls[0] + hi * P.gls[1] + t * P.gls[2]];
       w.delta[row] = dsum;
       const float l = P.lse[b * P.ls[0] + hi * P.ls[1] + t * P.ls[2]];
-      w.lse2[row] = l == -kInf ? kInf : l * kLog2e;
+      w.lse2[row] = l == -kInf ? kInf : finite && l != kInf ? l * kLog2e : std::nanf("");
     }
   }
 }
@@ -303,12 +340,18 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
   for (int64_t jb = s; jb < nblocks; jb += P.splits) {
     const int64_t j0 = jb * kBc, j1 = std::min(P.Tk, j0 + kBc);
     int64_t kn = std::max<int64_t>(0, std::min(j1, klen) - j0);  // keys in use (not padding)
+    // query rows [i_lo, i_hi) can see a key of the block: causal, from the row whose diagonal
+    // reaches key j0; window, up to the last row whose window still holds key j0 + kn - 1
     int64_t i_lo = P.causal ? std::max<int64_t>(0, j0 - (P.Tk - P.Tq)) : 0;
-    if (i_lo >= P.Tq) kn = 0;  // no query row sees this block
-    // pairs: blocks start on an even row (the row above sees no key here: P = 0), so a block
-    // with an odd row count is the last one of an odd Tq, whose pair partner in qt / ot is the
-    // zero padding at row Tq
-    if (pairs) i_lo &= ~int64_t(1);
+    int64_t i_hi = P.Tq;
+    if (P.window > 0)
+      i_hi = std::clamp<int64_t>(j0 + kn - 1 - (P.Tk - P.Tq) + P.window, 0, P.Tq);
+    if (i_lo >= i_hi) kn = 0;  // no query row sees this block
+    // pairs: blocks start on an even row (the row above sees no key here: P = 0) and end on an
+    // even row or at Tq (the row below sees no key here either), so a block with an odd row
+    // count is the last one of an odd Tq, whose pair partner in qt / ot is the zero padding at
+    // row Tq
+    if (pairs) i_lo &= ~int64_t(1), i_hi = std::min(P.Tq, round_up(i_hi, 2));
     // dK = dV = 0 for keys past key_lengths and keys no row sees
     const int64_t kv0 = (b * P.hkv + kvh) * P.Tk;
     std::fill(P.dkey + (kv0 + j0 + kn) * P.dk, P.dkey + (kv0 + j1) * P.dk, T(0.f));
@@ -329,6 +372,9 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
     }
     for (int64_t c = 0; c < P.dk; ++c)
       for (int64_t jj = 0; jj < kn; ++jj) w.kt[c * kBc + jj] = w.kr[jj * dkp + c];
+    // K^T (for S) as it is; K (for dQ += dS K) with non-finite elements as 0: a row that sees
+    // such a key has S = NaN there, so dS = NaN, and a row that does not has dS = 0 exactly
+    for (int64_t jj = 0; jj < kn; ++jj) zero_non_finite(w.kr.data() + jj * dkp, P.dk);
     for (int64_t c = 0; c < P.dv; ++c)
       for (int64_t jj = 0; jj < kn; ++jj)
         w.vt[c * kBc + jj] = widen(vb[jj * P.vs[2] + c * P.vs[3]]);
@@ -343,8 +389,8 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
       const int64_t hi = kvh * g + hh;
       const float* qh = w.q.data() + hh * P.Tq * dkp;
       const float* oh = w.dout.data() + hh * P.Tq * dvp;
-      for (int64_t i0 = i_lo; i0 < P.Tq; i0 += kBr) {
-        const int64_t rows = std::min(kBr, P.Tq - i0);
+      for (int64_t i0 = i_lo; i0 < i_hi; i0 += kBr) {
+        const int64_t rows = std::min(kBr, i_hi - i0);
         const float* qi = qh + i0 * dkp;   // (rows, d_kp)
         const float* oi = oh + i0 * dvp;   // (rows, d_vp)
         float* dqi = w.dq.data() + (hh * P.Tq + i0) * dkp;  // (rows, d_kp)
@@ -447,7 +493,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& mask, bool causal, double scale, const std::string& math) {
+    const std::optional<at::Tensor>& mask, bool causal, double scale, const std::string& math,
+    int64_t window) {
   TORCH_CHECK(math == "auto" || math == "bf16" || math == "fp32",
               "flash_attention_bwd: math must be 'auto', 'bf16' or 'fp32', got '", math, "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
@@ -526,6 +573,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
     P.scale = float(scale);
     P.causal = causal;
+    P.window = window > 0 && window < Tk ? window : 0;  // w >= Tk hides no key: no window
     P.splits = splits;
     P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
     P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
@@ -563,9 +611,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& mask, bool causal, double scale) {
+    const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t window) {
   return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-                       "auto");
+                       "auto", window);
 }
 
 // The backward with the products' arithmetic named ("auto", "bf16", "fp32"), for tests.
@@ -573,9 +621,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& mask, bool causal, double scale, std::string math) {
+    const std::optional<at::Tensor>& mask, bool causal, double scale, std::string math,
+    int64_t window) {
   return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-                       math);
+                       math, window);
 }
 
 // Which arithmetic the backward's products use for bf16 inputs of at least one 64-row query
@@ -588,10 +637,10 @@ std::string flash_attention_bwd_bf16_math() { return use_bf16_products("auto") ?
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_bwd_fused(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
         "Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, bool causal, "
-        "float scale) -> (Tensor, Tensor, Tensor)");
+        "float scale, int window=0) -> (Tensor, Tensor, Tensor)");
   m.def("_flash_attention_bwd_fused_math(Tensor? grad_out, Tensor? grad_lse, Tensor q, "
         "Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, "
-        "bool causal, float scale, str math) -> (Tensor, Tensor, Tensor)");
+        "bool causal, float scale, str math, int window=0) -> (Tensor, Tensor, Tensor)");
   m.def("flash_attention_bwd_bf16_math() -> str", &mha_flash_bwd::flash_attention_bwd_bf16_math);
 }
 
