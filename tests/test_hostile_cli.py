@@ -30,8 +30,9 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # the command itself
     ([], 2, ["COMMAND"]),
     (["nope"], 2, ["COMMAND", "invalid choice", "demo"]),
-    (["demo", "--bogus"], 2, ["unrecognized arguments: --bogus"]),
-    (["build", "--jobs", "2"], 2, ["unrecognized arguments: --jobs"]),
+    (["demo", "--bogus"], 2, ["mha demo: unrecognized arguments: --bogus"]),
+    (["build", "--jobs", "2"], 2, ["mha build: unrecognized arguments: --jobs 2"]),
+    (["--verbose", "build"], 2, ["mha: unrecognized arguments: --verbose"]),
     # demo
     (["demo", "--heads", "7"], 2, ["mha demo: --heads must divide --d-model (512), got 7"]),
     (["demo", "--heads", "0"], 2, ["--heads must be a positive int, got 0"]),

@@ -99,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug, prog = _debug_requested(argv), "mha"
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
         debug, prog = args.debug, getattr(args, "prog", prog)
+        if extra:  # named after the (sub)command they were given to
+            where = prog if argv.index(extra[0]) > argv.index(args.command) else "mha"
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see {where} --help)",
+                             prog=where)
         return int(args.func(args) or 0)
     except UsageError as e:
         return _fail(e.prog or prog, str(e), 2, debug)
