@@ -74,6 +74,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
     (["bench", "--markdown", DIR], 2, ["--markdown must be a file to write", "a directory"]),
     (["bench", "--headline", FILE + "/x.md"], 2, ["--headline must be a file"]),
+    (["bench", "--markdown", BINARY], 2, ["--markdown must be a UTF-8 text file"]),
     (["bench", "--quick", "--suite", "attention", "--filter", "no-such-case", "--out", ""], 2,
      ["--filter 'no-such-case' matches no case"]),
     # encode (checked before transformers loads anything)
@@ -126,6 +127,8 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
      ["--section 'x'", "has no <!-- heads-table:x:begin -->"]),
     (["experiment", "heads", "--tiny", "--markdown", DIR, "--out", NEW], 2,
      ["--markdown must be a file to write"]),
+    (["experiment", "heads", "--tiny", "--markdown", BINARY, "--out", NEW], 2,
+     ["--markdown must be a UTF-8 text file"]),
     (["experiment", "heads", "--d-model", "100000", "--heads", "1", "--out", NEW], 1,
      ["mha experiment heads: out of memory", "d_model=100000"]),
 ]

@@ -13,6 +13,7 @@ import argparse
 
 from mha.cli.options import (
     UsageError,
+    check_editable_text,
     check_option,
     json_problem,
     nonnegative_float,
@@ -130,6 +131,8 @@ def check(args: argparse.Namespace) -> tuple[list[str], dict | None]:
             raise UsageError(f"--suite: {e}") from None
     if args.out and not args.list:
         check_option("--out", output_dir, args.out)
+    check_editable_text("--markdown", args.markdown)
+    check_editable_text("--headline", args.headline)
     saved = None
     if args.from_json:
         try:

@@ -11,6 +11,7 @@ import argparse
 
 from mha.cli.options import (
     UsageError,
+    check_editable_text,
     check_fits,
     json_problem,
     output_dir,
@@ -59,12 +60,12 @@ def check(args: argparse.Namespace):
     from mha.experiments import heads, report
     from mha.experiments.tasks import TASKS
 
+    check_editable_text("--markdown", args.markdown)
     if args.section is not None and args.markdown is None:
         raise UsageError("--section needs --markdown FILE (the file holding its markers)")
     if args.section is not None:
         begin, end = report.markers(args.section)
-        text = (args.markdown.read_text(encoding="utf-8", errors="replace")
-                if args.markdown.is_file() else "")
+        text = args.markdown.read_text(encoding="utf-8") if args.markdown.is_file() else ""
         if begin not in text or end not in text:
             raise UsageError(f"--section {args.section!r}: --markdown {str(args.markdown)!r} "
                              f"has no {begin} ... {end} markers")

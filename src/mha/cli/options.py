@@ -233,6 +233,18 @@ def check_option(option: str, parse, text: str):
         raise UsageError(f"{option} {e}") from None
 
 
+def check_editable_text(option: str, path: Path | None) -> None:
+    """A document the command rewrites in place (between markers) must be UTF-8 text, known
+    before any work rather than when the results are written."""
+    if path is None or not path.is_file():
+        return
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{option} must be a UTF-8 text file to update, got {str(path)!r} "
+                         f"(not UTF-8)") from None
+
+
 def json_problem(e: ValueError) -> str:
     """What is wrong with a file that failed to load as JSON (or as the JSON expected)."""
     import json
