@@ -40,7 +40,7 @@ def test_encode_table_and_same_numbers_as_eager(capsys, monkeypatch):
 
 def test_encode_model_dir_must_exist(tmp_path, capsys):
     assert main(["encode", "--model", str(tmp_path), "hello"]) == 2
-    assert "config.json" in capsys.readouterr().out
+    assert "config.json" in capsys.readouterr().err
 
 
 def test_encode_any_local_bert_dir(tmp_path, capsys):

@@ -258,7 +258,7 @@ def test_cli_viz_any_local_bert_dir(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "/nonexistent/model"], "model_dir must be a local model directory"),
+    (["--model", "/nonexistent/model"], "--model must be a local model directory"),
     (["--max-tokens", "2"], "--max-tokens must be at least 3, got 2"),
     (["   "], "text must be a non-empty string"),
 ])

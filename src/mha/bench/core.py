@@ -204,6 +204,21 @@ def load_suite(name: str):
     return mod, None
 
 
+def check_suite(name: str) -> None:
+    """Raise ValueError unless ``name`` is a suite: one of :data:`SUITES`, or a module
+    ``mha.bench.<name>`` defining ``cases`` or ``run``. A suite whose optional dependency is
+    missing passes (``load_suite`` reports it as skipped); an unknown name does not."""
+    if name in SUITES:
+        return
+    known = f"known suites: {', '.join(SUITES)}"
+    if not name.isidentifier():
+        raise ValueError(f"unknown suite {name!r}; {known}")
+    mod, why = load_suite(name)
+    if mod is None and (why.endswith("is not installed in this version")
+                        or why.endswith("defines neither cases(ctx) nor run(ctx)")):
+        raise ValueError(f"unknown suite {name!r}; {known}")
+
+
 # ----------------------------------------------------------------------------- memory probe
 def _libc():
     try:

@@ -106,7 +106,54 @@ def save_json(run: dict, out_dir: Path, stamp: str) -> list[Path]:
 
 
 def load_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A saved run, checked by :func:`check_run` (ValueError: not JSON, or not a run)."""
+    run = json.loads(Path(path).read_text(encoding="utf-8"))
+    check_run(run)
+    return run
+
+
+_NUMBER_FIELDS = ("seconds", "spread", "flops", "bytes", "items", "mem_bytes", "ratio",
+                  "pct_peak", "load")
+
+
+def check_run(run) -> None:
+    """Raise ValueError, naming the first bad entry, unless ``run`` has the shape of a saved
+    run (what :func:`save_json` writes) that the tables, markdown and plot can read."""
+    def need(cond: bool, what: str, got) -> None:
+        if not cond:
+            raise ValueError(f"not a saved mha bench run: {what}, got {_short(repr(got), 40)}")
+
+    def number(x) -> bool:
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+    need(isinstance(run, dict), "the top level must be an object", type(run).__name__)
+    for key, kind, name in (("meta", dict, "object"), ("peaks", dict, "object"),
+                            ("rows", list, "array")):
+        need(isinstance(run.get(key), kind), f"{key!r} must be a JSON {name}", run.get(key))
+    for key, p in run["peaks"].items():
+        need(isinstance(p, dict) and set(p) <= {"key", "label", "value", "unit", "how"}
+             and {"key", "label", "value"} <= set(p), f"peaks[{key!r}] must be an object with "
+             "key, label, value (unit, how)", p)
+        need(number(p["value"]), f"peaks[{key!r}].value must be a number or null", p["value"])
+        need(all(isinstance(p.get(k, ""), str) for k in ("label", "unit", "how")),
+             f"peaks[{key!r}]: label, unit and how must be strings", p)
+    for i, r in enumerate(run["rows"]):
+        need(isinstance(r, dict), f"rows[{i}] must be an object", r)
+        for k in ("suite", "case", "impl"):
+            need(isinstance(r.get(k), str), f"rows[{i}].{k} must be a string", r.get(k))
+        need(r.get("metric", "gflops") in ("gflops", "gbs", "items", "time"),
+             f"rows[{i}].metric must be gflops, gbs, items or time", r.get("metric"))
+        need(r.get("status", "ok") in ("ok", "skipped", "error"),
+             f"rows[{i}].status must be ok, skipped or error", r.get("status"))
+        for k in _NUMBER_FIELDS:
+            need(number(r.get(k)), f"rows[{i}].{k} must be a number or null", r.get(k))
+        for k in ("reason", "item_unit", "note", "check"):
+            need(isinstance(r.get(k, ""), str), f"rows[{i}].{k} must be a string", r.get(k))
+        for k in ("baseline", "peak"):
+            need(r.get(k) is None or isinstance(r[k], str), f"rows[{i}].{k} must be a string "
+                 "or null", r.get(k))
+        need(isinstance(r.get("params", {}), dict), f"rows[{i}].params must be an object",
+             r.get("params"))
 
 
 def rows_from_run(run: dict) -> list[Row]:

@@ -11,6 +11,19 @@ from __future__ import annotations
 
 import argparse
 
+from mha.cli.options import (
+    UsageError,
+    check_editable_text,
+    check_option,
+    json_problem,
+    nonnegative_float,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+    readable_file,
+)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark mha's backends against torch SDPA, naive, "
@@ -23,24 +36,24 @@ def add_parser(sub) -> None:
                    help="only cases whose name contains TEXT (repeatable: any)")
     p.add_argument("--impl", action="append", default=[], metavar="TEXT",
                    help="only implementations whose name contains TEXT (repeatable: any)")
-    p.add_argument("--repeat", type=int, default=None, help="minimum timed samples per impl "
+    p.add_argument("--repeat", type=positive_int, default=None, help="minimum timed samples per impl "
                    "(default 5; quick 3)")
-    p.add_argument("--min-time", type=float, default=None, help="minimum seconds of timed "
+    p.add_argument("--min-time", type=nonnegative_float, default=None, help="minimum seconds of timed "
                    "calls per impl and case (default 0.5; quick 0.1)")
-    p.add_argument("--max-case-time", type=float, default=None, help="stop adding rounds to a "
+    p.add_argument("--max-case-time", type=positive_float, default=None, help="stop adding rounds to a "
                    "case after this many seconds, keeping >= 3 samples (default 25; quick 5)")
-    p.add_argument("--threads", type=int, default=2, help="threads for every implementation")
-    p.add_argument("--mem-budget", type=float, default=3.0, metavar="GIB",
+    p.add_argument("--threads", type=positive_int, default=2, help="threads for every implementation")
+    p.add_argument("--mem-budget", type=positive_float, default=3.0, metavar="GIB",
                    help="skip implementations that would allocate more than this (GiB)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
     p.add_argument("--out", default="benchmarks/results", help="directory for latest.json, "
                    "bench-<time>.json and latest.png ('' to save nothing)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
-    p.add_argument("--markdown", metavar="FILE", help="write the tables into FILE (between "
+    p.add_argument("--markdown", metavar="FILE", type=output_file, help="write the tables into FILE (between "
                    "markers, e.g. docs/benchmarks.md)")
-    p.add_argument("--headline", metavar="FILE", help="write a one-line-per-case summary (mha "
+    p.add_argument("--headline", metavar="FILE", type=output_file, help="write a one-line-per-case summary (mha "
                    "vs baseline vs fastest other) into FILE between its own markers (README.md)")
-    p.add_argument("--from-json", metavar="FILE", help="do not measure: print/redo outputs "
+    p.add_argument("--from-json", metavar="FILE", type=readable_file, help="do not measure: print/redo outputs "
                    "from a saved run")
     p.add_argument("--list", action="store_true", help="list suites and cases, measure nothing")
     p.set_defaults(func=run)
@@ -104,6 +117,40 @@ def _collect(ctx, names, console):
     return plan
 
 
+def check(args: argparse.Namespace) -> tuple[list[str], dict | None]:
+    """Refuse a bad command before any work: unknown suites, a saved run that cannot be read,
+    an output directory that cannot be written. Returns the suite names to run and the saved
+    run of ``--from-json`` (None without it)."""
+    from mha.bench import report
+    from mha.bench.core import SUITES, check_suite
+
+    for name in args.suite or ():
+        try:
+            check_suite(name)
+        except ValueError as e:
+            raise UsageError(f"--suite: {e}") from None
+    if args.out and not args.list:
+        check_option("--out", output_dir, args.out)
+    check_editable_text("--markdown", args.markdown)
+    check_editable_text("--headline", args.headline)
+    saved = None
+    if args.from_json:
+        try:
+            saved = report.load_json(args.from_json)
+        except ValueError as e:  # not UTF-8, not JSON, or not a run
+            raise UsageError(f"--from-json {str(args.from_json)!r}: {json_problem(e)}") from None
+    return list(args.suite or SUITES), saved
+
+
+def _check_filter(args: argparse.Namespace, plan) -> None:
+    """``--filter`` that selects no case at all is a typo, not a run of nothing (only decidable
+    when every suite lists its cases)."""
+    listed = [cs for _, mod, _, cs in plan if mod is not None]
+    if args.filter and listed and all(cs is not None and not cs for cs in listed):
+        raise UsageError(f"--filter {' '.join(map(repr, args.filter))} matches no case of the "
+                         f"chosen suites (mha bench --list shows them)")
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     import sys
@@ -114,15 +161,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mha.bench import report
-    from mha.bench.core import SUITES, Context, Row, finish, skipped_suite
+    from mha.bench.core import Context, Row, finish, skipped_suite
     from mha.bench.peaks import Peak, measure_peaks
 
+    names, saved = check(args)
     # Piped output (make bench | tee, CI logs): wide enough for the tables.
     console = Console() if sys.stdout.isatty() else Console(width=170)
     out_dir = Path(args.out) if args.out else None
 
     if args.from_json:
-        run_data = report.load_json(Path(args.from_json))
+        run_data = saved
         rows = report.rows_from_run(run_data)
         peaks = {k: Peak(**v) for k, v in run_data["peaks"].items()}
         report.print_tables(rows, peaks, console)
@@ -139,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
                   sample_time=0.01 if q else 0.03,
                   max_case_time=args.max_case_time or (5.0 if q else 25.0),
                   mem_budget=args.mem_budget * 2**30, measure_memory=not args.no_memory)
-    names = args.suite or list(SUITES)
     plan = _collect(ctx, names, console)
+    _check_filter(args, plan)
 
     if args.list:
         for name, mod, why, cs in plan:
@@ -227,9 +275,13 @@ def _write_outputs(run_data, out_dir, args, console, *, save: bool, stamp=None) 
                 console.print(f"wrote {report.plot(run_data, out_dir / 'latest.png')}")
             except ImportError as e:
                 console.print(f"no plot: {e.name} not installed (pip install 'mha[viz]')")
+            except ValueError as e:  # nothing measured, so nothing to draw
+                console.print(f"no plot: {e}")
     if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
         report.write_markdown(run_data, args.markdown)
         console.print(f"wrote the tables into {args.markdown}")
     if args.headline:
+        args.headline.parent.mkdir(parents=True, exist_ok=True)
         report.write_markdown(run_data, args.headline, headline_only=True)
         console.print(f"wrote the one-line-per-case summary into {args.headline}")

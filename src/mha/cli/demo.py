@@ -8,18 +8,33 @@ from __future__ import annotations
 
 import argparse
 
+from mha.cli.options import UsageError, check_fits, positive_int
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="the seeds' configuration end to end: shapes, agreement, timing")
-    p.add_argument("--batch", "-B", type=int, default=32)
-    p.add_argument("--seq", "-T", type=int, default=20)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=20, help="timed calls per backend")
+    p.add_argument("--batch", "-B", type=positive_int, default=32, help="B (default 32)")
+    p.add_argument("--seq", "-T", type=positive_int, default=20, help="T (default 20)")
+    p.add_argument("--d-model", type=positive_int, default=512, help="d_model (default 512)")
+    p.add_argument("--heads", type=positive_int, default=8,
+                   help="h, must divide d_model (default 8)")
+    p.add_argument("--repeat", type=positive_int, default=20, help="timed calls per backend")
     p.set_defaults(func=run)
 
 
+def check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what the demo cannot run."""
+    B, T, D, H = args.batch, args.seq, args.d_model, args.heads
+    if D % H:
+        raise UsageError(f"--heads must divide --d-model ({D}), got {H}")
+    # Lower bound, fp32: the weights (4 D^2), x and the module's output (B T D each), q, k, v
+    # of the timing (3 B T D), and the per-head loop's weights, kept for every head in fp64.
+    check_fits(4 * (4 * D * D + 5 * B * T * D) + 8 * B * H * T * T,
+               f"B={B}, T={T}, d_model={D}, h={H}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check(args)
     import time
 
     import torch

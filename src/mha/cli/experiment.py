@@ -9,6 +9,21 @@ from __future__ import annotations
 
 import argparse
 
+from mha.cli.options import (
+    UsageError,
+    check_editable_text,
+    check_fits,
+    json_problem,
+    output_dir,
+    output_file,
+    positive_int,
+    readable_file,
+    require,
+)
+
+# The options that shape a training run (refused with --from-results, which trains nothing).
+TRAINING = ("quick", "tiny", "seeds", "steps", "d_model", "layers", "heads", "tasks")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("experiment", help="experiments with multi-head attention (heads: the "
@@ -21,22 +36,68 @@ def add_parser(sub) -> None:
                       help="every head count, 1 seed, short training (a few minutes)")
     size.add_argument("--tiny", action="store_true",
                       help="2 head counts, d_model 16, a few steps (seconds; what the tests run)")
-    h.add_argument("--out", default="experiment-heads",
+    h.add_argument("--out", default="experiment-heads", type=output_dir,
                    help="output directory (default: %(default)s)")
-    h.add_argument("--seeds", type=int, help="random seeds per point (overrides the preset)")
-    h.add_argument("--steps", type=int, help="training steps per run (overrides the preset)")
-    h.add_argument("--d-model", type=int, help="model width (overrides the preset)")
-    h.add_argument("--layers", type=int, help="transformer blocks (overrides the preset)")
-    h.add_argument("--heads", type=int, nargs="+", help="head counts (default: every divisor "
+    h.add_argument("--seeds", type=positive_int, help="random seeds per point (overrides the preset)")
+    h.add_argument("--steps", type=positive_int, help="training steps per run (overrides the preset)")
+    h.add_argument("--d-model", type=positive_int, help="model width (overrides the preset)")
+    h.add_argument("--layers", type=positive_int, help="transformer blocks (overrides the preset)")
+    h.add_argument("--heads", type=positive_int, nargs="+", help="head counts (default: every divisor "
                    "of d_model)")
     h.add_argument("--tasks", nargs="+", help="tasks: lags, recall, markov")
-    h.add_argument("--markdown", metavar="FILE", help="also write the Markdown table to FILE "
+    h.add_argument("--markdown", metavar="FILE", type=output_file, help="also write the Markdown table to FILE "
                    "(only between the heads-table markers when FILE has them)")
     h.add_argument("--section", metavar="NAME", help="with --markdown: fill the "
                    "heads-table:NAME markers instead of the unnamed ones")
-    h.add_argument("--from-results", metavar="JSON", help="do not train: render the table, "
+    h.add_argument("--from-results", metavar="JSON", type=readable_file, help="do not train: render the table, "
                    "plot and Markdown from this results.json")
     h.set_defaults(func=run)
+
+
+def check(args: argparse.Namespace):
+    """Refuse a bad command before training: ``(config, None)`` to train, or ``(None,
+    results)`` loaded from ``--from-results``."""
+    from mha.experiments import heads, report
+    from mha.experiments.tasks import TASKS
+
+    check_editable_text("--markdown", args.markdown)
+    if args.section is not None and args.markdown is None:
+        raise UsageError("--section needs --markdown FILE (the file holding its markers)")
+    if args.section is not None:
+        begin, end = report.markers(args.section)
+        text = args.markdown.read_text(encoding="utf-8") if args.markdown.is_file() else ""
+        if begin not in text or end not in text:
+            raise UsageError(f"--section {args.section!r}: --markdown {str(args.markdown)!r} "
+                             f"has no {begin} ... {end} markers")
+    require("matplotlib")  # the plots are outputs of every run: fail before training
+    if args.from_results is not None:
+        given = [f"--{k.replace('_', '-')}" for k in TRAINING if getattr(args, k) not in
+                 (None, False)]
+        if given:
+            raise UsageError(f"--from-results trains nothing: drop {', '.join(given)}")
+        try:
+            return None, report.load(args.from_results)
+        except ValueError as e:
+            raise UsageError(f"--from-results {str(args.from_results)!r}: "
+                             f"{json_problem(e)}") from None
+    for task in args.tasks or ():
+        if task not in TASKS:
+            raise UsageError(f"--tasks: unknown task {task!r}; choose from {', '.join(TASKS)}")
+    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    cfg = heads.preset(name, seeds=args.seeds, steps=args.steps, d_model=args.d_model,
+                       n_layers=args.layers, heads=tuple(args.heads) if args.heads else None,
+                       tasks=tuple(args.tasks) if args.tasks else None)
+    bad = [h for h in cfg.head_counts() if cfg.d_model % h]
+    if bad:
+        where = "--d-model" if args.d_model else f"the {name} preset's d_model"
+        raise UsageError(f"--heads must divide {where} ({cfg.d_model}), got "
+                         f"{', '.join(map(str, bad))}")
+    cfg.validate()
+    # Lower bound: each block's attention projections (4 d_model^2 weights), held with their
+    # gradient and AdamW's two moments, in fp32.
+    check_fits(4 * 4 * cfg.n_layers * 4 * cfg.d_model ** 2,
+               f"training d_model={cfg.d_model} with {cfg.n_layers} layers")
+    return cfg, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,18 +115,11 @@ def run(args: argparse.Namespace) -> int:
 
     from mha.experiments import heads, report
 
+    cfg, results = check(args)
     con = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_results:
-        results = report.load(args.from_results)
-    else:
-        name = "tiny" if args.tiny else "quick" if args.quick else "full"
-        cfg = heads.preset(name, seeds=args.seeds, steps=args.steps, d_model=args.d_model,
-                           n_layers=args.layers,
-                           heads=tuple(args.heads) if args.heads else None,
-                           tasks=tuple(args.tasks) if args.tasks else None)
-        cfg.validate()
+    if results is None:
         n_runs = len(cfg.tasks) * len(cfg.head_counts()) * cfg.seeds
         con.print(f"[bold]mha experiment heads[/bold] ({cfg.preset}): d_model={cfg.d_model}, "
                   f"{cfg.n_layers} layers, h in {list(cfg.head_counts())}, tasks "
@@ -89,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         con.print(table)
     report.write_markdown(results, out / "table.md")
     if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
         report.write_markdown(results, args.markdown, section=args.section)
     report.plot(results, out / "heads.png")
     report.plot_curves(results, out / "curves.png")

