@@ -12,11 +12,13 @@ The rule (README, "Guarantees"):
 2. K/V rows that row ``i`` may **not** attend never affect row ``i``, its weights or its
    gradients. (A dense ``P @ V`` breaks this: a masked pair has ``P = 0`` and ``0 * NaN = NaN``.
    SDPA's CPU kernels leak this way depending on their block size.)
-3. A row that may attend no key returns zeros, with zero gradients, whatever ``q_i`` holds.
+3. A row that may attend no key returns zeros, with zero gradients, whatever ``q_i`` holds. A
+   score of ``-inf`` (an infinite key) weighs exactly 0, like an additive ``-inf`` mask: a row
+   whose every visible score is ``-inf`` counts as a row with no key (zeros), as in the native
+   kernels, which know an empty row by its zero softmax denominator.
 
 The dense backends (``math``, ``sdpa``, ``reference``) compute their usual matmul formula when
-every input is finite or nothing is masked — then the rule is plain IEEE arithmetic. Otherwise
-they call :func:`masked_attention`, which never multiplies a masked pair: each (row, key) pair is
+every input is finite. Otherwise they call :func:`masked_attention`, which never multiplies a masked pair: each (row, key) pair is
 gated with ``where`` *before* any product, so neither the forward nor autograd's backward forms
 ``0 * NaN``. It materializes ``(C, Tk, d)`` per chunk of rows, which is fine for a path that only
 runs on non-finite input.
@@ -59,11 +61,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     zero = q.new_zeros(())
     for i0 in range(0, Tq, rows):
         vis = allowed[:, :, i0:i0 + rows]  # (B, h, C, Tk)
-        has_key = vis.any(-1, keepdim=True)  # (B, h, C, 1)
         # every product below sees 0 in place of a masked key: nothing masked is ever read
         k_pair = torch.where(vis[..., None], kh[:, :, None], zero)  # (B, h, C, Tk, d_k)
         s = (q[:, :, i0:i0 + rows, None, :] * k_pair).sum(-1) * scale  # (B, h, C, Tk)
         s = s.masked_fill(~vis, float("-inf"))
+        has_key = (s != float("-inf")).any(-1, keepdim=True)  # (B, h, C, 1); NaN counts
         s = torch.where(has_key, s, zero)  # empty rows: a finite dummy row, zeroed below
         w = torch.where(has_key, torch.softmax(s, dim=-1), zero)  # (B, h, C, Tk)
         used = torch.nn.functional.dropout(w, dropout_p) if dropout_p > 0 else w

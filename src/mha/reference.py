@@ -35,9 +35,10 @@ def head_attention(q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor, *,
     value a row may not attend never reaches that row (:mod:`mha.nonfinite`).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1]) if scale is None else scale
-    if allowed is not None and any_nonfinite(q_i, k_i, v_i):  # the pairwise-exact path
-        out, A = masked_attention(q_i[:, None], k_i[:, None], v_i[:, None],  # one head:
-                                  allowed.expand(q_i.shape[0], q_i.shape[1], k_i.shape[1])[:, None],
+    if any_nonfinite(q_i, k_i, v_i):  # the pairwise-exact path
+        B, Tq, Tk = q_i.shape[0], q_i.shape[1], k_i.shape[1]
+        a = torch.ones(B, Tq, Tk, dtype=torch.bool) if allowed is None else allowed.expand(B, Tq, Tk)
+        out, A = masked_attention(q_i[:, None], k_i[:, None], v_i[:, None], a[:, None],  # 1 head
                                   scale, dropout_p)  # (B, 1, Tq, d_v), (B, 1, Tq, Tk)
         return out[:, 0], A[:, 0]
     scores = q_i @ k_i.transpose(-2, -1) * scale  # (B, Tq, d_k) @ (B, d_k, Tk) -> (B, Tq, Tk)

@@ -18,7 +18,9 @@ def _forward(call: AttentionCall):
     q, k, v = call.q, call.k, call.v
     B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
     allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
-    if allowed is not None and any_nonfinite(q, k, v):  # masked NaN/Inf are never read
+    if any_nonfinite(q, k, v):  # masked NaN/Inf are never read (mha.nonfinite)
+        if allowed is None:
+            allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=call.device)
         out, weights = masked_attention(q, k, v, allowed, call.scale, call.dropout_p)
         return out, (weights if call.return_weights else None)
     g = h // h_kv
