@@ -47,3 +47,41 @@ def test_no_backend_error_lists_each_backends_reasons(monkeypatch):
         mha.attention(q, q, q)
     for name in backends.ORDER:
         assert name in str(e.value)
+
+
+@pytest.mark.parametrize("portable", [True, False])
+def test_portable_kernel_defers_large_calls_to_sdpa(monkeypatch, portable):
+    """On a CPU without AVX-512 (the kernel's portable loops) flash_cpu can serve but leaves
+    large calls sdpa runs without a (Tq, Tk) mask to sdpa; forcing it still works."""
+    import mha.backends.flash_cpu as fc
+
+    if fc.BACKEND.unavailable():
+        pytest.skip(f"flash_cpu cannot run here: {fc.BACKEND.unavailable()}")
+    monkeypatch.setattr(fc, "_portable", lambda dtype: portable)
+    q = torch.randn(1, 1, fc.PORTABLE_MIN_TK, 16)
+    ex = mha.explain(q, q, q, causal=True)
+    flash = next(v for v in ex if v.backend == "flash_cpu")
+    assert flash.ok
+    if portable:
+        assert ex.chosen == "sdpa" and "portable loops" in flash.defers
+        assert "defers" in str(ex)
+    else:
+        assert ex.chosen == "flash_cpu" and flash.defers is None
+    forced = mha.attention(q, q, q, causal=True, backend="flash_cpu")
+    torch.testing.assert_close(forced, mha.attention(q, q, q, causal=True, backend="math"))
+    # where the portable loops measured faster, flash_cpu keeps the call
+    small = q[:, :, :64]
+    assert mha.explain(small, small, small, causal=True).chosen == "flash_cpu"
+    assert mha.explain(q, q, q, causal=True, window=64).chosen == "flash_cpu"
+    qb = q.bfloat16().requires_grad_()
+    assert mha.explain(qb, qb, qb, causal=True).chosen == "flash_cpu"
+
+
+def test_when_every_capable_backend_defers_the_first_one_runs(monkeypatch):
+    q = torch.randn(1, 2, 3, 8)
+    for b in backends.all_backends():
+        monkeypatch.setattr(b, "defers", lambda call: "slower here")
+    ex = mha.explain(q, q, q)
+    first_ok = next(v.backend for v in ex if v.ok)
+    assert ex.chosen == first_ok
+    assert mha.dispatch.choose(make_call(q, q, q)).name == first_ok

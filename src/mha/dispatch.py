@@ -1,4 +1,6 @@
-"""Choosing a backend: the first one in ``mha.backends.ORDER`` with no rejection reasons.
+"""Choosing a backend: the first one in ``mha.backends.ORDER`` with no rejection reasons that
+does not defer (a backend may leave a call it can serve to the next capable one, with a measured
+reason; when every capable backend defers, the first capable one runs).
 
 A forced backend is checked the same way; when it cannot serve, one error lists the inputs and
 its reasons. :func:`explain` returns every backend's verdict in words.
@@ -19,6 +21,7 @@ class Verdict:
     backend: str
     reasons: tuple[str, ...]
     chosen: bool = False
+    defers: str | None = None  # can serve, but leaves the call to the next capable backend
 
     @property
     def ok(self) -> bool:
@@ -26,6 +29,8 @@ class Verdict:
 
     def __str__(self) -> str:
         mark = "chosen" if self.chosen else ("can serve" if self.ok else "rejected")
+        if self.ok and self.defers:
+            return f"{self.backend:<10} {mark}, defers: {self.defers}"
         tail = "" if self.ok else ": " + "; ".join(self.reasons)
         return f"{self.backend:<10} {mark}{tail}"
 
@@ -47,14 +52,13 @@ class BackendError(ValueError):
 
 def verdicts(call: AttentionCall) -> Explanation:
     """Every backend's verdict on ``call``, the first capable one marked chosen."""
-    out = Explanation()
-    chosen = False
+    rows = []
     for b in backends.all_backends():
         reasons = tuple(b.not_supported_reasons(call))
-        pick = not reasons and not chosen
-        chosen = chosen or pick
-        out.append(Verdict(b.name, reasons, pick))
-    return out
+        rows.append((b.name, reasons, None if reasons else b.defers(call)))
+    pick = next((n for n, r, d in rows if not r and not d),
+                next((n for n, r, _ in rows if not r), None))
+    return Explanation(Verdict(n, r, n == pick, d) for n, r, d in rows)
 
 
 def choose(call: AttentionCall, backend: str | None = None) -> Backend:
@@ -68,8 +72,13 @@ def choose(call: AttentionCall, backend: str | None = None) -> Backend:
                                + "; ".join(reasons) + ". Pass backend=None to choose automatically, "
                                "or see mha.explain(q, k, v, ...).")
         return b
+    first = None
     for b in backends.all_backends():
         if not b.not_supported_reasons(call):
-            return b
+            if not b.defers(call):
+                return b
+            first = first or b
+    if first is not None:
+        return first
     table = "\n  ".join(str(v) for v in verdicts(call))
     raise BackendError(f"no backend can serve this call ({call.describe()}):\n  {table}")

@@ -75,6 +75,8 @@ class Backend:
     ``forward(call) -> (out (B, h, Tq, d_v), weights (B, h, Tq, Tk) or None)``.
     ``unavailable`` returns a reason when the backend cannot run at all here (e.g. its native
     build failed); ``extra_reasons`` adds checks that the capability table cannot express.
+    ``defers`` returns a reason to leave a call it *can* serve to the next capable backend when
+    dispatch chooses (a measured speed difference on this CPU); a forced backend still runs.
     """
 
     name: str
@@ -83,6 +85,7 @@ class Backend:
     summary: str = ""
     unavailable: Callable[[], str | None] = field(default=lambda: None)
     extra_reasons: Callable[[AttentionCall], list[str]] = field(default=lambda call: [])
+    defers: Callable[[AttentionCall], str | None] = field(default=lambda call: None)
 
     def __post_init__(self) -> None:
         # Whether a native build loaded does not change within a process: under torch.compile

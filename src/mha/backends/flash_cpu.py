@@ -33,6 +33,42 @@ def _unavailable() -> str | None:
     return None
 
 
+PORTABLE_MIN_TK = 512  # from here on SDPA's fused kernel beats the portable loops (below)
+
+
+@functools.cache
+def _portable_kernels() -> frozenset[torch.dtype]:
+    """The dtypes whose tile kernel is the portable C++ loops on this CPU (no AVX-512)."""
+    from mha import native
+
+    kernels = native.kernels()  # e.g. {"float32": "avx512f", "bfloat16": "avx512bf16"}
+    return frozenset(d for d in (torch.float32, torch.bfloat16)
+                     if kernels[str(d).replace("torch.", "")] == "portable")
+
+
+@torch.compiler.assume_constant_result
+def _portable(dtype: torch.dtype) -> bool:
+    return dtype in _portable_kernels()
+
+
+def _defers(call: AttentionCall) -> str | None:
+    """On a CPU without AVX-512 the kernel runs its portable loops. Measured there (AMD EPYC,
+    AVX2 only, 2 threads, one process, (B, 8, T, 64)): SDPA's fused kernel is 1.4-1.8x faster
+    at Tk >= 512 for fp32 and bf16 forward and fp32 training, while the portable loops stay
+    ahead below Tk = 512 (1.1-1.8x at T = 32-256), with a sliding window (2.8x), in decode, and
+    in bf16 training (3-8x: SDPA's bf16 backward). So dispatch leaves such calls to sdpa when
+    sdpa needs no (Tq, Tk) mask for them."""
+    if call.Tk < PORTABLE_MIN_TK or not _portable(call.dtype):
+        return None
+    kinds = call.masks.kinds
+    cheap_for_sdpa = kinds in (frozenset(), frozenset({"key_lengths"}), frozenset({"mask"})) or (
+        kinds == {"causal"} and call.Tq == call.Tk)
+    if not cheap_for_sdpa or (call.dtype == torch.bfloat16 and call.needs_grad):
+        return None
+    return (f"portable loops on this CPU (no AVX-512): sdpa is faster at Tk >= "
+            f"{PORTABLE_MIN_TK}, measured")
+
+
 def _forward(call: AttentionCall):
     from mha import native
 
@@ -52,4 +88,5 @@ BACKEND = Backend(
                       dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS),
     forward=_forward,
     unavailable=_unavailable,
+    defers=_defers,
 )
