@@ -59,3 +59,18 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(hf, "attention", recording)
     return calls
+
+
+@pytest.fixture
+def native_linear(monkeypatch):
+    """``mha.linear``'s native op; where the CPU lacks AVX-512, its portable loops (same packing
+    and blocking, scalar tiles) rather than the F.linear fallback, so the op is still tested."""
+    from mha import linear
+
+    reason = linear.load()
+    if reason is not None:
+        try:
+            torch.ops.mha.linear_vectorized  # noqa: B018 — present once the extension loaded
+        except (AttributeError, RuntimeError):
+            pytest.skip(f"the native projections did not build: {reason}")
+        monkeypatch.setattr(linear, "load", lambda: None)

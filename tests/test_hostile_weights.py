@@ -27,16 +27,7 @@ from mha import linear
 B, TQ, TK = 2, 48, 64
 
 
-@pytest.fixture(autouse=True)
-def native_linear(monkeypatch):
-    """The native op, even where only its portable loops are built (see the module docstring)."""
-    reason = linear.load()
-    if reason is not None:
-        try:
-            torch.ops.mha.linear_vectorized  # noqa: B018 — present once the extension loaded
-        except (AttributeError, RuntimeError):
-            pytest.skip(f"the native projections did not build: {reason}")
-        monkeypatch.setattr(linear, "load", lambda: None)
+pytestmark = pytest.mark.usefixtures("native_linear")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- the modules

@@ -18,18 +18,7 @@ import mha
 from examples import examples
 from mha import linear
 
-
-@pytest.fixture(autouse=True)
-def native_linear(monkeypatch):
-    """The native op; where the CPU lacks AVX-512, its portable loops (same packing and
-    blocking, scalar tiles) rather than the F.linear fallback, so the op is still tested."""
-    reason = linear.load()
-    if reason is not None:
-        try:
-            torch.ops.mha.linear_vectorized  # noqa: B018 — present once the extension loaded
-        except (AttributeError, RuntimeError):
-            pytest.skip(f"the native projections did not build: {reason}")
-        monkeypatch.setattr(linear, "load", lambda: None)
+pytestmark = pytest.mark.usefixtures("native_linear")  # tests/conftest.py
 
 
 def _check(x, w, b):

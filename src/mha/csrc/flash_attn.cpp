@@ -44,6 +44,7 @@
 #include <tuple>
 #include <vector>
 
+#include "finite.h"
 #include "flash_attn_kernels.h"
 #include "qkv_checks.h"
 
@@ -427,7 +428,7 @@ struct Worker {
     bool redo = false;
     for (int r = 0; r < rows && !redo; ++r) {
       const float l = K::row_sum(lsum + r * kLanes);
-      redo = !std::isnan(l) && !all_finite(o + r * dvp, P.dv);
+      redo = !std::isnan(l) && !mha_finite::all_finite(o + r * dvp, P.dv);
     }
     if (redo)
       key_loop(b, i0, rows, rp, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits, true);
@@ -441,17 +442,6 @@ struct Worker {
       store_row(o + r * dvp, inv, orow);
       P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l != 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
     }
-  }
-
-  // Whether x[0, n) holds no NaN and no +-Inf (exponent bits all ones).
-  static bool all_finite(const float* x, int64_t n) {
-    uint32_t bad = 0;
-    for (int64_t c = 0; c < n; ++c) {
-      uint32_t u;
-      std::memcpy(&u, x + c, sizeof(u));
-      bad |= uint32_t((u & 0x7F800000u) == 0x7F800000u);
-    }
-    return bad == 0;
   }
 
   // The key loop of one query block (rows from i0) over keys [jlo, kend): m, lsum, o start from

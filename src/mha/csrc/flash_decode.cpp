@@ -49,6 +49,8 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+
+#include "finite.h"
 #include <vector>
 
 #ifdef __AVX512F__
@@ -449,16 +451,6 @@ struct AmxScope {
   }
 };
 
-// Whether x[0, n) holds no NaN and no +-Inf.
-bool all_finite(const float* x, int64_t n) {
-  uint32_t bad = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    uint32_t u;
-    std::memcpy(&u, x + c, sizeof(u));
-    bad |= uint32_t((u & 0x7F800000u) == 0x7F800000u);
-  }
-  return bad == 0;
-}
 
 // Row r of a split's O again, from the keys [j0, j1) it may attend only (causal, mask):
 // p (the row's weights, 0 where masked) times V with the masked keys skipped, so that 0 * a
@@ -520,7 +512,7 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   if (!any) return;
   pv<T, kVec>(scores, G, n, v, P.vst, P.dv, O);
   for (int64_t r = 0; r < G; ++r)  // a NaN l: the whole row is NaN anyway
-    if (!std::isnan(l[r]) && !all_finite(O + r * P.dv, P.dv))
+    if (!std::isnan(l[r]) && !mha_finite::all_finite(O + r * P.dv, P.dv))
       pv_exact(P, b, kvh, r, j0, j1, scores + r * kChunk, v, O + r * P.dv);
 }
 
