@@ -69,6 +69,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if vh != h_kv or vT != Tk:
         raise ValueError(f"k and v must have the same heads and length: k (B, h_kv, Tk, d_k) = "
                          f"{tuple(k.shape)}, v (B, h_kv, Tk, d_v) = {tuple(v.shape)}")
+    _check_groups(h, h_kv, q, k)
+
+
+def _check_groups(h: int, h_kv: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    """h_kv divides h: each K/V head serves h // h_kv query heads (GQA)."""
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
                          f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "
@@ -90,10 +95,7 @@ def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if v.shape[:2] != (N_k, h_kv):
         raise ValueError(f"k (N_k, h_kv, d_k) and v (N_k, h_kv, d_v) must have the same tokens "
                          f"and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"the query heads h={h} must be a multiple of the key/value heads "
-                         f"h_kv={h_kv} (grouped-query attention): q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+    _check_groups(h, h_kv, q, k)
 
 
 def check_mask(mask, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
