@@ -1,8 +1,8 @@
 """The native build cache under hostile conditions: a cache directory that cannot be written,
 a half-written or corrupted library in the cache, several processes building at once.
 
-Every case runs in a subprocess with a cache directory of its own, so the libraries this
-session has loaded are untouched. The cache tests build a tiny test-only source (a plain C
+Every case runs in a subprocess with a cache directory of its own, so the libraries the test
+process has loaded are untouched. The cache tests build a tiny test-only source (a plain C
 function, no torch headers: seconds instead of minutes) through the same ``_build.load`` as the
 kernels, with a compiler wrapper that logs each invocation so builds can be counted.
 """
