@@ -74,7 +74,9 @@ def _fake(q, k, v, key_lengths, mask, scale, causal):
 
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengths=None,
                  mask: torch.Tensor | None = None, causal: bool = False,
-                 scale: float | None = None, portable: bool = False) -> torch.Tensor:
+                 scale: float | None = None, portable: bool = False,
+                 softcap: float | None = None, sinks=None, bias=None,
+                 alibi_slopes=None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for a few queries against a long cache, on the CPU.
 
     Args:
@@ -91,6 +93,9 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
 
         scale: None means ``1 / sqrt(d_k)``.
         portable: run the portable C++ loops instead of the AVX-512 path (for tests).
+        softcap, sinks, bias, alibi_slopes: the score variants of :func:`mha.attention`. The
+            native kernel serves none of them yet: with any of them the call runs on the
+            Python path (``mha.attention``'s dispatch, i.e. sdpa or math), same result contract.
 
     Returns ``(B, h, Tq, d_v)`` in q's dtype. Rows with no visible key are zeros. NaN / Inf:
     a row depends on its query and the keys it may attend only, as IEEE arithmetic of the
@@ -106,6 +111,12 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("flash_decode is inference-only (no backward pass); call it under "
                            "torch.no_grad() or use mha.attention for training")
+    if any(x is not None for x in (softcap, sinks, bias, alibi_slopes)):
+        from mha.functional import attention  # validates every argument
+
+        return attention(q, k, v, key_lengths=key_lengths, mask=mask, causal=causal,
+                         scale=scale, softcap=softcap, sinks=sinks, bias=bias,
+                         alibi_slopes=alibi_slopes)
     B, h, Tq, d_k = q.shape
     Tk = k.shape[2]
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)

@@ -14,8 +14,8 @@ Two exact ways to run it, chosen per call by a cost model (or forced with ``stra
 
 * ``"pad"`` — one batched :func:`mha.attention` call over ``(S, h, max, d)`` (a view, no copy,
   when all sequences have one length). Padding goes after each sequence (the kernel skips
-  keys past ``key_lengths``), except for causal calls with ``n_q != n_k``: there every sequence
-  is right-aligned (its padding in front), so the bottom-right causal diagonal of the padded
+  keys past ``key_lengths``), except for causal calls with ``n_q != n_k`` and ALiBi calls:
+  there every sequence is right-aligned (its padding in front), so the bottom-right causal diagonal of the padded
   problem is each sequence's own; a ``(S, 1, 1, max_k)`` key mask hides the padding keys.
   With padding, q, k, v are copied in and the output back (O(S max d)); compute grows to
   ``S * max_q * max_k`` score elements.
@@ -30,7 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from mha.checks import check_bool, check_cu_seqlens, check_packed_qkv, check_scalar
+from mha.checks import (
+    check_alibi_slopes,
+    check_bool,
+    check_cu_seqlens,
+    check_packed_qkv,
+    check_scalar,
+    check_sinks,
+    check_softcap,
+)
 
 #: Cost model: seconds per attention FLOP, per call, and per padded element copied (zeroed new
 #: buffers, page faults included). Rough figures of this CPU (~150 GFLOP/s attention, ~40 us a
@@ -45,7 +53,9 @@ STRATEGIES = ("auto", "pad", "loop")
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *,
                      causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
-                     backend: str | None = None, strategy: str = "auto") -> torch.Tensor:
+                     backend: str | None = None, strategy: str = "auto",
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Attention within each of several packed sequences.
 
     Args:
@@ -56,6 +66,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         causal: bottom-right causal within each sequence.
         scale, dropout_p, backend: as in :func:`mha.attention`.
         strategy: ``"pad"``, ``"loop"`` or ``"auto"`` (the cheaper by the cost model above).
+        softcap: as in :func:`mha.attention`.
+        sinks: ``(h,)``, as in :func:`mha.attention` (one sink per head, every sequence).
+        alibi_slopes: ``(h,)``; the distance is each sequence's own ``r + n_k[s] - n_q[s] - c``
+            (query ``r``, key ``c`` within sequence ``s``). A score bias has no packed layout
+            here: pass padded tensors to :func:`mha.attention` for that.
 
     Returns:
         ``(N_q, h, d_v)``. A query whose sequence has no visible key gets zeros.
@@ -78,7 +93,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if len(n_q) != len(n_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(n_q)} and {len(n_k)}")
-    kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p, backend=backend)
+    h = q.shape[1]
+    variants = dict(
+        softcap=None if softcap is None else check_softcap(softcap),
+        sinks=None if sinks is None else check_sinks(sinks, h, q.device),
+        alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, 1, h,
+                                                                          q.device)[0])
+    kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p, backend=backend, **variants)
     if strategy == "auto":
         strategy = _choose(n_q, n_k, q.shape[1] * (q.shape[2] + v.shape[2]))
     if strategy == "loop" or not n_q:
@@ -145,15 +166,17 @@ def _pad(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
     """One batched call over padded ``(S, h, max, d)`` tensors.
 
     Padding goes after each sequence (keys past ``key_lengths`` are skipped by the kernel)
-    unless the call is causal with ``n_q != n_k`` for some sequence: then every sequence is
-    right-aligned, so the bottom-right diagonal is each sequence's own, and a key mask hides
+    unless the call is causal with ``n_q != n_k`` for some sequence, or uses ALiBi: then every
+    sequence is right-aligned, so the bottom-right diagonal is each sequence's own, and a key mask hides
     the padding in front.
     """
     S, max_q, max_k = len(n_q), max(n_q), max(n_k)
     if min(n_q) == max_q and min(n_k) == max_k:  # equal lengths: no padding, only views
         out = attention(_split(q, S), _split(k, S), _split(v, S), **kwargs)  # (S, h, n_q, d_v)
         return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3])  # (N_q, h, d_v)
-    front = kwargs["causal"] and n_q != n_k
+    # right-aligned when the bottom-right diagonal matters: causal with n_q != n_k, or ALiBi
+    # (its distance i + Tk - Tq - j must be each sequence's own, not the padded problem's)
+    front = (kwargs["causal"] and n_q != n_k) or kwargs["alibi_slopes"] is not None
     rows_q = _rows(n_q, max_q, front, q.device)  # (N_q,)
     rows_k = _rows(n_k, max_k, front, q.device)  # (N_k,)
     lengths = torch.tensor(n_k, dtype=torch.int64, device=q.device)  # (S,)
