@@ -1,0 +1,108 @@
+"""Bad score variants (softcap, sinks, bias, alibi_slopes) are refused at the boundary with an
+error that names the argument — by mha.attention, mha.explain, varlen_attention and the decode
+entry point alike — and a backend that cannot serve one says so.
+
+Shape legend: B batch, h / h_kv heads, Tq / Tk lengths, d head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mha
+from mha.decode import flash_decode
+
+B, H, TQ, TK, D = 2, 4, 3, 5, 8
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, H, TQ, D, generator=g), torch.randn(B, 2, TK, D, generator=g),
+            torch.randn(B, 2, TK, D, generator=g))
+
+
+BAD = [
+    ("softcap", 0.0, ValueError),
+    ("softcap", -1.0, ValueError),
+    ("softcap", float("nan"), ValueError),
+    ("softcap", float("inf"), ValueError),
+    ("softcap", True, TypeError),
+    ("softcap", "30", TypeError),
+    ("softcap", torch.tensor(30.0), TypeError),
+    ("sinks", torch.zeros(H + 1), ValueError),
+    ("sinks", torch.zeros(1, H), ValueError),
+    ("sinks", torch.zeros(H, dtype=torch.int64), TypeError),
+    ("sinks", [0.0] * H, TypeError),
+    ("sinks", torch.zeros(H, device="meta"), ValueError),
+    ("bias", torch.zeros(TQ, TK + 1), ValueError),
+    ("bias", torch.zeros(B, H + 1, TQ, TK), ValueError),
+    ("bias", torch.zeros(1, B, H, TQ, TK), ValueError),
+    ("bias", torch.zeros(TQ, TK, dtype=torch.bool), TypeError),
+    ("bias", torch.zeros(TQ, TK, dtype=torch.int32), TypeError),
+    ("bias", 0.5, TypeError),
+    ("bias", torch.zeros(TQ, TK).to_sparse(), TypeError),
+    ("alibi_slopes", torch.ones(H + 1), ValueError),
+    ("alibi_slopes", torch.ones(B, H, 1), ValueError),
+    ("alibi_slopes", torch.ones(B + 1, H), ValueError),
+    ("alibi_slopes", torch.tensor([1.0, float("nan"), 1.0, 1.0]), ValueError),
+    ("alibi_slopes", torch.ones(H, dtype=torch.int64), TypeError),
+    ("alibi_slopes", [0.5] * H, TypeError),
+]
+
+
+@pytest.mark.parametrize("name,value,error", BAD,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD)])
+def test_attention_and_explain_name_the_bad_argument(name, value, error):
+    q, k, v = _qkv()
+    for call in (mha.attention, mha.explain):
+        with pytest.raises(error, match=name):
+            call(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("name,value,error", BAD,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD)])
+def test_the_decode_entry_point_names_the_bad_argument(name, value, error):
+    q, k, v = _qkv()
+    with torch.no_grad(), pytest.raises(error, match=name):
+        flash_decode(q, k, v, **{name: value})
+
+
+def test_varlen_refuses_bad_variants_by_name():
+    q, k, v = torch.randn(6, H, D), torch.randn(6, 2, D), torch.randn(6, 2, D)
+    cu = torch.tensor([0, 2, 6])
+    with pytest.raises(ValueError, match="softcap"):
+        mha.varlen_attention(q, k, v, cu, softcap=-2.0)
+    with pytest.raises(ValueError, match="sinks"):
+        mha.varlen_attention(q, k, v, cu, sinks=torch.zeros(H - 1))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        mha.varlen_attention(q, k, v, cu, alibi_slopes=torch.ones(2, H))  # per head only
+    with pytest.raises(TypeError, match="bias"):
+        mha.varlen_attention(q, k, v, cu, bias=torch.zeros(6, 6))
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.5, True, "8", None])
+def test_alibi_slopes_helper_refuses_a_bad_head_count(n):
+    with pytest.raises((TypeError, ValueError), match="n_heads"):
+        mha.alibi_slopes(n)
+
+
+def test_a_forced_backend_that_cannot_serve_a_variant_says_which():
+    q, k, v = _qkv()
+    with pytest.raises(mha.BackendError, match="softcap cannot be served"):
+        mha.attention(q, k, v, softcap=5.0, backend="sdpa")
+    with pytest.raises(mha.BackendError, match="sinks cannot be served"):
+        mha.attention(q, k, v, sinks=torch.zeros(H), backend="sdpa")
+    for backend in ("flash_cpu", "flash_decode"):
+        with pytest.raises(mha.BackendError, match="alibi is not native yet"):
+            mha.attention(q, k, v, alibi_slopes=mha.alibi_slopes(H), backend=backend)
+
+
+def test_a_refused_call_leaves_the_inputs_unchanged():
+    q, k, v = _qkv()
+    sinks = torch.zeros(H + 1)
+    before = [t.clone() for t in (q, k, v, sinks)]
+    with pytest.raises(ValueError):
+        mha.attention(q, k, v, sinks=sinks, bias=torch.zeros(TQ, TK))
+    for t, b in zip((q, k, v, sinks), before, strict=True):
+        assert torch.equal(t, b)
