@@ -25,7 +25,7 @@ from mha.checks import (
     check_window,
 )
 from mha.masks import MaskSpec
-from mha.scores import ScoreSpec
+from mha.scores import NO_SCORES, ScoreSpec
 
 
 def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
@@ -48,12 +48,15 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
         window = min(check_window(window, causal), max(Tk, 1))
     # score variants (mha.scores)
-    scores = ScoreSpec(
-        softcap=None if softcap is None else check_softcap(softcap),
-        sinks=None if sinks is None else check_sinks(sinks, h, q.device),
-        bias=None if bias is None else check_bias(bias, B, h, Tq, Tk, q.device),
-        alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, B, h,
-                                                                          q.device))
+    if softcap is None and sinks is None and bias is None and alibi_slopes is None:
+        scores = NO_SCORES
+    else:
+        scores = ScoreSpec(
+            softcap=None if softcap is None else check_softcap(softcap),
+            sinks=None if sinks is None else check_sinks(sinks, h, q.device),
+            bias=None if bias is None else check_bias(bias, B, h, Tq, Tk, q.device),
+            alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(
+                alibi_slopes, B, h, q.device))
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
                          return_weights, scores)
 

@@ -113,3 +113,6 @@ class ScoreSpec:
         sink = self.sinks.to(s.dtype).view(1, h, 1, 1).expand(B, h, C, 1)  # (B, h, C, 1)
         both = torch.cat([s, sink], dim=-1)  # (B, h, C, Tk + 1)
         return torch.softmax(both, dim=-1)[..., :-1]  # (B, h, C, Tk), the sink dropped
+
+
+NO_SCORES = ScoreSpec()  #: the call without variants (immutable, shared)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha.masks import MaskSpec
-from mha.scores import ScoreSpec
+from mha.scores import NO_SCORES, ScoreSpec
 
 BASIC_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
 ALL_MASK_KINDS = BASIC_MASK_KINDS | {"window"}
@@ -43,7 +43,7 @@ class AttentionCall:
                  scale: float, dropout_p: float = 0.0, return_weights: bool = False,
                  scores: ScoreSpec | None = None) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
-        self.scores = ScoreSpec() if scores is None else scores  # softcap, sinks, bias, ALiBi
+        self.scores = NO_SCORES if scores is None else scores  # softcap, sinks, bias, ALiBi
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
         self.B, self.h, self.Tq, self.d_k = q.shape
         self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
