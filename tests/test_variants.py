@@ -32,8 +32,9 @@ def _within_budget(got, ref, low, dtype, what):
 
 
 @st.composite
-def calls(draw, dtype=torch.float32):
+def calls(draw, dtypes=(torch.float32,)):
     """q, k, v (GQA, Tq != Tk, some non-contiguous) with a drawn mix of masks and variants."""
+    dtype = draw(st.sampled_from(dtypes))
     B = draw(st.integers(1, 2))
     h_kv = draw(st.sampled_from([1, 2]))
     h = h_kv * draw(st.sampled_from([1, 2]))
@@ -86,7 +87,7 @@ def _capable(q, k, v, **kwargs):
     return [v_.backend for v_ in mha.explain(q, k, v, **kwargs) if v_.ok]
 
 
-@given(case=calls())
+@given(case=calls(dtypes=(torch.float32, torch.bfloat16)))
 def test_every_capable_backend_matches_the_float64_loop(case):
     q, k, v, masks, variants = case
     allowed = _allowed(q, k, masks)
@@ -360,3 +361,18 @@ def test_decode_entry_point_serves_the_variants_on_the_python_path():
         got = flash_decode(q, k, v, **kw)
         want = mha.attention(q, k, v, backend="reference", **kw)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "reference"])
+def test_a_nan_in_a_masked_key_never_reaches_a_row_with_variants(backend):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    kw = dict(bias=torch.randn(2, 4, 4, generator=g), alibi_slopes=mha.alibi_slopes(2))
+    if backend != "sdpa":
+        kw.update(softcap=2.0, sinks=torch.randn(2, generator=g))
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, 3], v_bad[:, :, 3] = float("nan"), float("inf")  # key 3: only the last row sees it
+    out = mha.attention(q, k_bad, v_bad, causal=True, backend=backend, **kw)
+    clean = mha.attention(q, k, v, causal=True, backend="reference", **kw)
+    torch.testing.assert_close(out[:, :, :3], clean[:, :, :3])
+    assert out[:, :, 3].isnan().all()  # the row that may attend the NaN key: IEEE says NaN
