@@ -111,6 +111,14 @@ def test_causal_is_bottom_right_aligned():
     assert torch.equal(causal_mask(4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+@pytest.mark.parametrize("Tq, Tk, name, error", [(-1, 3, "Tq", ValueError), (3, -2, "Tk", ValueError),
+                                                  (2.0, 3, "Tq", TypeError), (2, True, "Tk", TypeError)])
+def test_causal_mask_refuses_bad_sizes(Tq, Tk, name, error):
+    with pytest.raises(error, match=f"^{name} must be an int >= 0"):
+        causal_mask(Tq, Tk)
+    assert causal_mask(0, 3).shape == (0, 3)
+
+
 def test_token_t_sees_1_to_t():
     """Seed 002: the output at t depends only on tokens 1..t (changing later ones changes nothing)."""
     torch.manual_seed(2)

@@ -43,9 +43,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mha.checks import check_int
+
 
 def causal_mask(Tq: int, Tk: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """The bottom-right aligned causal mask ``(Tq, Tk)``: True where query i may see key j."""
+    """The bottom-right aligned causal mask ``(Tq, Tk)``: True where query i may see key j.
+    ``Tq`` and ``Tk`` are ints >= 0 (a ValueError / TypeError naming them otherwise)."""
+    Tq = check_int("Tq", Tq, low=0, what="an int >= 0")
+    Tk = check_int("Tk", Tk, low=0, what="an int >= 0")
     i = torch.arange(Tq, device=device).unsqueeze(1)  # (Tq, 1)
     j = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
     return j <= i + (Tk - Tq)  # (Tq, Tk)
