@@ -1,10 +1,12 @@
 """``mha bench``: mha's backends against the peers, side by side in one process.
 
 Measures this machine's peaks, runs the suites (``mha.bench.<name>``; see
-``mha.bench.core`` for how to add one), prints tables, and writes ``latest.json``, a
-timestamped copy and ``latest.png`` under ``--out``. ``--markdown FILE`` writes the tables
-into FILE between ``<!-- mha-bench:begin/end -->`` markers; ``--from-json`` redoes the outputs
-from a saved run without measuring.
+``mha.bench.core`` for how to add one), prints tables, and writes, under ``--out``, the latest
+run of this CPU kind (``latest-<kind>.json`` and ``latest-<kind>.png``; the kind, e.g.
+``epyc-avx2``, comes from the CPU record, ``mha.bench.cpu``) and a timestamped copy.
+``--markdown FILE`` writes the tables into FILE between ``<!-- mha-bench:begin/end -->``
+markers, in the section of this CPU kind (other kinds' sections are kept); ``--from-json``
+redoes the outputs from a saved run without measuring.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def add_parser(sub) -> None:
     p.add_argument("--mem-budget", type=positive_float, default=3.0, metavar="GIB",
                    help="skip implementations that would allocate more than this (GiB)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
-    p.add_argument("--out", default="benchmarks/results", help="directory for latest.json, "
-                   "bench-<time>.json and latest.png ('' to save nothing)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for "
+                   "latest-<cpu kind>.json, bench-<time>-<cpu kind>.json and latest-<cpu kind>.png "
+                   "('' to save nothing)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", metavar="FILE", type=output_file, help="write the tables into FILE (between "
-                   "markers, e.g. docs/benchmarks.md)")
+                   "markers, this CPU kind's section only; e.g. docs/benchmarks.md)")
     p.add_argument("--headline", metavar="FILE", type=output_file, help="write a one-line-per-case summary (mha "
-                   "vs baseline vs fastest other) into FILE between its own markers (README.md)")
+                   "vs baseline vs fastest other) into FILE between its own markers, this CPU "
+                   "kind's section only (README.md)")
     p.add_argument("--from-json", metavar="FILE", type=readable_file, help="do not measure: print/redo outputs "
                    "from a saved run")
     p.add_argument("--list", action="store_true", help="list suites and cases, measure nothing")
@@ -71,12 +75,6 @@ def _versions() -> dict:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             out[name] = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            out["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
-                               if ln.startswith("model name")), platform.processor())
-    except OSError:
-        out["cpu"] = platform.processor()
     return out
 
 
@@ -294,6 +292,9 @@ def _record(rows: list, ctx, args: argparse.Namespace, clock: _Clock) -> dict:
     import os
     import sys
 
+    from mha.bench import cpu
+
+    machine = cpu.record()
     return {
         "meta": {"started": clock.started.strftime("%Y-%m-%d %H:%M:%S"),
                  "seconds": clock.seconds(),
@@ -308,7 +309,7 @@ def _record(rows: list, ctx, args: argparse.Namespace, clock: _Clock) -> dict:
                               "filter": list(ctx.filter), "impl": list(ctx.impl_filter)},
                  "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS",
                                                         "MKL_NUM_THREADS")},
-                 **_versions()},
+                 **_versions(), "cpu": machine["model_name"], "cpu_info": machine},
         "peaks": {k: vars(p) for k, p in ctx.peaks.items()},
         "rows": [r.to_dict() for r in rows],
     }
@@ -324,26 +325,29 @@ def _report(run_data: dict, rows: list, peaks: dict, args: argparse.Namespace, c
 
 
 def _write_outputs(run_data: dict, args: argparse.Namespace, console, *, save: bool) -> None:
-    """Under ``--out``: the JSON (``save``: a measured run) and the plot; then ``--markdown``
-    and ``--headline``."""
+    """Under ``--out``: the JSON (``save``: a measured run) and the plot of the run's CPU kind;
+    then this kind's sections of ``--markdown`` and ``--headline``."""
+    import os
     from pathlib import Path
 
     from mha.bench import report
 
     out_dir = Path(args.out) if args.out else None
+    png = None
     if out_dir is not None:
         if save:
             stamp = run_data["meta"]["started"].replace("-", "").replace(":", "").replace(" ", "-")
             for p in report.save_json(run_data, out_dir, stamp):
                 console.print(f"wrote {p}")
         if not args.no_plot:
-            _plot(run_data, out_dir / "latest.png", console)
+            png = _plot(run_data, report.latest_path(run_data, out_dir, "png"), console)
     for path, headline_only, what in ((args.markdown, False, "the tables"),
                                       (args.headline, True, "the one-line-per-case summary")):
         if not path:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        report.write_markdown(run_data, path, headline_only=headline_only)
+        link = None if png is None else Path(os.path.relpath(png, path.parent.resolve())).as_posix()
+        report.write_markdown(run_data, path, headline_only=headline_only, plot_link=link)
         console.print(f"wrote {what} into {path}")
 
 
