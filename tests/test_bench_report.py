@@ -1,6 +1,6 @@
 """``mha bench``'s records and outputs without measuring: the CPU record and its kind, the
-per-kind sections of the markdown files and the per-kind result files — all from fixtures
-(cpuinfo texts, saved runs)."""
+per-kind sections of the markdown files, the per-kind result files, and the plot of ratios to
+the fastest peer — all from fixtures (cpuinfo texts, saved runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from mha.bench import cpu, report
 from mha.bench.core import Row
+from mha.bench.plot import plot, speedups
 from mha.cli import main
 
 XEON_FLAGS = "fpu sse avx avx2 fma avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
@@ -83,6 +84,30 @@ def a_run(kind: str, fastest_peer: float = 2.0) -> dict:
     return {"meta": {"started": "2026-01-01 00:00:00", "threads": 2, "load_start": 0.1,
                      "load_end": 0.2, "cpu": rec["model_name"], "cpu_info": rec},
             "peaks": {"fp32": _peak("fp32", "AVX2 vfmadd231ps loop")}, "rows": rows}
+
+
+def test_speedups_are_against_the_fastest_peer_not_mha_nor_probes():
+    rows = report.rows_from_run(a_run("epyc-avx2"))
+    best, ratios = speedups([r for r in rows if r.case == "c1"])
+    assert best.impl == "torch sdpa"
+    assert ratios == {"mha:flash_cpu": 4.0, "mha auto": 4.0, "torch sdpa": 1.0,
+                      "naive torch": 0.25}
+    best, ratios = speedups([r for r in rows if r.case == "step"])
+    assert best.impl == "torch sdpa" and "read K+V (torch.sum)" not in ratios
+    assert ratios["mha"] == pytest.approx(4.0)
+    assert speedups([r for r in rows if r.case == "alone"]) == (None, {})
+
+
+def test_plot_renders_ratio_panels_from_a_json_fixture(tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(a_run("epyc-avx2")))
+    out = plot(report.load_json(saved), tmp_path / "p.png")
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    nothing = a_run("epyc-avx2")
+    nothing["rows"] = [r for r in nothing["rows"] if r["case"] == "alone"]
+    with pytest.raises(ValueError, match="no case has a measured peer"):
+        plot(nothing, tmp_path / "none.png")
 
 
 @pytest.mark.parametrize("headline_only", [False, True])

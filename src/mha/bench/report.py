@@ -1,4 +1,5 @@
-"""Showing and saving a benchmark run: rich tables, JSON, markdown, and a PNG plot.
+"""Showing and saving a benchmark run: rich tables, JSON and markdown (the plot:
+:mod:`mha.bench.plot`).
 
 A run is ``{"meta": {...}, "peaks": {key: Peak fields}, "rows": [Row.to_dict(), ...]}``; the
 JSON is the source of truth, and markdown and the plot can be regenerated from it
@@ -318,59 +319,3 @@ def write_markdown(run: dict, path: Path, *, headline_only: bool = False,
     else:
         inner = "\n" + section + "\n"
     path.write_text(head + begin + inner + end + tail)
-
-
-# ----------------------------------------------------------------------------- plot
-def plot(run: dict, path: Path) -> Path:
-    """One panel per suite: the leading rate of every (case, impl), peaks as lines (log y)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = rows_from_run(run)
-    suites: OrderedDict = OrderedDict()  # one panel per (suite, unit): decode mixes GB/s, tokens/s
-    for suite, cases in by_suite(rows).items():
-        for case, rs in cases.items():
-            unit = next((rate_unit(r) for r in rs if r.rate() is not None), None)
-            if unit is not None:
-                suites.setdefault(f"{suite} ({unit})", OrderedDict())[case] = rs
-    if not suites:
-        raise ValueError("nothing to plot: no implementation produced a measurement")
-    fig, axes = plt.subplots(len(suites), 1, figsize=(16, 6 * len(suites)), squeeze=False)
-    for ax, (suite, cases) in zip(axes[:, 0], suites.items(), strict=True):
-        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs
-                                          if r.rate() is not None))
-        colors = {name: plt.get_cmap("tab20")(j % 20) for j, name in enumerate(impls)}
-        unit, labelled = "", set()
-        for i, rs in enumerate(cases.values()):
-            got = [r for r in rs if r.rate() is not None]
-            width = 0.84 / max(4, len(got))
-            for j, r in enumerate(got):  # the bars present in this case, side by side
-                x = i - width * len(got) / 2 + (j + 0.5) * width
-                ax.bar(x, r.rate(), width, color=colors[r.impl],
-                       label=None if r.impl in labelled else r.impl)
-                labelled.add(r.impl)
-                unit = rate_unit(r)
-        if unit == "GFLOP/s":
-            line_colors = ("black", "tab:red", "tab:purple", "tab:gray", "tab:olive")
-            lines = [p for k, p in run["peaks"].items()
-                     if p["unit"] == "GFLOP/s" and p["value"] and k != "bf16"]
-            for p, c in zip(lines, line_colors, strict=False):
-                ax.axhline(p["value"], color=c, lw=1.2, ls="--",
-                           label=f"{p['label']} ({p['value']:.0f})")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels(list(cases), rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(unit)
-        ax.set_title(f"mha bench — suite {suite} ({run['meta'].get('started', '')} UTC, "
-                     f"{run['meta'].get('threads', '?')} threads; missing bar = skipped, "
-                     f"see the table)")
-        ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -353,7 +353,7 @@ def _write_outputs(run_data: dict, args: argparse.Namespace, console, *, save: b
 
 def _plot(run_data: dict, path, console):
     """Draw the plot; its absolute path, or None (with the reason printed) when it cannot."""
-    from mha.bench.report import plot
+    from mha.bench.plot import plot
 
     try:
         got = plot(run_data, path)
