@@ -42,7 +42,6 @@ def test_measure_rows_ratios_and_rates():
         assert r.suite == "unit" and r.case == "mm"
     assert rows["big"].ratio == pytest.approx(1.0)
     assert rows["small"].ratio == pytest.approx(rows["big"].seconds / rows["small"].seconds)
-    assert rows["small"].ratio > 1  # 64x fewer FLOPs: faster than the baseline
 
 
 def test_measure_interleaves_implementations():
