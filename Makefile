@@ -45,7 +45,8 @@ build: $(STAMP)
 	$(VENV)/bin/mha build
 
 # Benchmarks run with the environment's OpenBLAS overrides removed (numpy's AVX-512 kernels),
-# with the optional peers (ONNX Runtime, JAX) installed.
+# with the optional peers (ONNX Runtime, JAX) installed. A run rewrites the results, tables and
+# headline of this machine's CPU kind only (benchmarks/results/latest-<kind>.*).
 bench: $(STAMP)
 	$(PIP) install --quiet -e ".[$(EXTRAS),jax]"
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(VENV)/bin/mha bench \

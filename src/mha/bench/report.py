@@ -1,8 +1,11 @@
-"""Showing and saving a benchmark run: rich tables, JSON, markdown, and a PNG plot.
+"""Showing and saving a benchmark run: rich tables, JSON and markdown (the plot:
+:mod:`mha.bench.plot`).
 
 A run is ``{"meta": {...}, "peaks": {key: Peak fields}, "rows": [Row.to_dict(), ...]}``; the
 JSON is the source of truth, and markdown and the plot can be regenerated from it
-(``mha bench --from-json ... --markdown ... --plot ...``).
+(``mha bench --from-json ... --markdown ... --headline ...``). ``meta.cpu_info`` is the CPU
+record (:mod:`mha.bench.cpu`); its ``kind`` names the files (``latest-<kind>.json``) and the
+markdown sections that keep the latest figures of each kind of machine apart.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 from collections import OrderedDict
 from pathlib import Path
 
+from mha.bench import cpu
 from mha.bench.core import Row
 
 _RATE_UNIT = {"gflops": "GFLOP/s", "gbs": "GB/s", "time": "s"}
@@ -96,10 +100,18 @@ def print_tables(rows: list[Row], peaks: dict, console) -> None:
 
 
 # ----------------------------------------------------------------------------- JSON
+def latest_path(run: dict, out_dir: Path, suffix: str) -> Path:
+    """``out_dir/latest-<kind>.<suffix>``: the latest run of the run's CPU kind."""
+    return Path(out_dir) / f"latest-{cpu.of_run(run)['kind']}.{suffix}"
+
+
 def save_json(run: dict, out_dir: Path, stamp: str) -> list[Path]:
+    """Write the run as ``latest-<kind>.json`` (replacing the previous run of that CPU kind
+    only) and ``bench-<stamp>-<kind>.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(run, indent=1, default=str)
-    paths = [out_dir / "latest.json", out_dir / f"bench-{stamp}.json"]
+    paths = [latest_path(run, out_dir, "json"),
+             out_dir / f"bench-{stamp}-{cpu.of_run(run)['kind']}.json"]
     for p in paths:
         p.write_text(text + "\n")
     return paths
@@ -130,6 +142,13 @@ def check_run(run) -> None:
     for key, kind, name in (("meta", dict, "object"), ("peaks", dict, "object"),
                             ("rows", list, "array")):
         need(isinstance(run.get(key), kind), f"{key!r} must be a JSON {name}", run.get(key))
+    if "cpu_info" in run["meta"]:
+        try:
+            cpu.check_record(run["meta"]["cpu_info"])
+        except ValueError as e:
+            raise ValueError(f"not a saved mha bench run: {e}") from None
+    need(run["meta"].get("cpu") is None or isinstance(run["meta"]["cpu"], str),
+         "meta.cpu must be a string", run["meta"].get("cpu"))
     for key, p in run["peaks"].items():
         need(isinstance(p, dict) and set(p) <= {"key", "label", "value", "unit", "how"}
              and {"key", "label", "value"} <= set(p), f"peaks[{key!r}] must be an object with "
@@ -168,11 +187,14 @@ def _short(reason: str, n: int = 60) -> str:
 
 
 def markdown(run: dict) -> str:
-    """The results as markdown: peaks, one ratio matrix per suite, then the full rows."""
+    """The results as markdown: the CPU, the peaks, one ratio matrix per suite, then the full
+    rows (a ``###`` section, its suites ``####``)."""
     rows = rows_from_run(run)
     meta = run["meta"]
-    lines = [f"Run {meta.get('started', '?')} UTC, `{meta.get('command', 'mha bench')}`, "
-             f"{meta.get('threads', '?')} threads, {meta.get('cpu', '')}; load average "
+    lines = [f"### CPU kind `{cpu.of_run(run)['kind']}`", "", cpu.describe(cpu.of_run(run)) + ".",
+             "",
+             f"Run {meta.get('started', '?')} UTC, `{meta.get('command', 'mha bench')}`, "
+             f"{meta.get('threads', '?')} threads; load average "
              f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')} "
              f"(the machine is shared: see the ± column). Commit {meta.get('git') or '?'}; "
              f"torch {meta.get('torch', '?')}, "
@@ -185,7 +207,7 @@ def markdown(run: dict) -> str:
         impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs))
         bases = ", ".join(OrderedDict.fromkeys(r.baseline for rs in cases.values() for r in rs
                                                if r.baseline))
-        lines += ["", f"### Suite `{suite}`", "", f"Rate in the unit shown; in brackets the speed "
+        lines += ["", f"#### Suite `{suite}`", "", f"Rate in the unit shown; in brackets the speed "
                   f"relative to the case's baseline ({bases or 'none'}), > 1 is faster.", "",
                   "| case | unit | " + " | ".join(impls) + " |", "|---" * (len(impls) + 2) + "|"]
         for case, rs in cases.items():
@@ -220,14 +242,14 @@ def markdown(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mha_row(rows: list[Row]) -> Row | None:
+def mha_row(rows: list[Row]) -> Row | None:
     """The row that speaks for mha in a case: auto dispatch, the module, or the cache loop
     (not a forced backend ``mha:<name>``)."""
     return next((r for r in rows if r.impl.startswith("mha") and not r.impl.startswith("mha:")),
                 None)
 
 
-def _is_peer(r: Row) -> bool:
+def is_peer(r: Row) -> bool:
     """Another library's implementation (not mha's, not a memory-read probe)."""
     return not r.impl.startswith(("mha", "read ")) and r.ok and r.rate() is not None
 
@@ -237,19 +259,20 @@ def headline(run: dict) -> str:
     other implementation measured in the same run (the README's summary)."""
     rows = rows_from_run(run)
     meta = run["meta"]
-    lines = [f"`{meta.get('command', 'mha bench')}`, {meta.get('started', '?')} UTC, "
-             f"{meta.get('threads', '?')} threads, {meta.get('cpu', '')}, load "
+    lines = [f"**{cpu.describe(cpu.of_run(run))}.**", "",
+             f"`{meta.get('command', 'mha bench')}`, {meta.get('started', '?')} UTC, "
+             f"{meta.get('threads', '?')} threads, load "
              f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')}. Ratios > 1: mha is "
              "faster; every figure comes from one process, implementations interleaved.", "",
              "| suite | case | mha | rate | % of peak | × baseline | fastest other "
              "| × fastest other |", "|---|---|---|---|---|---|---|---|"]
     for suite, cases in by_suite(rows).items():
         for case, rs in cases.items():
-            mine = _mha_row(rs)
+            mine = mha_row(rs)
             if mine is None or not mine.ok or mine.rate() is None:
                 continue
             higher_is_better = mine.metric != "time"
-            peers = [r for r in rs if _is_peer(r)]
+            peers = [r for r in rs if is_peer(r)]
             best = (max if higher_is_better else min)(peers, key=Row.rate, default=None)
             vs_best = "" if best is None else f"{best.seconds / mine.seconds:.2f}"
             base = "" if mine.ratio is None else f"{mine.ratio:.2f} ({mine.baseline})"
@@ -260,72 +283,39 @@ def headline(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(run: dict, path: Path, *, headline_only: bool = False) -> None:
-    """Replace the text between the markers in ``path`` (or append it): the full tables, or
-    with ``headline_only`` the one-line-per-case summary."""
+def _kind_markers(begin: str, end: str, kind: str) -> tuple[str, str]:
+    """``<!-- mha-bench:begin -->`` -> ``<!-- mha-bench:begin epyc-avx2 -->`` (and the end)."""
+    return begin[:-4] + f" {kind} -->", end[:-4] + f" {kind} -->"
+
+
+def write_markdown(run: dict, path: Path, *, headline_only: bool = False,
+                   plot_link: str | None = None) -> None:
+    """Put the run into ``path`` between the markers: the full tables, or with
+    ``headline_only`` the one-line-per-case summary. Between the markers, each CPU kind has
+    its own section (its own markers, e.g. ``<!-- mha-bench:begin epyc-avx2 -->``): the run
+    replaces the section of its kind only, or is added after the others. Text between the
+    outer markers that belongs to no kind's section (the single-section form) is replaced.
+    Without the outer markers the block is appended to the file. ``plot_link``: a path to
+    the run's plot, shown at the end of the section."""
     begin, end = (HEAD_BEGIN, HEAD_END) if headline_only else (MD_BEGIN, MD_END)
-    block = f"{begin}\n{headline(run) if headline_only else markdown(run)}{end}"
+    kind = cpu.of_run(run)["kind"]
+    k_begin, k_end = _kind_markers(begin, end, kind)
+    body = headline(run) if headline_only else markdown(run)
+    if plot_link:
+        body += f"\n![mha bench, {kind}]({plot_link})\n"
+    section = f"{k_begin}\n{body}{k_end}"
     path = Path(path)
     old = path.read_text() if path.exists() else ""
-    if begin in old and end in old:
+    if begin in old and end in old.split(begin, 1)[1]:
         head, rest = old.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
+        inner, tail = rest.split(end, 1)
     else:
-        text = (old + "\n" if old else "") + block + "\n"
-    path.write_text(text)
-
-
-# ----------------------------------------------------------------------------- plot
-def plot(run: dict, path: Path) -> Path:
-    """One panel per suite: the leading rate of every (case, impl), peaks as lines (log y)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = rows_from_run(run)
-    suites: OrderedDict = OrderedDict()  # one panel per (suite, unit): decode mixes GB/s, tokens/s
-    for suite, cases in by_suite(rows).items():
-        for case, rs in cases.items():
-            unit = next((rate_unit(r) for r in rs if r.rate() is not None), None)
-            if unit is not None:
-                suites.setdefault(f"{suite} ({unit})", OrderedDict())[case] = rs
-    if not suites:
-        raise ValueError("nothing to plot: no implementation produced a measurement")
-    fig, axes = plt.subplots(len(suites), 1, figsize=(16, 6 * len(suites)), squeeze=False)
-    for ax, (suite, cases) in zip(axes[:, 0], suites.items(), strict=True):
-        impls = list(OrderedDict.fromkeys(r.impl for rs in cases.values() for r in rs
-                                          if r.rate() is not None))
-        colors = {name: plt.get_cmap("tab20")(j % 20) for j, name in enumerate(impls)}
-        unit, labelled = "", set()
-        for i, rs in enumerate(cases.values()):
-            got = [r for r in rs if r.rate() is not None]
-            width = 0.84 / max(4, len(got))
-            for j, r in enumerate(got):  # the bars present in this case, side by side
-                x = i - width * len(got) / 2 + (j + 0.5) * width
-                ax.bar(x, r.rate(), width, color=colors[r.impl],
-                       label=None if r.impl in labelled else r.impl)
-                labelled.add(r.impl)
-                unit = rate_unit(r)
-        if unit == "GFLOP/s":
-            line_colors = ("black", "tab:red", "tab:purple", "tab:gray", "tab:olive")
-            lines = [p for k, p in run["peaks"].items()
-                     if p["unit"] == "GFLOP/s" and p["value"] and k != "bf16"]
-            for p, c in zip(lines, line_colors, strict=False):
-                ax.axhline(p["value"], color=c, lw=1.2, ls="--",
-                           label=f"{p['label']} ({p['value']:.0f})")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels(list(cases), rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(unit)
-        ax.set_title(f"mha bench — suite {suite} ({run['meta'].get('started', '')} UTC, "
-                     f"{run['meta'].get('threads', '?')} threads; missing bar = skipped, "
-                     f"see the table)")
-        ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        head, inner, tail = (old + "\n" if old else ""), "", "\n"
+    if k_begin in inner and k_end in inner.split(k_begin, 1)[1]:
+        before, rest = inner.split(k_begin, 1)
+        inner = before + section + rest.split(k_end, 1)[1]
+    elif begin[:-4] + " " in inner:  # other kinds' sections: keep them
+        inner = inner.rstrip("\n") + "\n\n" + section + "\n"
+    else:
+        inner = "\n" + section + "\n"
+    path.write_text(head + begin + inner + end + tail)

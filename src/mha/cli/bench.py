@@ -1,10 +1,12 @@
 """``mha bench``: mha's backends against the peers, side by side in one process.
 
 Measures this machine's peaks, runs the suites (``mha.bench.<name>``; see
-``mha.bench.core`` for how to add one), prints tables, and writes ``latest.json``, a
-timestamped copy and ``latest.png`` under ``--out``. ``--markdown FILE`` writes the tables
-into FILE between ``<!-- mha-bench:begin/end -->`` markers; ``--from-json`` redoes the outputs
-from a saved run without measuring.
+``mha.bench.core`` for how to add one), prints tables, and writes, under ``--out``, the latest
+run of this CPU kind (``latest-<kind>.json`` and ``latest-<kind>.png``; the kind, e.g.
+``epyc-avx2``, comes from the CPU record, ``mha.bench.cpu``) and a timestamped copy.
+``--markdown FILE`` writes the tables into FILE between ``<!-- mha-bench:begin/end -->``
+markers, in the section of this CPU kind (other kinds' sections are kept); ``--from-json``
+redoes the outputs from a saved run without measuring.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def add_parser(sub) -> None:
     p.add_argument("--mem-budget", type=positive_float, default=3.0, metavar="GIB",
                    help="skip implementations that would allocate more than this (GiB)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
-    p.add_argument("--out", default="benchmarks/results", help="directory for latest.json, "
-                   "bench-<time>.json and latest.png ('' to save nothing)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for "
+                   "latest-<cpu kind>.json, bench-<time>-<cpu kind>.json and latest-<cpu kind>.png "
+                   "('' to save nothing)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", metavar="FILE", type=output_file, help="write the tables into FILE (between "
-                   "markers, e.g. docs/benchmarks.md)")
+                   "markers, this CPU kind's section only; e.g. docs/benchmarks.md)")
     p.add_argument("--headline", metavar="FILE", type=output_file, help="write a one-line-per-case summary (mha "
-                   "vs baseline vs fastest other) into FILE between its own markers (README.md)")
+                   "vs baseline vs fastest other) into FILE between its own markers, this CPU "
+                   "kind's section only (README.md)")
     p.add_argument("--from-json", metavar="FILE", type=readable_file, help="do not measure: print/redo outputs "
                    "from a saved run")
     p.add_argument("--list", action="store_true", help="list suites and cases, measure nothing")
@@ -71,12 +75,6 @@ def _versions() -> dict:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             out[name] = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            out["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
-                               if ln.startswith("model name")), platform.processor())
-    except OSError:
-        out["cpu"] = platform.processor()
     return out
 
 
@@ -152,63 +150,99 @@ def _check_filter(args: argparse.Namespace, plan) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    """Check the command, then: list, redo outputs from a saved run, or measure, record and
+    report. Exit status 1 when a row is an error."""
     import sys
-    import time
-    from datetime import datetime, timezone
-    from pathlib import Path
 
     from rich.console import Console
-
-    from mha.bench import report
-    from mha.bench.core import Context, Row, finish, skipped_suite
-    from mha.bench.peaks import Peak, measure_peaks
 
     names, saved = check(args)
     # Piped output (make bench | tee, CI logs): wide enough for the tables.
     console = Console() if sys.stdout.isatty() else Console(width=170)
-    out_dir = Path(args.out) if args.out else None
-
-    if args.from_json:
-        run_data = saved
-        rows = report.rows_from_run(run_data)
-        peaks = {k: Peak(**v) for k, v in run_data["peaks"].items()}
-        report.print_tables(rows, peaks, console)
-        _write_outputs(run_data, out_dir, args, console, save=False)
+    if saved is not None:
+        return _report_saved(saved, args, console)
+    ctx = _context(args)
+    plan = _collect(ctx, names, console)
+    _check_filter(args, plan)
+    if args.list:
+        _print_plan(plan, console)
         return 0
+    clock = _Clock.start()
+    rows = _measure(plan, ctx, args.threads, console)
+    run_data = _record(rows, ctx, args, clock)
+    _report(run_data, rows, ctx.peaks, args, console)
+    return 0 if not any(r.status == "error" for r in rows) else 1
 
+
+def _report_saved(run_data: dict, args: argparse.Namespace, console) -> int:
+    """``--from-json``: the tables and outputs of a saved run, nothing measured."""
+    from mha.bench import report
+    from mha.bench.peaks import Peak
+
+    peaks = {k: Peak(**v) for k, v in run_data["peaks"].items()}
+    report.print_tables(report.rows_from_run(run_data), peaks, console)
+    _write_outputs(run_data, args, console, save=False)
+    return 0
+
+
+def _context(args: argparse.Namespace):
+    """The suites' settings from the options (``--quick`` changes the defaults)."""
     import torch
+
+    from mha.bench.core import Context
 
     torch.set_num_threads(args.threads)
     q = args.quick
-    ctx = Context(quick=q, filter=tuple(args.filter), impl_filter=tuple(args.impl),
-                  repeat=args.repeat or (3 if q else 5),
-                  min_time=args.min_time if args.min_time is not None else (0.1 if q else 0.5),
-                  sample_time=0.01 if q else 0.03,
-                  max_case_time=args.max_case_time or (5.0 if q else 25.0),
-                  mem_budget=args.mem_budget * 2**30, measure_memory=not args.no_memory)
-    plan = _collect(ctx, names, console)
-    _check_filter(args, plan)
+    return Context(quick=q, filter=tuple(args.filter), impl_filter=tuple(args.impl),
+                   repeat=args.repeat or (3 if q else 5),
+                   min_time=args.min_time if args.min_time is not None else (0.1 if q else 0.5),
+                   sample_time=0.01 if q else 0.03,
+                   max_case_time=args.max_case_time or (5.0 if q else 25.0),
+                   mem_budget=args.mem_budget * 2**30, measure_memory=not args.no_memory)
 
-    if args.list:
-        for name, mod, why, cs in plan:
-            console.print(f"[bold]{name}[/bold]: " + (f"skipped — {why}" if why else
-                                                       getattr(mod, "TITLE", "")))
-            for c in cs or []:
-                console.print(f"  {c.name}: " + ", ".join(i.name for i in c.impls))
-            if mod is not None and cs is None:
-                console.print("  (measures by itself: run(ctx))")
-        return 0
 
-    started = datetime.now(timezone.utc)
-    load_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    with console.status("measuring this machine's peaks..."):
-        ctx.peaks = measure_peaks(args.threads, quick=q)
+def _print_plan(plan, console) -> None:
+    """``--list``: the suites, their cases and implementations."""
+    for name, mod, why, cs in plan:
+        console.print(f"[bold]{name}[/bold]: " + (f"skipped — {why}" if why else
+                                                   getattr(mod, "TITLE", "")))
+        for c in cs or []:
+            console.print(f"  {c.name}: " + ", ".join(i.name for i in c.impls))
+        if mod is not None and cs is None:
+            console.print("  (measures by itself: run(ctx))")
 
-    rows: list[Row] = []
+
+class _Clock:
+    """When the run started (UTC), the load average then, and the timer."""
+
+    def __init__(self, started, load_start: float, t0: float):
+        self.started, self.load_start, self.t0 = started, load_start, t0
+
+    @classmethod
+    def start(cls) -> _Clock:
+        import os
+        import time
+        from datetime import datetime, timezone
+
+        return cls(datetime.now(timezone.utc), os.getloadavg()[0], time.perf_counter())
+
+    def seconds(self) -> float:
+        import time
+
+        return round(time.perf_counter() - self.t0, 1)
+
+
+def _measure(plan, ctx, threads: int, console) -> list:
+    """The peaks (into ``ctx.peaks``), then every planned suite, with a progress bar; a suite
+    that cannot run or fails is one skipped row. Returns the rows, derived columns filled."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from mha.bench.core import finish, skipped_suite
+    from mha.bench.peaks import measure_peaks
+
+    with console.status("measuring this machine's peaks..."):
+        ctx.peaks = measure_peaks(threads, quick=ctx.quick)
+    rows: list = []
     total = sum(len(cs) if cs is not None else 1 for _, mod, _, cs in plan if mod is not None)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as prog:
@@ -216,72 +250,118 @@ def run(args: argparse.Namespace) -> int:
         for name, mod, why, cs in plan:
             if mod is None:
                 rows.append(skipped_suite(name, why))
-                continue
-            if cs is None:
+            elif cs is None:
                 prog.update(task, description=f"{name}: run(ctx)")
-                try:
-                    got = mod.run(ctx)
-                    for r in got:
-                        r.suite = r.suite or name
-                    rows += got
-                except Exception as e:  # noqa: BLE001
-                    rows.append(skipped_suite(name, f"{name}.run() failed: "
-                                                    f"{type(e).__name__}: {e}"))
+                rows += _run_suite(name, mod, ctx)
                 prog.advance(task)
-                continue
-            for c in cs:
-                prog.update(task, description=f"{name}: {c.name}")
-                t_case = time.perf_counter()
-                got = ctx.measure(c, suite=name)
-                rows += got
-                ok = sum(r.ok for r in got)
-                prog.console.print(f"{name}: {c.name}: {ok}/{len(got)} measured in "
-                                   f"{time.perf_counter() - t_case:.0f} s", highlight=False)
-                prog.advance(task)
+            else:
+                for c in cs:
+                    prog.update(task, description=f"{name}: {c.name}")
+                    rows += _measure_case(name, c, ctx, prog.console)
+                    prog.advance(task)
     finish(rows, ctx)
+    return rows
 
-    run_data = {
-        "meta": {"started": started.strftime("%Y-%m-%d %H:%M:%S"),
-                 "seconds": round(time.perf_counter() - t0, 1),
+
+def _run_suite(name: str, mod, ctx) -> list:
+    """A suite that measures by itself (``run(ctx)``); its failure is one skipped row."""
+    from mha.bench.core import skipped_suite
+
+    try:
+        got = list(mod.run(ctx))
+        for r in got:
+            r.suite = r.suite or name
+    except Exception as e:  # noqa: BLE001 — one broken suite must not stop the rest
+        return [skipped_suite(name, f"{name}.run() failed: {type(e).__name__}: {e}")]
+    return got
+
+
+def _measure_case(name: str, case, ctx, console) -> list:
+    """One case through the harness, and a progress line."""
+    import time
+
+    t_case = time.perf_counter()
+    got = ctx.measure(case, suite=name)
+    console.print(f"{name}: {case.name}: {sum(r.ok for r in got)}/{len(got)} measured in "
+                  f"{time.perf_counter() - t_case:.0f} s", highlight=False)
+    return got
+
+
+def _record(rows: list, ctx, args: argparse.Namespace, clock: _Clock) -> dict:
+    """The run as saved: settings, load, versions, the CPU record, the peaks and the rows."""
+    import os
+    import sys
+
+    from mha.bench import cpu
+
+    machine = cpu.record()
+    return {
+        "meta": {"started": clock.started.strftime("%Y-%m-%d %H:%M:%S"),
+                 "seconds": clock.seconds(),
                  "command": "mha bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1
                             else "mha bench",
-                 "threads": args.threads, "quick": q, "git": _git_commit(),
-                 "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2),
+                 "threads": args.threads, "quick": ctx.quick, "git": _git_commit(),
+                 "load_start": round(clock.load_start, 2),
+                 "load_end": round(os.getloadavg()[0], 2),
                  "settings": {"repeat": ctx.repeat, "min_time": ctx.min_time,
                               "sample_time": ctx.sample_time, "max_case_time": ctx.max_case_time,
                               "mem_budget_gib": args.mem_budget,
                               "filter": list(ctx.filter), "impl": list(ctx.impl_filter)},
                  "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS",
                                                         "MKL_NUM_THREADS")},
-                 **_versions()},
+                 **_versions(), "cpu": machine["model_name"], "cpu_info": machine},
         "peaks": {k: vars(p) for k, p in ctx.peaks.items()},
         "rows": [r.to_dict() for r in rows],
     }
-    report.print_tables(rows, ctx.peaks, console)
-    console.print(f"took {run_data['meta']['seconds']:.0f} s")
-    _write_outputs(run_data, out_dir, args, console, save=True, stamp=started)
-    return 0 if not any(r.status == "error" for r in rows) else 1
 
 
-def _write_outputs(run_data, out_dir, args, console, *, save: bool, stamp=None) -> None:
+def _report(run_data: dict, rows: list, peaks: dict, args: argparse.Namespace, console) -> None:
+    """A measured run: the tables, the time taken, then the files."""
     from mha.bench import report
 
+    report.print_tables(rows, peaks, console)
+    console.print(f"took {run_data['meta']['seconds']:.0f} s")
+    _write_outputs(run_data, args, console, save=True)
+
+
+def _write_outputs(run_data: dict, args: argparse.Namespace, console, *, save: bool) -> None:
+    """Under ``--out``: the JSON (``save``: a measured run) and the plot of the run's CPU kind;
+    then this kind's sections of ``--markdown`` and ``--headline``."""
+    import os
+    from pathlib import Path
+
+    from mha.bench import report
+
+    out_dir = Path(args.out) if args.out else None
+    png = None
     if out_dir is not None:
         if save:
-            for p in report.save_json(run_data, out_dir, stamp.strftime("%Y%m%d-%H%M%S")):
+            stamp = run_data["meta"]["started"].replace("-", "").replace(":", "").replace(" ", "-")
+            for p in report.save_json(run_data, out_dir, stamp):
                 console.print(f"wrote {p}")
         if not args.no_plot:
-            try:
-                console.print(f"wrote {report.plot(run_data, out_dir / 'latest.png')}")
-            except ImportError as e:
-                console.print(f"no plot: {e.name} not installed (pip install 'mha[viz]')")
-            except ValueError as e:  # nothing measured, so nothing to draw
-                console.print(f"no plot: {e}")
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        report.write_markdown(run_data, args.markdown)
-        console.print(f"wrote the tables into {args.markdown}")
-    if args.headline:
-        args.headline.parent.mkdir(parents=True, exist_ok=True)
-        report.write_markdown(run_data, args.headline, headline_only=True)
-        console.print(f"wrote the one-line-per-case summary into {args.headline}")
+            png = _plot(run_data, report.latest_path(run_data, out_dir, "png"), console)
+    for path, headline_only, what in ((args.markdown, False, "the tables"),
+                                      (args.headline, True, "the one-line-per-case summary")):
+        if not path:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        link = None if png is None else Path(os.path.relpath(png, path.parent.resolve())).as_posix()
+        report.write_markdown(run_data, path, headline_only=headline_only, plot_link=link)
+        console.print(f"wrote {what} into {path}")
+
+
+def _plot(run_data: dict, path, console):
+    """Draw the plot; its absolute path, or None (with the reason printed) when it cannot."""
+    from mha.bench.plot import plot
+
+    try:
+        got = plot(run_data, path)
+    except ImportError as e:
+        console.print(f"no plot: {e.name} not installed (pip install 'mha[viz]')")
+        return None
+    except ValueError as e:  # nothing measured, so nothing to draw
+        console.print(f"no plot: {e}")
+        return None
+    console.print(f"wrote {got}")
+    return got.resolve()

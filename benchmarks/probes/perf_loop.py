@@ -5,9 +5,9 @@ module's layout, (B, T, h, d) viewed as (B, h, T, d). Prints ms per call and GFL
 half when causal; the backward's five products count 2.5x that) to stderr.
 
     OPENBLAS_CORETYPE= perf record -F 4000 -o fwd.data -- \\
-        .venv/bin/python benchmarks/perf_loop.py --shape 1,8,4096,64 --dtype fp32 --threads 1
+        .venv/bin/python benchmarks/probes/perf_loop.py --shape 1,8,4096,64 --dtype fp32 --threads 1
     perf report -i fwd.data --no-children --stdio | grep %
-    .venv/bin/python benchmarks/perf_loop.py --shape 1,8,2048,64 --dtype bf16 --causal --backward
+    .venv/bin/python benchmarks/probes/perf_loop.py --shape 1,8,2048,64 --dtype bf16 --causal --backward
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ dispatch) and with ``backend="flash_cpu"``, torch SDPA, and naive torch
 compare across runs. Run under the timing lock (see docs/kernel.md):
 
     flock -x /tmp/mha-bench.lock env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
-        .venv/bin/python benchmarks/tiny_shape.py --threads 2 --repeats 15
+        .venv/bin/python benchmarks/probes/tiny_shape.py --threads 2 --repeats 15
 """
 
 from __future__ import annotations

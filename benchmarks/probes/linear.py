@@ -13,7 +13,7 @@ stays put (repacked after each optimizer step). Where the CPU has no AVX-512 the
 only its portable loops and ``mha.linear`` falls back to F.linear; ``--portable`` times those
 loops anyway (both trees), which measures packing against a slower GEMM than the AVX-512 tiles.
 
-    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/linear.py --old-rev 263ecb3
+    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/probes/linear.py --old-rev 263ecb3
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sliding-window attention: the native kernel (mha's pick) vs SDPA with the materialized mask.
 
 Run (one shape and dtype per command, under the timing lock):
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/window.py \
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/window.py \
         --T 8192 --window 1024 --dtype float32
 
 Shape (1, 8, T, 64), causal with the window. Prints the median ms of each, measured side by side

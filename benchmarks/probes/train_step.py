@@ -9,9 +9,9 @@ Medians of ``--repeats`` round-robin timed runs after a warm-up, in one process;
 ratio columns (SDPA time / mha time: above 1 means mha is faster).
 
     flock -x /tmp/mha-bench.lock env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
-        .venv/bin/python benchmarks/train_step.py --torch-bwd
-    .venv/bin/python benchmarks/train_step.py --cases 1,8,2048,64,fp32,causal
-    .venv/bin/python benchmarks/train_step.py --backward-only --cases 4,8,512,64,fp32,causal
+        .venv/bin/python benchmarks/probes/train_step.py --torch-bwd
+    .venv/bin/python benchmarks/probes/train_step.py --cases 1,8,2048,64,fp32,causal
+    .venv/bin/python benchmarks/probes/train_step.py --backward-only --cases 4,8,512,64,fp32,causal
 """
 
 from __future__ import annotations

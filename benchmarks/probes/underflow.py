@@ -5,7 +5,7 @@ fp32's denormal range; without flush-to-zero in the kernel's workers, each of th
 vscalefps takes a microcode assist on Intel cores (~15x slower, measured on a Xeon with AMX). The
 "peaky / random" ratio should stay near 1. Round-robin medians in one process.
 
-    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/underflow.py
+    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/probes/underflow.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one timer the scripts in ``benchmarks/`` share: round-robin medians in one process.
+"""The one timer the scripts in ``benchmarks/probes/`` share: round-robin medians in one process.
 
 Each round calls every function once (or a batch of calls sized to ``min_time``), so a noisy
 neighbour on a shared machine slows all of them alike; the result is the median seconds per

@@ -1,6 +1,6 @@
 """Packed sequences: mha.varlen_attention's two strategies vs one padded mha.attention call.
 
-Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/varlen.py
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/varlen.py
 Prints the median ms of each, side by side in one process, and what "auto" picked.
 """
 
