@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha import trace
+from mha import interop, trace
 from mha.checks import (
     check_bool,
     check_float_dtype,
@@ -324,15 +324,11 @@ class MultiHeadAttention(nn.Module):
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`mha.interop`)."""
-        from mha.interop import from_torch
-
-        return from_torch(module)
+        return interop.from_torch(module, cls)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function."""
-        from mha.interop import to_torch
-
-        return to_torch(self)
+        return interop.to_torch(self)
 
 
 def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache) -> None:
