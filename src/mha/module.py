@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha import trace
+from mha import interop, trace
 from mha.checks import (
     check_bool,
     check_float_dtype,
@@ -157,70 +157,81 @@ class MultiHeadAttention(nn.Module):
         query is ``(1, N, d_model)``, S sequences end to end, and each token attends only within
         its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
         cache or weights."""
-        if cache is not None:
-            _check_cache_call(key, value, mask, key_lengths)
-            if window is not None:
-                raise ValueError("window: sliding windows over a KV cache are not supported; "
-                                 "call without cache=")
-        if cu_seqlens is not None:
-            _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache)
+        _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
+                     need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens)
         self_attention = key is None and value is None
-        if key is None:
-            key = query
-        if value is None:
-            value = key
+        key = query if key is None else key
+        value = key if value is None else value
         self._check_inputs(query, key, value)
-        rec = trace.active()
-        if rec:
-            trace.record("input", "X", query, "(B, Tq, d_model)")
-            if not self_attention:
-                trace.record("key/value input", "X_kv", key, "(B, Tk, kdim)")
+        rec = trace.recorder()  # does nothing unless a trace is being recorded
+        q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
+        dropout_p = self.dropout if self.training else 0.0
+        want_weights = need_weights or rec.on  # a trace records the weights too
+        if cu_seqlens is not None:
+            out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend)
+        elif cache is not None:
+            out, weights = self._forward_cached(q, k, v, cache, dropout_p, want_weights, backend)
+        else:
+            out, weights = self._forward_plain(q, k, v, mask, causal, key_lengths, window,
+                                               dropout_p, want_weights, backend)
+        y = self._output(out, weights, rec)  # (B, Tq, d_model)
+        return (y, weights) if need_weights else y
+
+    def _project_heads(self, query, key, value, self_attention: bool, rec):
+        """Project and split the heads: ``(B, h, Tq, d_k)``, ``(B, h_kv, Tk, d_k)``,
+        ``(B, h_kv, Tk, d_v)``, recording each step on ``rec``."""
+        rec.record("input", "X", query, "(B, Tq, d_model)")
+        if not self_attention:
+            rec.record("key/value input", "X_kv", key, "(B, Tk, kdim)")
         q, k, v = self.project(query, key, value, self_attention)
-        if rec:
-            trace.record("project Q", "Q = X W^Q", q, "(B, Tq, h*d_k)")
-            src = "X" if self_attention else "X_kv"
-            trace.record("project K", f"K = {src} W^K", k, "(B, Tk, h_kv*d_k)")
-            trace.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
+        src = "X" if self_attention else "X_kv"
+        rec.record("project Q", "Q = X W^Q", q, "(B, Tq, h*d_k)")
+        rec.record("project K", f"K = {src} W^K", k, "(B, Tk, h_kv*d_k)")
+        rec.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
         q = self.split_heads(q, self.num_heads)  # (B, Tq, h*d_k) -> (B, h, Tq, d_k)
         k = self.split_heads(k, self.num_kv_heads)  # (B, Tk, h_kv*d_k) -> (B, h_kv, Tk, d_k)
         v = self.split_heads(v, self.num_kv_heads)  # (B, Tk, h_kv*d_v) -> (B, h_kv, Tk, d_v)
-        if rec:
-            trace.record("split heads Q", "reshape + transpose", q, "(B, h, Tq, d_k)")
-            trace.record("split heads K", "reshape + transpose", k, "(B, h_kv, Tk, d_k)")
-            trace.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
-        dropout_p = self.dropout if self.training else 0.0
-        want_weights = need_weights or rec
-        if cu_seqlens is not None:  # packed: the batch of one holds S sequences end to end
-            if window is not None:
-                raise ValueError("window: sliding windows over packed sequences are not "
-                                 "supported; call without cu_seqlens=")
-            result = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # (N, h, d)
-                                      v[0].transpose(0, 1), cu_seqlens, causal=causal,
-                                      dropout_p=dropout_p, backend=backend)  # (N, h, d_v)
-            result = result.transpose(0, 1).unsqueeze(0)  # (N, h, d_v) -> (1, h, N, d_v)
-            if rec:
-                result = (result, None)
-        elif cache is None:
-            result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
-                               dropout_p=dropout_p, return_weights=want_weights, backend=backend,
-                               window=window)
-        else:  # append the new K/V in place; undone if attention raises
-            with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
-                result = attention(q, k_all, v_all, dropout_p=dropout_p,
-                                   return_weights=want_weights, backend=backend, **masks)
-        out, weights = result if want_weights else (result, None)  # (B, h, Tq, d_v)
-        if rec:
-            if weights is not None:  # packed sequences return no weights
-                trace.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
-                             "(B, h, Tq, Tk)")
-            trace.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
+        rec.record("split heads Q", "reshape + transpose", q, "(B, h, Tq, d_k)")
+        rec.record("split heads K", "reshape + transpose", k, "(B, h_kv, Tk, d_k)")
+        rec.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
+        return q, k, v
+
+    def _forward_plain(self, q, k, v, mask, causal, key_lengths, window, dropout_p,
+                       want_weights, backend):
+        """One call of :func:`mha.attention`: ``(out (B, h, Tq, d_v), weights or None)``."""
+        result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
+                           dropout_p=dropout_p, return_weights=want_weights, backend=backend,
+                           window=window)
+        return result if want_weights else (result, None)
+
+    def _forward_cached(self, q, k, v, cache, dropout_p, want_weights, backend):
+        """Append the new K/V to ``cache`` in place (undone if attention raises) and attend
+        over everything cached: ``(out (B, h, Tn, d_v), weights (B, h, Tn, Tk) or None)``."""
+        with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
+            result = attention(q, k_all, v_all, dropout_p=dropout_p,
+                               return_weights=want_weights, backend=backend, **masks)
+        return result if want_weights else (result, None)
+
+    def _forward_packed(self, q, k, v, cu_seqlens, causal, dropout_p, backend):
+        """The batch of one holds S sequences end to end: ``(out (1, h, N, d_v), None)``
+        (packed sequences return no weights)."""
+        out = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # (h, N, d) -> (N, h, d)
+                               v[0].transpose(0, 1), cu_seqlens, causal=causal,
+                               dropout_p=dropout_p, backend=backend)  # (N, h, d_v)
+        return out.transpose(0, 1).unsqueeze(0), None  # (N, h, d_v) -> (1, h, N, d_v)
+
+    def _output(self, out, weights, rec) -> torch.Tensor:
+        """Merge the heads and apply W_O: ``(B, h, Tq, d_v) -> (B, Tq, d_model)``."""
+        if weights is not None:
+            rec.record("attention weights", "A = softmax(Q K^T / sqrt(d_k))", weights,
+                       "(B, h, Tq, Tk)")
+        rec.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
         concat = self.merge_heads(out)  # (B, h, Tq, d_v) -> (B, Tq, h*d_v)
         y = linear(concat, self.out_proj.weight, self.out_proj.bias)  # (B, Tq, h*d_v) @ W_O
         # -> (B, Tq, d_model)
-        if rec:
-            trace.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
-            trace.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
-        return (y, weights) if need_weights else y
+        rec.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
+        rec.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
+        return y
 
     def new_cache(self, batch_size: int, max_len: int):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``
@@ -324,18 +335,24 @@ class MultiHeadAttention(nn.Module):
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """The same attention as a ``torch.nn.MultiheadAttention`` (see :mod:`mha.interop`)."""
-        from mha.interop import from_torch
-
-        return from_torch(module)
+        return interop.from_torch(module, cls)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function."""
-        from mha.interop import to_torch
-
-        return to_torch(self)
+        return interop.to_torch(self)
 
 
-def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache) -> None:
+def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, cache,
+                 cu_seqlens) -> None:
+    """The arguments that choose the mode (cache, packed, plain) agree with one another."""
+    if cache is not None:
+        _check_cache_call(key, value, mask, key_lengths, window)
+    if cu_seqlens is not None:
+        _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window)
+
+
+def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache,
+                       window) -> None:
     """With ``cu_seqlens``: one packed row of self-attention, the offsets define the masking."""
     if key is not None or value is not None:
         raise ValueError("cu_seqlens: packed sequences serve self-attention only "
@@ -348,9 +365,12 @@ def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache
     if isinstance(query, torch.Tensor) and query.dim() == 3 and query.shape[0] != 1:
         raise ValueError(f"cu_seqlens: query must be one packed row (1, N, d_model), "
                          f"got {tuple(query.shape)}")
+    if window is not None:
+        raise ValueError("window: sliding windows over packed sequences are not "
+                         "supported; call without cu_seqlens=")
 
 
-def _check_cache_call(key, value, mask, key_lengths) -> None:
+def _check_cache_call(key, value, mask, key_lengths, window) -> None:
     """With a cache: self-attention, and the cache defines the masking."""
     if key is not None or value is not None:
         raise ValueError("cache: a KV cache serves self-attention only (key and value must be "
@@ -359,6 +379,9 @@ def _check_cache_call(key, value, mask, key_lengths) -> None:
         raise ValueError("cache: mask and key_lengths must be None with a cache — it attends "
                          "causally per row over its own lengths (see KVCache.truncate and "
                          "KVCache.mark_left_padding for padded rows)")
+    if window is not None:
+        raise ValueError("window: sliding windows over a KV cache are not supported; "
+                         "call without cache=")
 
 
 def _real_tensor(name: str, t, shape: tuple[int, ...]) -> torch.Tensor:

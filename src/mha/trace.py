@@ -50,6 +50,38 @@ class Trace(list):
         return t
 
 
+class Recorder:
+    """Appends steps to one trace. :func:`recorder` hands one to a module while a trace is
+    being recorded; the module calls :meth:`record` after each step it takes."""
+
+    on = True
+
+    def __init__(self, steps: Trace) -> None:
+        self._steps = steps
+
+    def record(self, step: str, formula: str, tensor: torch.Tensor, legend: str = "") -> None:
+        self._steps.append(Step(step, formula, tuple(tensor.shape),
+                                str(tensor.dtype).replace("torch.", ""), legend))
+
+
+class NullRecorder:
+    """The recorder while no trace is active: :meth:`record` does nothing."""
+
+    on = False
+
+    def record(self, step: str, formula: str, tensor: torch.Tensor, legend: str = "") -> None:
+        pass
+
+
+_NULL = NullRecorder()
+
+
+def recorder() -> Recorder | NullRecorder:
+    """A recorder for the innermost active trace, or the null recorder when none is active.
+    ``recorder().on`` says which (a module asks for attention weights only when it is on)."""
+    return Recorder(_ACTIVE[-1]) if _ACTIVE else _NULL
+
+
 def active() -> bool:
     """True while a trace is being recorded (modules check this before recording)."""
     return bool(_ACTIVE)
@@ -57,9 +89,7 @@ def active() -> bool:
 
 def record(step: str, formula: str, tensor: torch.Tensor, legend: str = "") -> None:
     """Append a step to the innermost active trace (a no-op when none is active)."""
-    if _ACTIVE:
-        _ACTIVE[-1].append(Step(step, formula, tuple(tensor.shape),
-                                str(tensor.dtype).replace("torch.", ""), legend))
+    recorder().record(step, formula, tensor, legend)
 
 
 def set_backend(name: str) -> None:

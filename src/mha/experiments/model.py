@@ -3,7 +3,8 @@
 Shape legend: B batch, T sequence length, d_model model width, h heads, d_k = d_model / h,
 V input vocabulary, S targets ("slots") per position, C classes per slot.
 
-Pre-norm blocks ``x + MHA(LN(x))``, ``x + MLP(LN(x))``; learned token and position embeddings;
+Pre-norm blocks ``x + MHA(LN(x))``, ``x + MLP(LN(x))`` (:class:`mha.models.DecoderBlock`, the
+block of the decoding model too); learned token and position embeddings;
 a final LayerNorm and a linear read-out to S x C logits. The attention is always
 ``mha.MultiHeadAttention(d_model, h)`` called with ``causal=True``, and no backend is forced:
 training runs through whichever backend mha's dispatch picks for a call that needs gradients.
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import mha
+from mha.models.decoder import DecoderBlock
 
 
 @dataclass(frozen=True)
@@ -33,20 +35,6 @@ class ModelConfig:
     mlp_ratio: int = 4
 
 
-class Block(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = mha.MultiHeadAttention(d_model, num_heads)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
-                                 nn.Linear(mlp_ratio * d_model, d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), causal=True)  # (B, T, d_model)
-        return x + self.mlp(self.ln2(x))  # (B, T, d_model)
-
-
 class TinyTransformer(nn.Module):
     """``x (B, T)`` token ids -> logits ``(B, T, S, C)``; position t sees tokens 0..t."""
 
@@ -55,7 +43,7 @@ class TinyTransformer(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.n_inputs, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.num_heads, cfg.mlp_ratio)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg.d_model, cfg.num_heads, None, cfg.mlp_ratio)
                                     for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.n_slots * cfg.n_classes)

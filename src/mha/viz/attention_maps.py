@@ -49,14 +49,14 @@ class AttentionMaps:
 
 def load(model_dir: str | Path | None = None, *, attn_implementation: str = "mha"):
     """``(tokenizer, model)`` from a local BERT-style directory (default: the shipped MiniLM),
-    in eval mode, offline, via :func:`mha.integrations.transformers.load_minilm`.
+    in eval mode, offline, via :func:`mha.integrations.minilm.load_minilm`.
 
     ``attn_implementation="mha"`` registers mha with transformers' AttentionInterface, so every
     layer's attention is computed by :func:`mha.attention`; ``"eager"`` is transformers' own.
     """
     from transformers.utils import logging as hf_logging
 
-    from mha.integrations.transformers import load_minilm
+    from mha.integrations.minilm import load_minilm
 
     hf_logging.disable_progress_bar()
     model, tok = load_minilm(model_dir, attn_implementation=attn_implementation)
