@@ -2,7 +2,7 @@
 
 The kernel's parts cannot be timed apart inside one build (the tile unit and the vector units
 do not overlap, so a sampling profile smears them), so this script builds
-``csrc/flash_attn.cpp`` three more times with the compile-time switches
+``csrc/flash/flash_attn.cpp`` three more times with the compile-time switches
 ``MHA_BREAKDOWN_NO_SOFTMAX`` / ``MHA_BREAKDOWN_NO_TILES`` (both: only the loop, packing and
 output remain). Those builds compute wrong results: they exist only to be timed. Each variant
 runs in its own process (each registers the same ``torch.ops.mha`` ops), rounds alternate
@@ -47,9 +47,9 @@ def _load_variant(variant: str) -> None:
     from mha import _build
 
     flags = _build.FLAGS + VARIANTS[variant]
-    src = _build.CSRC / "flash_attn.cpp"
+    src = _build.CSRC / "flash" / "flash_attn.cpp"
     h = hashlib.sha256(" ".join(flags).encode())
-    for f in [src, *sorted(_build.CSRC.glob("*.h"))]:
+    for f in [src, *sorted(_build.CSRC.rglob("*.h"))]:
         h.update(f.read_bytes())
     name = f"mha_flash_breakdown_{h.hexdigest()[:12]}"
     build_dir = _build.cache_root() / name
@@ -65,6 +65,7 @@ def _load_variant(variant: str) -> None:
         sources=[str(src)],
         extra_cflags=list(flags),
         extra_ldflags=list(_build.LDFLAGS),
+        extra_include_paths=[str(_build.CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,
     )

@@ -50,14 +50,14 @@
 #include <type_traits>
 #include <utility>
 
-#include "finite.h"
+#include "common/finite.h"
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-#include "flash_decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
+#include "amx/decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -37,7 +37,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "qkv_checks.h"
+#include "common/qkv_checks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -54,10 +54,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "exp2_avx512.h"
-#include "register_tiles.h"
+#include "common/exp2_avx512.h"
+#include "common/register_tiles.h"
 #endif
-#include "gemm_tiles.h"
+#include "common/gemm_tiles.h"
 #if defined(MHA_GEMM_BF16) && defined(__AVX512BW__)
 #define MHA_BWD_BF16 1  // bf16 inputs can run the five products on vdpbf16ps (see run_unit)
 #endif

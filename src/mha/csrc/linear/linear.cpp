@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-#include "gemm_tiles.h"
+#include "common/gemm_tiles.h"
 
 namespace mha_linear {
 namespace {

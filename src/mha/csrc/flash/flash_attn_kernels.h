@@ -31,10 +31,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "exp2_avx512.h"
-#include "register_tiles.h"
+#include "common/exp2_avx512.h"
+#include "common/register_tiles.h"
 #endif
-#include "amx_tiles.h"
+#include "amx/amx_tiles.h"
 #include <algorithm>
 
 namespace mha_flash {

@@ -11,7 +11,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "register_tiles.h"
+#include "common/register_tiles.h"
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define MHA_GEMM_BF16 1  // tile<R, NV, uint16_t>: bf16 operands

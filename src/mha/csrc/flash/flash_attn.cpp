@@ -44,9 +44,9 @@
 #include <tuple>
 #include <vector>
 
-#include "finite.h"
-#include "flash_attn_kernels.h"
-#include "qkv_checks.h"
+#include "common/finite.h"
+#include "flash/flash_attn_kernels.h"
+#include "common/qkv_checks.h"
 
 namespace mha_flash {
 namespace {
@@ -870,7 +870,7 @@ void run_forward(const Problem<T>& P) {
 
 }  // namespace
 }  // namespace mha_flash
-#include "flash_small.h"  // the small-problem path (short keys); uses the definitions above
+#include "flash/flash_small.h"  // the small-problem path (short keys); uses the definitions above
 namespace mha_flash {
 namespace {
 
