@@ -47,6 +47,7 @@
 #include "common/finite.h"
 #include "flash/flash_attn_kernels.h"
 #include "common/qkv_checks.h"
+#include "common/tensor_access.h"
 
 namespace mha_flash {
 namespace {
@@ -54,7 +55,10 @@ namespace {
 constexpr int64_t kRowsPerBlock = 48;  // query rows per block: 8 register tiles of 6 rows
 constexpr int64_t kMaxKeysPerBlock = 128;
 constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+using mha_common::fill_strides;
+using mha_common::kLn2;
+using mha_common::kLog2e;
+using mha_common::round_up;
 
 // benchmarks/amx_breakdown.py builds this file again with MHA_BREAKDOWN_NO_TILES and / or
 // MHA_BREAKDOWN_NO_SOFTMAX to time the AMX key loop's parts apart (tile products / the
@@ -69,8 +73,6 @@ constexpr bool kBreakdownSoftmax = false;
 #else
 constexpr bool kBreakdownSoftmax = true;
 #endif
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename T>
 struct Problem {
@@ -922,10 +924,6 @@ std::vector<std::string> flash_attention_kernels() {
   return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
 }
 
-void fill_strides(const at::Tensor& t, int64_t* s, bool zero_broadcast) {
-  for (int d = 0; d < 4; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
-}
-
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& key_lengths,
@@ -964,12 +962,12 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.v = v.data_ptr<T>();
     P.out = out.data_ptr<T>();
     P.lse = lse.data_ptr<float>();
-    fill_strides(q, P.qs, false);
-    fill_strides(k, P.ks, false);
-    fill_strides(v, P.vs, false);
-    fill_strides(out, P.os, false);
+    fill_strides(q, P.qs, 4, false);
+    fill_strides(k, P.ks, 4, false);
+    fill_strides(v, P.vs, 4, false);
+    fill_strides(out, P.os, 4, false);
     P.mask = m.defined() ? m.data_ptr<bool>() : nullptr;
-    if (m.defined()) fill_strides(m, P.ms, true);
+    if (m.defined()) fill_strides(m, P.ms, 4, true);
     P.key_lengths = kl.defined() ? kl.data_ptr<int64_t>() : nullptr;
     if (P.key_lengths)
       for (int64_t b = 0; b < B; ++b)

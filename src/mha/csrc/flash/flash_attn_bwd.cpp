@@ -37,7 +37,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common/constants.h"
 #include "common/qkv_checks.h"
+#include "common/tensor_access.h"
 
 #include <algorithm>
 #include <cmath>
@@ -54,7 +56,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "common/exp2_avx512.h"
+#include "common/exp2.h"
 #include "common/register_tiles.h"
 #endif
 #include "common/gemm_tiles.h"
@@ -65,15 +67,16 @@
 namespace mha_flash_bwd {
 namespace {
 
-constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
+using mha_common::kInf;
+using mha_common::kLanes;
+using mha_common::kLog2e;
+using mha_common::round_up;
+using mha_common::fill_strides;
+using mha_common::widen;
 // Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64.
 constexpr int64_t kBr = 64;       // query rows per block
 constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
 constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ------------------------------------------------------------------------------ GEMM tiles
 using mha_gemm::gemm;
@@ -100,14 +103,12 @@ void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
 #endif
 
 // ------------------------------------------------------------------------------ exp
-// 2^x: the forward's own (exp2_avx512.h), so the recomputed P is the forward's P.
+// 2^x: the forward's own (common/exp2.h), so the recomputed P is the forward's P.
 #if defined(__AVX512F__)
 using mha_exp2::exp2_avx512;
 #endif
 
 // ------------------------------------------------------------------------------ problem
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // T is the element type of q, k, v, out, grad_out and of the gradients (float or BFloat16).
 template <typename T>
@@ -464,10 +465,6 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
         std::copy(src, src + P.dk, dst);
       }
     }
-}
-
-void fill_strides(const at::Tensor& t, int64_t* s, int n, bool zero_broadcast) {
-  for (int d = 0; d < n; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
 }
 
 // bf16 inputs: the products on vdpbf16ps where the dot-product unit is fast (AMD Zen 4/5: twice

@@ -6,7 +6,7 @@
 // The kernels share one interface, so the driver is written once:
 //   PortableF32  — plain loops (any compiler / ISA); bf16 inputs are widened when packed.
 //   Avx512F32    — fp32 FMA tiles: S = Q K^T with K packed transposed [dkp][Nb], O += P V;
-//                  the one-pass softmax (softmax_lazy, degree-6 exp2) for scale > 0.
+//                  the one-pass softmax (softmax_lazy, degree-7 exp2) for scale > 0.
 //   Avx512Bf16   — vdpbf16ps tiles: K packed as key-column pairs [dkp/2][Nb][2], V as key
 //                  pairs [Tk/2][dvp][2], P rounded to bf16; fp32 accumulation and softmax,
 //                  one pass with a lazy running max (softmax_lazy) and a degree-3 exp2.
@@ -28,10 +28,12 @@
 #include <cstring>
 #include <limits>
 
+#include "common/constants.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "common/exp2_avx512.h"
+#include "common/exp2.h"
 #include "common/register_tiles.h"
 #endif
 #include "amx/amx_tiles.h"
@@ -39,8 +41,8 @@
 
 namespace mha_flash {
 
-constexpr int kLanes = 16;  // fp32 lanes of one 512-bit vector; key blocks are multiples of it
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using mha_common::kLanes;  // key blocks are multiples of it
+using mha_common::kNegInf;
 
 // Rows per register tile for a tile NV vectors wide: at most 24 accumulators (of 32 zmm).
 constexpr int rows_for(int nv) { return nv >= 4 ? 6 : (nv == 3 ? 8 : 12); }
@@ -259,7 +261,7 @@ inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
 constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
 
 // P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and one exp2 per
-// 16 lanes). P as fp32 (degree-6 exp2, fp32 accuracy) or as bf16 pairs (degree-3 exp2; keys
+// 16 lanes). P as fp32 (degree-7 exp2, fp32 accuracy) or as bf16 pairs (degree-3 exp2; keys
 // 2i, 2i + 1 in one 32-bit word: the layout vdpbf16ps broadcasts and the AMX A tile reads).
 template <int NV, typename P>
 __attribute__((always_inline)) inline __m512 row_exp(const float* s, const __mmask16* keep,
