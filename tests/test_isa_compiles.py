@@ -28,6 +28,7 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("bench/stream_read.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("bench/flash_breakdown.cpp", AMX, ("MHA_FLASH_AMX",)),
 ]
 
 

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "common/finite.h"
+#include "common/kernel_choice.h"
 #include "flash/flash_attn_kernels.h"
 #include "common/qkv_checks.h"
 #include "common/tensor_access.h"
@@ -60,19 +61,12 @@ using mha_common::kLn2;
 using mha_common::kLog2e;
 using mha_common::round_up;
 
-// benchmarks/amx_breakdown.py builds this file again with MHA_BREAKDOWN_NO_TILES and / or
-// MHA_BREAKDOWN_NO_SOFTMAX to time the AMX key loop's parts apart (tile products / the
-// softmax left out: wrong results, timing only). The package's build sets neither.
-#if defined(MHA_BREAKDOWN_NO_TILES)
-constexpr bool kBreakdownTiles = false;
-#else
-constexpr bool kBreakdownTiles = true;
-#endif
-#if defined(MHA_BREAKDOWN_NO_SOFTMAX)
-constexpr bool kBreakdownSoftmax = false;
-#else
-constexpr bool kBreakdownSoftmax = true;
-#endif
+// Which parts of the AMX key loop run: both, in every kernel the package builds. Only the
+// benchmark translation unit bench/flash_breakdown.cpp (benchmarks/amx_breakdown.py) passes a
+// policy that leaves the tile products or the softmax out, to time the rest.
+struct AllParts {
+  static constexpr bool kTiles = true, kSoftmax = true;
+};
 
 template <typename T>
 struct Problem {
@@ -224,7 +218,7 @@ struct Item {
 };
 
 
-template <class K, typename T>
+template <class K, typename T, class Parts>
 struct Worker {
   using packed_t = typename K::packed_t;
   using p_t = typename K::p_t;
@@ -620,12 +614,12 @@ struct Worker {
     if constexpr (NC > 0) K::template o_tiles_zero<NC>();
     if constexpr (KC > 0) K::template q_tiles_load<KC>(q, dkp);
     bool o_zero = NC > 0;  // O tiles still zero: nothing to rescale (O in o: scaled anyway)
-    if constexpr (!kBreakdownTiles) std::fill(s, s + 16 * Nb, 0.f);  // finite scores
+    if constexpr (!Parts::kTiles) std::fill(s, s + 16 * Nb, 0.f);  // finite scores
     for (int64_t j0 = ja; j0 < jz; j0 = (j0 / Nb + 1) * Nb) {
       const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
       const int nv = (jn + kLanes - 1) / kLanes;
       const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2;
-      if constexpr (!kBreakdownTiles) {
+      if constexpr (!Parts::kTiles) {
       } else if constexpr (KC > 0) {
         K::template qk_group_qres<KC>(ktb, Nb, nv, s, Nb);
       } else {
@@ -638,7 +632,7 @@ struct Worker {
         if constexpr (NC > 0) K::template o_tiles<NC, false>(o, dvp);
       }
       const packed_t* vb = vp + (j0 - jlo) * dvp;
-      if constexpr (!kBreakdownTiles) {
+      if constexpr (!Parts::kTiles) {
       } else if constexpr (NC > 0) {
         K::template pv_group<NC>(p, Nb, vb, dvp, (jn + 31) / 32);
       } else {
@@ -668,7 +662,7 @@ struct Worker {
     if (rgb < 16)  // P rows past group B's last stay zero (finite) in P V
       for (int i = 0; i < kRunBlocks; ++i)
         std::fill(pr + (i * 32 + 16 + rgb) * Nb, pr + (i + 1) * 32 * Nb, p_t(0));
-    if constexpr (!kBreakdownTiles) std::fill(s, s + 32 * Nb, 0.f);  // finite scores
+    if constexpr (!Parts::kTiles) std::fill(s, s + 32 * Nb, 0.f);  // finite scores
     bool first = true;  // o is still zero
     for (int64_t j0 = ja; j0 < jz; first = false) {
       int nb = 0;
@@ -676,7 +670,7 @@ struct Worker {
         const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
         const int nv = (jn + kLanes - 1) / kLanes;
         const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * 2;
-        if constexpr (kBreakdownTiles) K::qk_pair(q, dkp, ktb, Nb, nv, s, s + 16 * Nb, Nb);
+        if constexpr (Parts::kTiles) K::qk_pair(q, dkp, ktb, Nb, nv, s, s + 16 * Nb, Nb);
         p_t* pa = pr + nb * 32 * Nb;
         softmax_step(b, ia, 16, j0, nv, mrow0, s, pa, m, alpha, lsum, bits);
         softmax_step(b, ia + 16, rgb, j0, nv, mrow0, s + 16 * Nb, pa + 16 * Nb, m + 16,
@@ -708,7 +702,7 @@ struct Worker {
         scale_o_rows(ob, rgb, a + 16, NC2 * 16);
         K::template o_pair<NC2, false>(o, ob, dvp);
       }
-      if constexpr (kBreakdownTiles)
+      if constexpr (Parts::kTiles)
         K::template pv_pair<NC2>(pr + i * 32 * Nb, pr + (i * 32 + 16) * Nb, Nb,
                                  vp + (jrun[i] - jlo) * dvp, dvp, (jnrun[i] + 31) / 32);
       o_zero = false;
@@ -721,7 +715,7 @@ struct Worker {
   void softmax_step(int64_t b, int64_t ia, int rg, int64_t j0, int nv, const bool* mrow0,
                     const float* s, p_t* p, float* m, float* alpha, float* lsum,
                     uint16_t* bits) const {
-    if constexpr (!kBreakdownSoftmax) return std::fill(alpha, alpha + rg, 1.f);
+    if constexpr (!Parts::kSoftmax) return std::fill(alpha, alpha + rg, 1.f);
     switch (nv) {
 #define MHA_KEY_STEP(NV) \
   case NV: softmax_group<NV>(b, ia, rg, j0, mrow0, s, p, m, alpha, lsum, bits); break;
@@ -845,7 +839,7 @@ std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
   return items;
 }
 
-template <class K, typename T>
+template <class K, class Parts = AllParts, typename T>
 void run_forward(const Problem<T>& P) {
   const int nth = std::max(1, at::get_num_threads());
   const std::vector<Item> items = make_items(P, nth);
@@ -860,7 +854,7 @@ void run_forward(const Problem<T>& P) {
 #if defined(MHA_FLASH_AMX)
     if constexpr (K::kAmx) K::configure();
 #endif
-    Worker<K, T> w(P, scratch);
+    Worker<K, T, Parts> w(P, scratch);
     for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
       w.run_item(items[idx]);
     scratch.trim();
@@ -906,13 +900,12 @@ const std::string& default_kernel(at::ScalarType dtype) {
       "portable";
 #endif
   static const std::string bf16 = [] {
-    if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env);
+    if (const auto& env = mha_common::flash_bf16_override()) return *env;
 #if defined(MHA_FLASH_AMX)
     if (amx_permitted()) return std::string("amx");
 #endif
 #if defined(MHA_FLASH_BF16_TILES)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd")) return std::string("avx512bf16");
+    if (mha_common::bf16_dot_is_fast()) return std::string("avx512bf16");
 #endif
     return f32;
   }();
@@ -924,6 +917,7 @@ std::vector<std::string> flash_attention_kernels() {
   return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
 }
 
+template <class Parts = AllParts>
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v,
                                                 const std::optional<at::Tensor>& key_lengths,
@@ -997,7 +991,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     if constexpr (std::is_same_v<T, at::BFloat16>)
       if (kn == "amx") {
         TORCH_CHECK(amx_permitted(), "flash_attention: the OS does not grant AMX to this process");
-        return run_forward<AmxBf16>(P);
+        return run_forward<AmxBf16, Parts>(P);
       }
 #endif
     TORCH_CHECK(false, "flash_attention: kernel '", kn, "' is not available for ", q.scalar_type(),

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "common/constants.h"
+#include "common/kernel_choice.h"
 #include "common/qkv_checks.h"
 #include "common/tensor_access.h"
 
@@ -474,12 +475,8 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
 bool use_bf16_products(const std::string& math) {
 #if defined(MHA_BWD_BF16)
   if (math == "bf16" || math == "fp32") return math == "bf16";
-  static const bool chosen = [] {
-    if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env) == "avx512bf16";
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return chosen;
+  const auto& env = mha_common::flash_bf16_override();
+  return env ? *env == "avx512bf16" : mha_common::bf16_dot_is_fast();
 #else
   TORCH_CHECK(math != "bf16", "flash_attention_bwd: bf16 products are not compiled in");
   return false;
