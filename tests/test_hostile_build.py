@@ -333,3 +333,20 @@ def test_concurrent_processes_build_once(toolchain, tmp_path):
         assert got["error"] is None and got["dot"] == pytest.approx(DOT)
     assert _compiles(log) == 1
     _assert_complete(cache)
+
+
+def test_cache_key_covers_headers_in_subfolders(tmp_path):
+    """Editing a header in any subfolder of the sources' root gives another cache key (else an
+    edited header would not rebuild); so does moving a header to another folder."""
+    (tmp_path / "common").mkdir()
+    (tmp_path / "other").mkdir()
+    src = tmp_path / "unit.cpp"
+    src.write_text('#include "common/x.h"\n')
+    header = tmp_path / "common" / "x.h"
+    header.write_text("int x = 1;\n")
+    before = _build._key("probe", [src], tmp_path)
+    header.write_text("int x = 2;\n")
+    edited = _build._key("probe", [src], tmp_path)
+    header.rename(tmp_path / "other" / "x.h")
+    moved = _build._key("probe", [src], tmp_path)
+    assert len({before, edited, moved}) == 3

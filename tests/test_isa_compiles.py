@@ -20,13 +20,17 @@ from mha import _build
 AVX512_BF16 = "-march=cooperlake"
 AMX = "-march=sapphirerapids"
 CASES = [  # (source, target, macros the source defines when the path is compiled in)
-    ("flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
-                                     "MHA_FLASH_SMALL")),
-    ("flash_attn.cpp", AMX, ("MHA_FLASH_AMX",)),
-    ("flash_decode.cpp", AVX512_BF16, ("__AVX512BF16__",)),
-    ("flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
-    ("flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
-    ("linear.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("flash/flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
+                                           "MHA_FLASH_SMALL")),
+    ("flash/flash_attn.cpp", AMX, ("MHA_FLASH_AMX",)),
+    ("decode/flash_decode.cpp", AVX512_BF16, ("__AVX512BF16__",)),
+    ("decode/flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
+    ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
+    ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("bench/stream_read.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("bench/flash_breakdown.cpp", AMX, ("MHA_FLASH_AMX",)),
+    # a header that must compile on its own, given its includes
+    ("flash/flash_small.h", AVX512_BF16, ("MHA_FLASH_SMALL",)),
 ]
 
 
@@ -36,7 +40,7 @@ def _compile(source: str, target: str, macros, tmp_path) -> subprocess.Completed
     cxx = _build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
-    wrapper = tmp_path / f"isa_{source}"
+    wrapper = tmp_path / f"isa_{source.replace('/', '_')}"
     checks = "".join(f'#ifndef {m}\n#error "{m} is not defined: the {target} path was not '
                      'compiled"\n#endif\n' for m in macros)
     wrapper.write_text(f'#include "{source}"\n{checks}')
@@ -55,3 +59,9 @@ def test_isa_path_compiles(source, target, macros, tmp_path):
         pytest.skip(f"the compiler does not know {target}: {r.stderr.strip()[:200]}")
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert r.returncode == 0, "\n".join(errors[:20]) or r.stderr[-2000:]
+
+
+def test_every_translation_unit_is_compiled_here():
+    """A new ``.cpp`` under ``csrc`` (any subfolder) must join ``CASES``."""
+    sources = {p.relative_to(_build.CSRC).as_posix() for p in _build.CSRC.rglob("*.cpp")}
+    assert sources == {s for s, _, _ in CASES if s.endswith(".cpp")}

@@ -1,12 +1,12 @@
 """Where the bf16 AMX forward's time goes: tile products, softmax, and the rest, per key step.
 
 The kernel's parts cannot be timed apart inside one build (the tile unit and the vector units
-do not overlap, so a sampling profile smears them), so this script builds
-``csrc/flash_attn.cpp`` three more times with the compile-time switches
-``MHA_BREAKDOWN_NO_SOFTMAX`` / ``MHA_BREAKDOWN_NO_TILES`` (both: only the loop, packing and
-output remain). Those builds compute wrong results: they exist only to be timed. Each variant
-runs in its own process (each registers the same ``torch.ops.mha`` ops), rounds alternate
-between the variants, and the best time per variant is kept:
+do not overlap, so a sampling profile smears them), so this script builds the benchmark-only
+translation unit ``csrc/bench/flash_breakdown.cpp``: the forward with a policy that leaves the
+tile products and / or the softmax out of the AMX key loop (both out: only the loop, packing
+and output remain), as the op ``_flash_breakdown_fwd``. Those variants compute wrong results:
+they exist only to be timed; the package's extensions never contain them. Each variant runs in
+its own process, rounds alternate between the variants, and the best time per variant is kept:
 
     tiles   = t(no softmax) - t(neither)      (Q K^T and P V on the tile unit, S stores)
     softmax = t(no tiles)   - t(neither)      (the AVX-512 exp2 pass, P packing, bookkeeping)
@@ -16,7 +16,7 @@ between the variants, and the best time per variant is kept:
 
 Figures are per 16-row x 128-key step (one tile group, one key block), in TSC-rate cycles
 (``--ghz``, the machine's nominal 2.6 GHz) per thread. Needs the AMX kernel (``mha build``
-reports ``amx``); the first run builds three variants (~40 s each, cached).
+reports ``amx``); the first run builds the benchmark unit (cached).
 
     OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= .venv/bin/python benchmarks/amx_breakdown.py
     .venv/bin/python benchmarks/amx_breakdown.py --shapes 1,32,2048,128 --threads 2
@@ -32,24 +32,24 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {
-    "full": (),
-    "no softmax": ("-DMHA_BREAKDOWN_NO_SOFTMAX",),
-    "no tiles": ("-DMHA_BREAKDOWN_NO_TILES",),
-    "neither": ("-DMHA_BREAKDOWN_NO_SOFTMAX", "-DMHA_BREAKDOWN_NO_TILES"),
+VARIANTS = {  # (tile products, softmax)
+    "full": (True, True),
+    "no softmax": (True, False),
+    "no tiles": (False, True),
+    "neither": (False, False),
 }
 
 
-def _load_variant(variant: str) -> None:
-    """Build (cached) and load flash_attn.cpp with the variant's switches into this process."""
+def _load_breakdown() -> None:
+    """Build (cached) and load bench/flash_breakdown.cpp into this process."""
     from torch.utils import cpp_extension
 
     from mha import _build
 
-    flags = _build.FLAGS + VARIANTS[variant]
-    src = _build.CSRC / "flash_attn.cpp"
+    flags = _build.FLAGS
+    src = _build.CSRC / "bench" / "flash_breakdown.cpp"
     h = hashlib.sha256(" ".join(flags).encode())
-    for f in [src, *sorted(_build.CSRC.glob("*.h"))]:
+    for f in [*sorted(_build.CSRC.rglob("*.cpp")), *sorted(_build.CSRC.rglob("*.h"))]:
         h.update(f.read_bytes())
     name = f"mha_flash_breakdown_{h.hexdigest()[:12]}"
     build_dir = _build.cache_root() / name
@@ -65,6 +65,7 @@ def _load_variant(variant: str) -> None:
         sources=[str(src)],
         extra_cflags=list(flags),
         extra_ldflags=list(_build.LDFLAGS),
+        extra_include_paths=[str(_build.CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,
     )
@@ -74,18 +75,19 @@ def _child(variant: str, shapes: list[str], threads: int, repeats: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    _load_variant(variant)
+    _load_breakdown()
+    tiles, softmax = VARIANTS[variant]
     out = {}
     for spec in shapes:
         B, h, T, d = map(int, spec.split(","))
         # the module's layout: (B, T, h, d) viewed as (B, h, T, d)
         q, k, v = (torch.randn(B, T, h, d).bfloat16().transpose(1, 2) for _ in range(3))
-        args = (q, k, v, None, None, False, d**-0.5, "amx")
-        torch.ops.mha._flash_attention_fwd_kernel(*args)
+        args = (q, k, v, d**-0.5, tiles, softmax)
+        torch.ops.mha._flash_breakdown_fwd(*args)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            torch.ops.mha._flash_attention_fwd_kernel(*args)
+            torch.ops.mha._flash_breakdown_fwd(*args)
             best = min(best, time.perf_counter() - t0)
         out[spec] = best
     print(json.dumps(out))

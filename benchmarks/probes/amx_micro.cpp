@@ -1,5 +1,5 @@
 // What the AMX tile unit costs, and whether it overlaps AVX-512 work: the measurements
-// behind the bf16 key loop in src/mha/csrc/flash_attn.cpp (docs/kernel.md, "bf16 on AMX").
+// behind the bf16 key loop in src/mha/csrc/flash/flash_attn.cpp (docs/kernel.md, "bf16 on AMX").
 // Stand-alone (no torch); needs a CPU with AMX and Linux >= 5.16. Times in TSC cycles per
 // iteration (rdtsc; the TSC runs at a fixed rate, not the core clock), minimum of 5 runs.
 //

@@ -7,7 +7,7 @@ interleaved round-robin, medians. GFLOP/s count 2 M N K for the forward and 3x t
 forward + backward.
 
 ``--old-rev REV`` builds ``csrc/linear.cpp`` as it was at git revision REV (its ops renamed into
-the namespace ``mha_old``, the headers of this tree) and times it the way that revision ran it:
+the namespace ``mha_old``, against its own headers) and times it the way that revision ran it:
 the weight packed in Python once and the packed copy reused while the weight's version counter
 stays put (repacked after each optimizer step). Where the CPU has no AVX-512 the native op has
 only its portable loops and ``mha.linear`` falls back to F.linear; ``--portable`` times those
@@ -37,21 +37,27 @@ PANEL = 64  # output columns per packed panel (csrc/linear.cpp kPanel)
 
 # ----------------------------------------------------------------------------- the former path
 def build_old(rev: str) -> None:
-    """Build csrc/linear.cpp of ``rev`` with its ops in the namespace ``mha_old``."""
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:src/mha/csrc/linear.cpp"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout
-    for lib in ("TORCH_LIBRARY_FRAGMENT(mha,", "TORCH_LIBRARY_IMPL(mha,"):
-        src = src.replace(lib, lib.replace("(mha,", "(mha_old,"))
+    """Build the linear op of ``rev`` (``csrc/linear/linear.cpp``, or ``csrc/linear.cpp`` in
+    the flat layout) with its ops in the namespace ``mha_old``, against that revision's own
+    headers (its csrc tree is extracted beside the build)."""
+    root = Path(__file__).resolve().parents[2]
     tmp = _build.cache_root() / f"mha_linear_old-{rev}"  # a rebuild only when the text changes
     tmp.mkdir(parents=True, exist_ok=True)
+    tree = subprocess.run(["git", "archive", rev, "src/mha/csrc"], cwd=root, check=True,
+                          capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=tree, check=True)
+    csrc = tmp / "src" / "mha" / "csrc"
+    linear = csrc / "linear" / "linear.cpp"
+    src = (linear if linear.exists() else csrc / "linear.cpp").read_text()
+    for lib in ("TORCH_LIBRARY_FRAGMENT(mha,", "TORCH_LIBRARY_IMPL(mha,"):
+        src = src.replace(lib, lib.replace("(mha,", "(mha_old,"))
     if not (tmp / "linear_old.cpp").exists() or (tmp / "linear_old.cpp").read_text() != src:
         (tmp / "linear_old.cpp").write_text(src)
     from torch.utils import cpp_extension
 
     cpp_extension.load(name="mha_linear_old", sources=[str(tmp / "linear_old.cpp")],
                        extra_cflags=list(_build.FLAGS), extra_ldflags=list(_build.LDFLAGS),
-                       extra_include_paths=[str(_build.CSRC)], build_directory=str(tmp),
+                       extra_include_paths=[str(csrc)], build_directory=str(tmp),
                        is_python_module=False)
 
 

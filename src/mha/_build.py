@@ -162,11 +162,14 @@ def _cpu_identity() -> str:
 
 
 def _key(name: str, sources: list[Path], csrc: Path) -> str:
+    """The cache key: the sources and every header under ``csrc`` (subfolders too, each with
+    its path: a header may be included from any of them), the flags and the toolchain."""
     h = hashlib.sha256()
     for s in sorted(sources):
-        h.update(s.name.encode())
+        h.update(_relative(s, csrc).encode())
         h.update(s.read_bytes())
-    for header in sorted(csrc.glob("*.h")):
+    for header in sorted(csrc.rglob("*.h")):
+        h.update(_relative(header, csrc).encode())
         h.update(header.read_bytes())
     h.update(" ".join(FLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -175,9 +178,16 @@ def _key(name: str, sources: list[Path], csrc: Path) -> str:
     return f"{name}-{h.hexdigest()[:16]}"
 
 
+def _relative(path: Path, csrc: Path) -> str:
+    try:
+        return path.relative_to(csrc).as_posix()
+    except ValueError:
+        return path.name
+
+
 def load(name: str, sources: tuple[str, ...], verbose: bool = False, *,
          csrc: Path = CSRC) -> Path:
-    """Build (or reuse) the extension ``name`` from ``sources`` (file names in ``csrc``: the
+    """Build (or reuse) the extension ``name`` from ``sources`` (paths inside ``csrc``: the
     package's ``mha/csrc``; tests pass a directory of their own) and load it into this
     process, once. Returns the path of the loaded library; raises :class:`BuildError` with
     the reason when it cannot."""
@@ -205,7 +215,7 @@ def _load_unlocked(name: str, paths: list[Path], csrc: Path, verbose: bool) -> P
         if not tried and _matches_manifest(lib, manifest) and _dlopen(lib) is None:
             return lib  # another process finished it while this one waited
         _discard(entry, lib, manifest)
-        work, built = _compile(name, paths, root, key, verbose)  # cpp_extension loaded it
+        work, built = _compile(name, paths, csrc, root, key, verbose)  # cpp_extension loaded it
         try:
             _install(built, lib, manifest)
         except OSError as e:  # the library works here; the next process builds again
@@ -286,10 +296,11 @@ def _discard(entry: Path, lib: Path, manifest: Path) -> None:
         raise BuildError(f"cannot replace the cache entry {entry} ({_why(e)}); {_FIX}") from e
 
 
-def _compile(name: str, paths: list[Path], root: Path, key: str,
+def _compile(name: str, paths: list[Path], csrc: Path, root: Path, key: str,
              verbose: bool) -> tuple[Path, Path]:
     """Build into a private temporary directory inside ``root`` (cpp_extension also loads the
-    library). Returns that directory and the library in it."""
+    library; ``csrc`` is the include root, as in ``#include "common/finite.h"``). Returns that
+    directory and the library in it."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
@@ -305,6 +316,7 @@ def _compile(name: str, paths: list[Path], root: Path, key: str,
     try:
         built = cpp_extension.load(name=name, sources=[str(p) for p in paths],
                                    extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+                                   extra_include_paths=[str(csrc)],
                                    build_directory=str(work), verbose=verbose,
                                    is_python_module=False)
     except Exception as e:  # compiler errors, missing ninja, link errors, a full disk

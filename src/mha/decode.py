@@ -1,4 +1,4 @@
-"""The native decode kernel (``csrc/flash_decode.cpp``): a few queries against a long K/V cache.
+"""The native decode kernel (``csrc/decode/flash_decode.cpp``): a few queries against a long K/V cache.
 
 Shape legend: B batch, h query heads, h_kv key/value heads (h_kv divides h), Tq query length
 (1 … 16 is what the kernel is for), Tk key length, d_k / d_v head dims.
@@ -28,7 +28,7 @@ import torch
 from mha.checks import check_key_lengths, check_mask, check_qkv
 
 EXTENSION = "mha_decode"
-SOURCES = ("flash_decode.cpp",)
+SOURCES = ("decode/flash_decode.cpp",)
 MAX_TQ = 16  # the kernel keeps every query row of a K/V group in flight; beyond this use prefill
 
 

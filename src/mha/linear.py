@@ -6,7 +6,7 @@ is ``(..., N)``.
 torch's fp32 matmul runs MKL's AVX2 path on AMD CPUs (about 40 % of the FMA peak of the Zen 5
 cores mha is measured on), so for the seeds' module (B = 32, T = 20, d_model = 512, where the
 four projections are ~98 % of the FLOPs) the projections, not attention, set the speed.
-:func:`linear` runs them on the flash kernels' AVX-512 register tiles (``csrc/linear.cpp``,
+:func:`linear` runs them on the flash kernels' AVX-512 register tiles (``csrc/linear/linear.cpp``,
 extension ``mha_linear``) when it can, and is ``torch.nn.functional.linear`` otherwise:
 
 * only float32 CPU tensors, with ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL``
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from mha import _build
 
 NAME = "mha_linear"
-SOURCES = ("linear.cpp",)
+SOURCES = ("linear/linear.cpp",)
 SMALL = 1 << 20  # M N K below this: F.linear (7 x 33 x 32 ran at 0.4x F.linear; 5 x 512 x 512
                  # at 3x with the weight packed ahead of the call)
 ROWS = 16  # M below this: F.linear, since each call packs W (O(N K)) for only M rows of GEMM
-           # (8 x 512 x 1536 ran at 0.5x F.linear; benchmarks/linear.py)
+           # (8 x 512 x 1536 ran at 0.5x F.linear; benchmarks/probes/linear.py)
 
 
 @functools.cache

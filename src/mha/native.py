@@ -5,11 +5,11 @@ Tq query length, Tk key length, d_k query/key head dim, d_v value head dim.
 
 Three layers, as in flash-attention's interface:
 
-1. ``torch.ops.mha.flash_attention_fwd`` — C++ (``csrc/flash_attn.cpp``), built on first use
+1. ``torch.ops.mha.flash_attention_fwd`` — C++ (``csrc/flash/flash_attn.cpp``), built on first use
    by :func:`mha._build.load` and cached; its ``register_fake`` twin below only allocates
    shaped outputs, so ``torch.compile`` and ``torch.library.opcheck`` work.
 2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that runs
-   the fused native kernel (``csrc/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
+   the fused native kernel (``csrc/flash/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
    that cannot be built, :func:`flash_attention_bwd_torch`; both recompute the softmax weights
    from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
 3. :func:`flash_attention` — the typed public function.
@@ -43,7 +43,7 @@ import torch
 from mha import _build
 
 NAME = "mha_flash"
-SOURCES = ("flash_attn.cpp",)
+SOURCES = ("flash/flash_attn.cpp",)
 _CHUNK_ELEMENTS = 1 << 20  # fp32 elements of one (B, h, rows, Tk) score chunk, PyTorch backward
 
 
@@ -124,12 +124,12 @@ def _allowed_chunk(i0: int, i1: int, j0: int, j1: int, Tq: int, Tk: int, causal:
 
 
 BWD_NAME = "mha_flash_bwd"
-BWD_SOURCES = ("flash_attn_bwd.cpp",)
+BWD_SOURCES = ("flash/flash_attn_bwd.cpp",)
 
 
 @functools.cache
 def load_backward() -> str | None:
-    """Build (or reuse) and load the fused backward ``csrc/flash_attn_bwd.cpp`` (extension
+    """Build (or reuse) and load the fused backward ``csrc/flash/flash_attn_bwd.cpp`` (extension
     ``mha_flash_bwd``). Returns the reason it is unavailable (warned once), or None."""
     try:
         _build.load(BWD_NAME, BWD_SOURCES)

@@ -19,7 +19,7 @@ P prompt length, N new tokens.
     issue names as the best; fp16 in the bf16 rows (ORT has no bf16 CPU kernel), said in the
     row's note. Skipped with the reason when onnxruntime is not installed;
   - ``read K+V (torch.sum)`` and ``read K+V (AVX-512 stream)`` — ``torch.sum`` and a native
-    four-accumulator AVX-512 read loop (``csrc/stream_read.cpp``, one contiguous part per
+    four-accumulator AVX-512 read loop (``csrc/bench/stream_read.cpp``, one contiguous part per
     thread) over exactly the K/V bytes (viewed as fp32): the machine's streaming read
     bandwidth measured in the same interleaved rounds. The "% peak" column of every row of
     the case is its GB/s relative to the faster of the two.
@@ -134,7 +134,7 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
         from mha import _build
 
         try:
-            _build.load("mha_stream_read", ("stream_read.cpp",))
+            _build.load("mha_stream_read", ("bench/stream_read.cpp",))
         except _build.BuildError as e:
             raise Skip(f"native read probe not built: {e}") from e
         cache, _, _ = inputs()

@@ -37,7 +37,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "qkv_checks.h"
+#include "common/constants.h"
+#include "common/kernel_choice.h"
+#include "common/qkv_checks.h"
+#include "common/tensor_access.h"
 
 #include <algorithm>
 #include <cmath>
@@ -54,10 +57,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "exp2_avx512.h"
-#include "register_tiles.h"
+#include "common/exp2.h"
+#include "common/register_tiles.h"
 #endif
-#include "gemm_tiles.h"
+#include "common/gemm_tiles.h"
 #if defined(MHA_GEMM_BF16) && defined(__AVX512BW__)
 #define MHA_BWD_BF16 1  // bf16 inputs can run the five products on vdpbf16ps (see run_unit)
 #endif
@@ -65,15 +68,16 @@
 namespace mha_flash_bwd {
 namespace {
 
-constexpr int kLanes = 16;        // fp32 lanes of one 512-bit vector
+using mha_common::kInf;
+using mha_common::kLanes;
+using mha_common::kLog2e;
+using mha_common::round_up;
+using mha_common::fill_strides;
+using mha_common::widen;
 // Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64.
 constexpr int64_t kBr = 64;       // query rows per block
 constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
 constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ------------------------------------------------------------------------------ GEMM tiles
 using mha_gemm::gemm;
@@ -100,14 +104,12 @@ void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
 #endif
 
 // ------------------------------------------------------------------------------ exp
-// 2^x: the forward's own (exp2_avx512.h), so the recomputed P is the forward's P.
+// 2^x: the forward's own (common/exp2.h), so the recomputed P is the forward's P.
 #if defined(__AVX512F__)
 using mha_exp2::exp2_avx512;
 #endif
 
 // ------------------------------------------------------------------------------ problem
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // T is the element type of q, k, v, out, grad_out and of the gradients (float or BFloat16).
 template <typename T>
@@ -466,10 +468,6 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
     }
 }
 
-void fill_strides(const at::Tensor& t, int64_t* s, int n, bool zero_broadcast) {
-  for (int d = 0; d < n; ++d) s[d] = (zero_broadcast && t.size(d) == 1) ? 0 : t.stride(d);
-}
-
 // bf16 inputs: the products on vdpbf16ps where the dot-product unit is fast (AMD Zen 4/5: twice
 // the fp32 FMA rate), as the forward picks its bf16 tiles; elsewhere in fp32 (Intel cores run
 // vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=avx512bf16 forces the bf16 products, any
@@ -477,12 +475,8 @@ void fill_strides(const at::Tensor& t, int64_t* s, int n, bool zero_broadcast) {
 bool use_bf16_products(const std::string& math) {
 #if defined(MHA_BWD_BF16)
   if (math == "bf16" || math == "fp32") return math == "bf16";
-  static const bool chosen = [] {
-    if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env) == "avx512bf16";
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return chosen;
+  const auto& env = mha_common::flash_bf16_override();
+  return env ? *env == "avx512bf16" : mha_common::bf16_dot_is_fast();
 #else
   TORCH_CHECK(math != "bf16", "flash_attention_bwd: bf16 products are not compiled in");
   return false;

@@ -3,7 +3,6 @@
 // Shape legend: B batch, h query heads, h_kv K/V heads (g = h / h_kv), Tq/Tk query/key
 // lengths, d_k/d_v head dims; Q^T (d_k, 16 NV) a chunk of <= kSmallCols query rows transposed.
 //
-// Included by flash_attn.cpp after Problem, Buffer, lanes_below and exp2_avx512 (it uses them).
 // When Tk is small (<= 64; bf16 on AMX <= 32) the tile driver's per-block machinery costs more
 // than the math
 // (measured at B=32, h=8, T=20, d=64: gathers packing K^T, V row copies, buffer fills, the
@@ -24,6 +23,21 @@
 // NaN / Inf follow flash_attn.cpp's rule: a visible NaN score makes its row's max, P, l and
 // output NaN; keys a row may not attend never reach it (chunk: the exact pass).
 #pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/finite.h"
+#include "flash/flash_attn_kernels.h"
+#include "flash/problem.h"
 
 #if defined(__AVX512F__)
 #define MHA_FLASH_SMALL 1

@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/constants.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "register_tiles.h"
+#include "common/register_tiles.h"
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define MHA_GEMM_BF16 1  // tile<R, NV, uint16_t>: bf16 operands
@@ -20,7 +22,7 @@
 namespace mha_gemm {
 namespace {
 
-constexpr int kLanes = 16;    // fp32 lanes of one 512-bit vector
+using mha_common::kLanes;
 constexpr int kTileRows = 6;  // register tile: 6 rows x 64 columns = 24 zmm accumulators
 
 // C[R][16 NV] = (acc ? C : 0) + sum_k A(r, k) B[k][16 NV], with A(r, k) = a[r sam + k sak]

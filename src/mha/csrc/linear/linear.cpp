@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-#include "gemm_tiles.h"
+#include "common/gemm_tiles.h"
 
 namespace mha_linear {
 namespace {
@@ -91,7 +91,7 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 // wp (P, K, 64) = W^T in 64-column panels, zero past N: wp[p][k][j] = W(64 p + j, k), with
 // W(n, k) = w[n sn + k sk]. On the calling thread, in (panel, 64-wide K block) steps: a second
 // parallel region (a barrier more per call) cost more than the O(N K) moves it spread (see
-// benchmarks/linear.py). A contiguous last dim moves 8 x 8 blocks through registers, anything
+// benchmarks/probes/linear.py). A contiguous last dim moves 8 x 8 blocks through registers, anything
 // else goes element by element.
 void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* wp) {
   const int64_t panels = (N + kPanel - 1) / kPanel;

@@ -9,9 +9,11 @@
 
 #include <cstdint>
 
+#include "common/constants.h"
+
 namespace mha_tiles {
 
-constexpr int kLanes = 16;  // fp32 lanes of one 512-bit vector
+using mha_common::kLanes;
 
 #define MHA_TILE_INLINE __attribute__((always_inline)) inline
 

@@ -50,14 +50,17 @@
 #include <type_traits>
 #include <utility>
 
-#include "finite.h"
+#include "common/constants.h"
+#include "common/finite.h"
+#include "common/tensor_access.h"
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-#include "flash_decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
+#include "common/exp2.h"
+#include "amx/decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -65,8 +68,9 @@
 namespace {
 
 constexpr int64_t kChunk = 1024;  // most keys per split (the stride of the score rows)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using mha_common::kLog2e;
+using mha_common::kNegInf;
+using mha_common::widen;
 
 using bf16 = c10::BFloat16;
 
@@ -85,8 +89,6 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------ portable building blocks
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 x) { return static_cast<float>(x); }
 
 // scores[r * kChunk + t] = (q_r . k_t) * scale for r < G, t < n.
 template <typename T>
@@ -95,7 +97,7 @@ void qk_portable(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int
   for (int64_t r = 0; r < G; ++r)
     for (int64_t t = 0; t < n; ++t) {
       float s = 0.f;
-      for (int64_t c = 0; c < dk; ++c) s += to_f(q[r * dk + c]) * to_f(k[t * kst + c]);
+      for (int64_t c = 0; c < dk; ++c) s += widen(q[r * dk + c]) * widen(k[t * kst + c]);
       scores[r * kChunk + t] = s * scale;
     }
 }
@@ -107,7 +109,7 @@ void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, 
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < G; ++r) {
       const float w = p[r * kChunk + t];
-      for (int64_t c = 0; c < dv; ++c) O[r * dv + c] += w * to_f(v[t * vst + c]);
+      for (int64_t c = 0; c < dv; ++c) O[r * dv + c] += w * widen(v[t * vst + c]);
     }
 }
 
@@ -347,23 +349,7 @@ void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64
   if (G - r == 1) pv_rows<1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
 }
 
-// 2^x for x <= 0: x = n + r with r in [-1/2, 1/2]; 2^r by its degree-7 Taylor polynomial
-// (relative error < 1e-8 before rounding), then scaled by 2^n. NaN stays NaN (vmaxps returns
-// its second operand, x, when x is NaN).
-MHA_INLINE __m512 exp2_vec(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-127.f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);  // ln2^7 / 7!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428441e-03f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using mha_exp2::exp2_avx512;  // 2^x, shared with the flash kernels
 
 std::pair<float, float> softmax_vec(float* s, int64_t n) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
@@ -371,7 +357,7 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
   for (int64_t j = 0; j < n; j += 16)
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j));
   float m = _mm512_reduce_max_ps(mx);
-  // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN weight (exp2_vec keeps
+  // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN weight (exp2_avx512 keeps
   // NaN) and sum. Only "every score NaN" would look like "no key": checked there.
   if (m == kNegInf)
     for (int64_t j = 0; j < n; ++j)
@@ -390,7 +376,7 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
     // (a NaN max) stays NaN
     const __m512 dx = _mm512_sub_ps(x, vm);
     const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_vec(dx));
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_avx512(dx));
     _mm512_mask_storeu_ps(s + j, mk, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -466,7 +452,7 @@ void pv_exact(const Problem& P, int64_t b, int64_t kvh, int64_t r, int64_t j0, i
     if (mr && !mr[j * P.msk]) continue;
     const float w = p[j - j0];
     const T* vt = v + (j - j0) * P.vst;
-    for (int64_t c = 0; c < P.dv; ++c) O[c] += w * to_f(vt[c]);
+    for (int64_t c = 0; c < P.dv; ++c) O[c] += w * widen(vt[c]);
   }
 }
 

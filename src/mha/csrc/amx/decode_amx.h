@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "amx_tiles.h"
+#include "amx/amx_tiles.h"
 
 namespace mha_decode_amx {
 

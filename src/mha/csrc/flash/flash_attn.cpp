@@ -1,0 +1,325 @@
+// CPU flash-attention forward: online softmax over key blocks, O(T d) memory, fp32 and bf16.
+//
+// Shape legend: B batch, h query heads, h_kv key/value heads (g = h / h_kv query heads share
+// one K/V head), Tq/Tk query/key lengths, d_k/d_v head dims. q (B, h, Tq, d_k),
+// k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v), any strides; out (B, h, Tq, d_v) with the memory
+// layout of (B, Tq, h, d_v); lse (B, h, Tq) fp32 natural-log log-sum-exp (-inf: no key).
+//
+// Masks (True = may attend, all combined with AND): causal aligned bottom-right (query i sees
+// keys j <= i + Tk - Tq), key_lengths (B,) (keys j >= key_lengths[b] are padding), and a bool
+// mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims),
+// and a sliding window w > 0 (the left edge: query i sees keys j > i + Tk - Tq - w; used with
+// causal). Query row i thus sees keys [key_start(i), key_limit(b, i)), before the bool mask.
+//
+// NaN and Inf (every kernel path follows this rule; so do flash_decode.cpp and flash_small.h):
+//   1. Output row i is computed from q_i and the K/V rows of the keys it may attend only, the
+//      way IEEE arithmetic of softmax(q k^T * scale) V does it: a NaN in q_i, or a NaN / Inf in
+//      a visible K row (a NaN or +inf score), makes the whole row NaN and its lse NaN (the
+//      row's running max keeps a NaN score, which max() would drop); a NaN in V_j[d] of a
+//      visible key makes out[i, d] NaN; +-Inf in V gives +-Inf or NaN. lse is never -inf then.
+//   2. K/V rows of keys row i may not attend never affect it. Scores of such keys are masked
+//      before the max; their P is 0, and where the tiles' 0 * (a non-finite V) made a row's O
+//      non-finite, its query block is run again with those products skipped (the exact pass,
+//      Worker::key_loop): all-finite inputs never take it.
+//   3. A row that may attend no key returns zeros and lse -inf, whatever q_i holds.
+//   (Known gap: a row whose visible scores are all -inf, from an Inf in K, returns zeros and
+//   lse -inf, where IEEE softmax gives NaN: the kernels tell "no key" by a zero sum.)
+//
+// Work: an item is one (b, K/V head) and a range of query rows, for all g query heads of the
+// group. The item packs its head's K (transposed) and V once into thread-local buffers, then
+// walks 48-row query blocks; each block streams key blocks of Nb <= 128 keys through
+// S = Q K^T (register tiles), the online-softmax update, and O = alpha O + P V. Key blocks past
+// the last visible key (causal, key_lengths) or before the first (window) are never touched:
+// with a window, work and packing are O(Tq w), not O(Tq Tk). Items are handed out from an
+// atomic counter, costliest first; each item is computed by one thread in a fixed order, so the
+// result does not depend on the thread count or the schedule (bitwise deterministic).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/finite.h"
+#include "common/kernel_choice.h"
+#include "common/qkv_checks.h"
+#include "amx/flash_amx_loop.h"
+#include "flash/flash_small.h"
+#include "flash/key_loop.h"
+#include "flash/pack_kv.h"
+#include "flash/worker.h"
+
+namespace mha_flash {
+namespace {
+
+// Items: (b, K/V head, query-row range). Enough items to keep every thread busy, but each
+// large enough that packing its head's K/V is amortized over >= ~256 query rows.
+template <typename T>
+std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
+  const int64_t heads = P.B * P.hkv, g = P.h / P.hkv;
+  const int64_t max_chunks = (P.Tq + kRowsPerBlock - 1) / kRowsPerBlock;
+  int64_t chunks = (4 * nthreads + heads - 1) / heads;
+  chunks = std::min({chunks, max_chunks, std::max<int64_t>(1, P.Tq * g / 256)});
+  chunks = std::max<int64_t>(chunks, 1);
+  const int64_t rows = round_up((P.Tq + chunks - 1) / chunks, kRowsPerBlock);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t kh = 0; kh < P.hkv; ++kh)
+      for (int64_t i0 = 0; i0 < P.Tq; i0 += rows) {
+        const int64_t i1 = std::min(P.Tq, i0 + rows);
+        auto seen = [&](int64_t i) {  // keys row i may see (before the bool mask)
+          return double(std::max<int64_t>(0, P.key_limit(b, i) - P.key_start(i)));
+        };
+        const double keys = 0.5 * (seen(i0) + seen(i1 - 1));
+        items.push_back({b, kh, i0, i1, double(i1 - i0) * (keys + 16.0)});
+      }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& c) { return a.cost > c.cost; });
+  return items;
+}
+
+template <class K, class Parts = AllParts, typename T>
+void run_forward(const Problem<T>& P) {
+  const int nth = std::max(1, at::get_num_threads());
+  const std::vector<Item> items = make_items(P, nth);
+  const double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  const int64_t workers = flops < 2e6 ? 1 : std::min<int64_t>(nth, int64_t(items.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    thread_local Scratch<K> scratch;
+#if defined(__AVX512F__)
+    const mha_exp2::FlushToZero ftz(K::kLazySoftmax);  // softmax_lazy's exp2 relies on it
+#endif
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) K::configure();
+#endif
+    Worker<K, T, Parts> w(P, scratch);
+    for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
+      w.run_item(items[idx]);
+    scratch.trim();
+#if defined(MHA_FLASH_AMX)
+    if constexpr (K::kAmx) K::release();
+#endif
+  });
+}
+
+}  // namespace
+}  // namespace mha_flash
+namespace mha_flash {
+namespace {
+
+std::string flash_attention_isa() {
+  std::string isa = "portable";
+#if defined(__AVX512F__)
+  isa += ",avx512f";
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  isa += ",avx512bw,avx512vl";
+#endif
+#if defined(MHA_FLASH_BF16_TILES)
+  isa += ",avx512bf16";
+#endif
+#if defined(MHA_FLASH_AMX)
+  isa += ",amx";
+#endif
+  return isa;
+}
+
+
+// bf16 inputs: vdpbf16ps tiles where the dot-product unit is fast (AMD Zen 4/5: twice the
+// fp32 FMA rate); elsewhere (Intel cores run vdpbf16ps at half the fp32 FMA FLOP rate, measured)
+// bf16 is widened to fp32 when packed and runs the fp32 tiles. MHA_FLASH_BF16=avx512bf16 |
+// avx512f | portable overrides. Fixed per process, so results stay deterministic.
+const std::string& default_kernel(at::ScalarType dtype) {
+  static const std::string f32 =
+#if defined(__AVX512F__)
+      "avx512f";
+#else
+      "portable";
+#endif
+  static const std::string bf16 = [] {
+    if (const auto& env = mha_common::flash_bf16_override()) return *env;
+#if defined(MHA_FLASH_AMX)
+    if (amx_permitted()) return std::string("amx");
+#endif
+#if defined(MHA_FLASH_BF16_TILES)
+    if (mha_common::bf16_dot_is_fast()) return std::string("avx512bf16");
+#endif
+    return f32;
+  }();
+  return dtype == at::kBFloat16 ? bf16 : f32;
+}
+
+// The kernels chosen for float32 and bfloat16 inputs.
+std::vector<std::string> flash_attention_kernels() {
+  return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
+}
+
+template <class Parts = AllParts>
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v,
+                                                const std::optional<at::Tensor>& key_lengths,
+                                                const std::optional<at::Tensor>& mask,
+                                                bool causal, double scale,
+                                                const std::string& kernel, int64_t window) {
+  const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention");
+  const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
+  const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
+  TORCH_CHECK(dk >= 1 && dv >= 1, "flash_attention: head dims must be >= 1");
+  at::Tensor out = at::empty({B, Tq, h, dv}, q.options()).permute({0, 2, 1, 3});
+  at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kFloat));
+  if (B == 0 || h == 0 || Tq == 0) return {out, lse};
+  at::Tensor kl, m;
+  if (key_lengths.has_value()) {
+    TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B,
+                "flash_attention: key_lengths must have shape (B,) = (", B, ",), got ",
+                key_lengths->sizes());
+    kl = key_lengths->to(at::kLong).contiguous();
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4,
+                "flash_attention: mask must be a 4-D bool tensor broadcastable to (B, h, Tq, Tk)");
+    const int64_t want[4] = {B, h, Tq, Tk};
+    for (int d = 0; d < 4; ++d)
+      TORCH_CHECK(mask->size(d) == 1 || mask->size(d) == want[d],
+                  "flash_attention: mask of shape ", mask->sizes(),
+                  " is not broadcastable to (B, h, Tq, Tk) = (", B, ", ", h, ", ", Tq, ", ", Tk, ")");
+    m = *mask;
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> P;
+    P.q = q.data_ptr<T>();
+    P.k = k.data_ptr<T>();
+    P.v = v.data_ptr<T>();
+    P.out = out.data_ptr<T>();
+    P.lse = lse.data_ptr<float>();
+    fill_strides(q, P.qs, 4, false);
+    fill_strides(k, P.ks, 4, false);
+    fill_strides(v, P.vs, 4, false);
+    fill_strides(out, P.os, 4, false);
+    P.mask = m.defined() ? m.data_ptr<bool>() : nullptr;
+    if (m.defined()) fill_strides(m, P.ms, 4, true);
+    P.key_lengths = kl.defined() ? kl.data_ptr<int64_t>() : nullptr;
+    if (P.key_lengths)
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(P.key_lengths[b] >= 0 && P.key_lengths[b] <= Tk,
+                    "flash_attention: key_lengths must lie in [0, Tk=", Tk, "]");
+    P.B = B, P.h = h, P.hkv = hkv, P.Tq = Tq, P.Tk = Tk, P.dk = dk, P.dv = dv;
+    P.scale = float(scale);
+    P.causal = causal;
+    P.window = window > 0 && window < Tk ? window : 0;  // w >= Tk hides no key: no window
+    const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
+#if defined(MHA_FLASH_SMALL)
+    if (kernel == "small" || (kernel == "auto" && small_path_applies(P, kn))) {
+      TORCH_CHECK(small_path_applies(P), "flash_attention: the small path serves Tk <= ",
+                  kSmallMaxKeys, " and head dims <= ", kSmallMaxDim, ", got Tk=", Tk);
+      return run_small(P);
+    }
+#endif
+    if (kn == "portable") return run_forward<PortableF32>(P);
+#if defined(__AVX512F__)
+    if (kn == "avx512f") return run_forward<Avx512F32>(P);  // bf16 inputs widened when packed
+#endif
+#if defined(MHA_FLASH_BF16_TILES)
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (kn == "avx512bf16") return run_forward<Avx512Bf16>(P);
+#endif
+#if defined(MHA_FLASH_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (kn == "amx") {
+        TORCH_CHECK(amx_permitted(), "flash_attention: the OS does not grant AMX to this process");
+        return run_forward<AmxBf16, Parts>(P);
+      }
+#endif
+    TORCH_CHECK(false, "flash_attention: kernel '", kn, "' is not available for ", q.scalar_type(),
+                " in this build (", flash_attention_isa(), ")");
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
+    bool causal, double scale, int64_t window) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window);
+}
+
+// The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16", "amx", or
+// "small": the small-problem path of flash_small.h), for tests.
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
+    bool causal, double scale, std::string kernel, int64_t window) {
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window);
+}
+
+// The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
+at::Tensor flash_exp2(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "_flash_exp2: x must be float32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  const int64_t n = xc.numel();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes)
+    _mm512_storeu_ps(dst + i, exp2_avx512(_mm512_loadu_ps(src + i)));
+  if (i < n) {
+    const __mmask16 k = lanes_below(int(n - i));
+    _mm512_mask_storeu_ps(dst + i, k, exp2_avx512(_mm512_maskz_loadu_ps(k, src + i)));
+  }
+#else
+  for (; i < n; ++i) dst[i] = std::exp2(src[i]);
+#endif
+  return y;
+}
+
+// The one-pass softmax's 2^x (exp2_ftz_avx512, under flush-to-zero, every lane kept) on a
+// float32 tensor, for testing its accuracy; exp2 itself where that function is not compiled in.
+at::Tensor flash_exp2_ftz(const at::Tensor& x) {
+#if defined(MHA_FLASH_LAZY_SOFTMAX)
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "_flash_exp2_ftz: x must be float32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  const mha_exp2::FlushToZero ftz(true);
+  for (int64_t i = 0; i < xc.numel(); i += kLanes) {
+    const __mmask16 k = lanes_below(int(std::min<int64_t>(kLanes, xc.numel() - i)));
+    _mm512_mask_storeu_ps(dst + i, k, mha_exp2::exp2_ftz_avx512(_mm512_maskz_loadu_ps(k, src + i),
+                                                                __mmask16(0xFFFF)));
+  }
+  return y;
+#else
+  return flash_exp2(x);
+#endif
+}
+
+}  // namespace
+}  // namespace mha_flash
+
+TORCH_LIBRARY_FRAGMENT(mha, m) {
+  m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
+        "bool causal, float scale, int window=0) -> (Tensor, Tensor)");
+  m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+        "Tensor? mask, bool causal, float scale, str kernel, int window=0) -> (Tensor, Tensor)");
+  m.def("_flash_exp2(Tensor x) -> Tensor");
+  m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
+  m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
+  m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);
+}
+
+TORCH_LIBRARY_IMPL(mha, CPU, m) {
+  m.impl("flash_attention_fwd", &mha_flash::flash_attention_fwd);
+  m.impl("_flash_attention_fwd_kernel", &mha_flash::flash_attention_fwd_kernel);
+  m.impl("_flash_exp2", &mha_flash::flash_exp2);
+  m.impl("_flash_exp2_ftz", &mha_flash::flash_exp2_ftz);
+}

@@ -1,0 +1,185 @@
+// The flash forward's problem and per-thread state: block sizes, the Problem (pointers,
+// strides, masks; which keys a row may attend), grow-only scratch buffers, the register-tile
+// row walkers, the bool mask's bits per key block, and the work item.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+
+#include "common/constants.h"
+#include "common/tensor_access.h"
+#include "flash/flash_attn_kernels.h"
+
+namespace mha_flash {
+namespace {
+
+constexpr int64_t kRowsPerBlock = 48;  // query rows per block: 8 register tiles of 6 rows
+constexpr int64_t kMaxKeysPerBlock = 128;
+constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
+using mha_common::fill_strides;
+using mha_common::kLn2;
+using mha_common::kLog2e;
+using mha_common::round_up;
+
+// Which parts of the AMX key loop run: both, in every kernel the package builds. Only the
+// benchmark translation unit bench/flash_breakdown.cpp (benchmarks/probes/amx_breakdown.py) passes a
+// policy that leaves the tile products or the softmax out, to time the rest.
+struct AllParts {
+  static constexpr bool kTiles = true, kSoftmax = true;
+};
+
+template <typename T>
+struct Problem {
+  const T *q, *k, *v;
+  T* out;
+  float* lse;
+  int64_t qs[4], ks[4], vs[4], os[4], ms[4];  // strides; ms is 0 on broadcast mask dims
+  const bool* mask;                            // or nullptr
+  const int64_t* key_lengths;                  // (B,) or nullptr
+  int64_t B, h, hkv, Tq, Tk, dk, dv;
+  float scale;
+  bool causal;
+  int64_t window;  // > 0: sliding window (the left edge); <= 0: none
+
+  // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
+  int64_t key_limit(int64_t b, int64_t i) const {
+    int64_t lim = key_lengths ? key_lengths[b] : Tk;
+    if (causal) lim = std::min(lim, i + Tk - Tq + 1);
+    return std::max<int64_t>(lim, 0);
+  }
+  // Keys j < start are left of query row i's window (0 without a window); grows with i.
+  int64_t key_start(int64_t i) const {
+    return window > 0 ? std::max<int64_t>(0, i + Tk - Tq - window + 1) : 0;
+  }
+};
+
+template <typename E>
+struct Buffer {  // grow-only, 64-byte aligned scratch
+  E* ptr = nullptr;
+  size_t cap = 0;
+  E* get(size_t n) {
+    if (n > cap) {
+      std::free(ptr);
+      ptr = static_cast<E*>(std::aligned_alloc(64, round_up(std::max<size_t>(n, 1) * sizeof(E), 64)));
+      TORCH_CHECK(ptr != nullptr, "flash_attention: out of memory for scratch");
+      cap = n;
+    }
+    return ptr;
+  }
+  void trim(size_t keep) {  // release a large buffer after a call
+    if (cap * sizeof(E) > keep) {
+      std::free(ptr);
+      ptr = nullptr;
+      cap = 0;
+    }
+  }
+  ~Buffer() { std::free(ptr); }
+};
+
+// A thread's scratch, kept between calls (no page faults on every call); packed K/V buffers
+// above kKeepBytes are released after each call so long sequences do not pin memory.
+template <class K>
+struct Scratch {
+  static constexpr size_t kKeepBytes = size_t(8) << 20;
+  Buffer<typename K::packed_t> kt, v, q;
+  Buffer<float> s, o, m, alpha, lsum, arun;
+  Buffer<typename K::p_t> p, prun;
+  Buffer<uint16_t> bits;
+  void trim() {
+    kt.trim(kKeepBytes);
+    v.trim(kKeepBytes);
+  }
+};
+
+template <typename P, typename T>
+inline P pack_elem(T x) {
+  if constexpr (std::is_same_v<P, uint16_t>) return x.x;  // bf16 bits as they are
+  else return static_cast<float>(x);
+}
+
+// Calls f.template run<R>(r0) over `rows` rows in tiles of RMAX rows, then the remainder.
+template <int R, class F>
+struct Remainder {
+  static void go(int rem, int r0, const F& f) {
+    if (rem == R) f.template run<R>(r0);
+    else Remainder<R - 1, F>::go(rem, r0, f);
+  }
+};
+template <class F>
+struct Remainder<0, F> {
+  static void go(int, int, const F&) {}
+};
+template <int RMAX, class F>
+inline void for_row_tiles(int rows, const F& f) {
+  int r0 = 0;
+  for (; r0 + RMAX <= rows; r0 += RMAX) f.template run<RMAX>(r0);
+  if (rows > r0) Remainder<RMAX - 1, F>::go(rows - r0, r0, f);
+}
+
+template <class K, int NV>
+struct QkTile {
+  const typename K::packed_t *q, *kt;
+  int64_t ldq, ldk;
+  int dkp;
+  float* s;
+  int64_t lds;
+  template <int R>
+  void run(int r0) const {
+    K::template qk<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, s + r0 * lds, lds);
+  }
+};
+
+template <class K, int CV>
+struct PvTile {
+  const typename K::p_t* p;
+  int64_t ldp;
+  const typename K::packed_t* v;
+  int64_t dvp;
+  int n;
+  float* o;
+  int64_t ldo;
+  const float* alpha;
+  template <int R>
+  void run(int r0) const {
+    K::template pv<R, CV>(p + r0 * ldp, ldp, v, dvp, n, o + r0 * ldo, ldo, alpha + r0);
+  }
+};
+
+// Bits of the bool mask for one row and one key block: bit `lane` of word v is key
+// j0 + 16 v + lane. Keys at or past Tk read as masked.
+inline void mask_bits(const bool* row, int64_t stride, int64_t j0, int64_t Tk, int nv,
+                      uint16_t* bits) {
+  for (int v = 0; v < nv; ++v) {
+    const int64_t jb = j0 + v * kLanes;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (stride == 1 && jb + kLanes <= Tk) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb));
+      bits[v] = _mm_test_epi8_mask(x, x);
+      continue;
+    }
+#endif
+    uint16_t w = 0;
+    for (int l = 0; l < kLanes && jb + l < Tk; ++l) w |= uint16_t(row[(jb + l) * stride] ? 1u << l : 0u);
+    bits[v] = w;
+  }
+}
+
+// Clears the bits of keys left of a row's window: keys j0 + n with n < e (bits as mask_bits).
+inline void clear_left_of(int64_t e, int nv, uint16_t* bits) {
+  for (int v = 0; v < nv; ++v) {
+    const int64_t n = std::clamp<int64_t>(e - int64_t(v) * kLanes, 0, kLanes);
+    bits[v] &= uint16_t(~((1u << n) - 1u));
+  }
+}
+
+struct Item {
+  int64_t b, kh, i0, i1;
+  double cost;
+};
+
+}  // namespace
+}  // namespace mha_flash
