@@ -21,12 +21,14 @@ from mha.checks import (
     check_window,
 )
 from mha.masks import MaskSpec
+from mha.mods import check_mod
 
 
 def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: bool = False,
-              window: int | None = None) -> AttentionCall:
+              window: int | None = None,
+              mask_mod=None, score_mod=None) -> AttentionCall:
     """Validate the arguments of :func:`attention` and bundle them into one call."""
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
@@ -39,14 +41,18 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
     if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
         window = min(check_window(window, causal), max(Tk, 1))
-    return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
-                         return_weights)
+    # mask / score functions of indices (mha.mods): called lazily, when a plan is built
+    mask_mod = check_mod("mask_mod", mask_mod)
+    score_mod = check_mod("score_mod", score_mod)
+    return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window, mask_mod), scale, dropout_p,
+                         return_weights, score_mod=score_mod)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None,
-              window: int | None = None):
+              window: int | None = None,
+              mask_mod=None, score_mod=None):
     """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
 
     Args:
@@ -69,6 +75,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         dropout_p: dropout on the attention weights (training); 0 means none.
         return_weights: also return the softmax weights ``(B, h, Tq, Tk)`` (before dropout).
         backend: force one of ``mha.backends.ORDER``; None picks the first capable one.
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), called with
+            broadcastable index tensors; see :mod:`mha.mods` (built-ins: ``causal``,
+            ``sliding_window``, ``document``, ``prefix_lm``, ``chunked``). Served through a
+            cached block plan (:func:`mha.block_plan`) by the ``blocksparse`` backend (and
+            ``reference``): empty blocks are skipped, full blocks never call it.
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` of the same shape, applied to
+            the scaled scores before masking (``blocksparse``, ``reference``).
 
     All masks combine with AND. Query rows that may attend no key return zeros (and zero
     weights), with finite gradients.
@@ -84,7 +97,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
     """
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
-                     dropout_p=dropout_p, return_weights=return_weights, window=window)
+                     dropout_p=dropout_p, return_weights=return_weights, window=window,
+                     mask_mod=mask_mod, score_mod=score_mod)
     if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (call.d_v == 0 and not return_weights):
         out, weights = _empty(call)
     else:

@@ -18,6 +18,7 @@ from mha.masks import MaskSpec
 
 BASIC_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
 ALL_MASK_KINDS = BASIC_MASK_KINDS | {"window"}
+MOD_MASK_KINDS = ALL_MASK_KINDS | {"mask_mod"}  # mask functions of indices (mha.mods)
 
 
 class AttentionCall:
@@ -30,11 +31,13 @@ class AttentionCall:
     """
 
     __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights",
-                 "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
+                 "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device", "score_mod")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
-                 scale: float, dropout_p: float = 0.0, return_weights: bool = False) -> None:
+                 scale: float, dropout_p: float = 0.0, return_weights: bool = False,
+                 score_mod=None) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
+        self.score_mod = score_mod  # (score, b, h, q_idx, kv_idx) -> score (mha.mods)
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
         self.B, self.h, self.Tq, self.d_k = q.shape
         self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -66,6 +69,7 @@ class Capabilities:
     dropout: bool = False
     weights: bool = False  # can return the (B, h, Tq, Tk) attention weights
     grad: bool = True
+    score_mod: bool = False  # applies a score_mod (mha.mods)
 
 
 @dataclass
@@ -112,6 +116,8 @@ class Backend:
                            f"(supports {names})")
         for kind in sorted(call.masks.kinds - c.mask_kinds):
             reasons.append(f"mask kind '{kind}' not supported")
+        if call.score_mod is not None and not c.score_mod:
+            reasons.append("score_mod not supported")
         hd = max(call.d_k, call.d_v)
         if c.max_head_dim is not None and hd > c.max_head_dim:
             reasons.append(f"head dim {hd} > {c.max_head_dim}")

@@ -1,0 +1,52 @@
+"""Backend ``blocksparse``: calls with a ``mask_mod`` or ``score_mod`` (:mod:`mha.mods`), walked
+over a cached block plan in PyTorch ops (:mod:`mha.blocksparse`) — the fast path for mask
+functions until a native kernel walks plans.
+
+Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
+The plan is built from ``mask_mod`` AND ``causal`` AND ``window`` (so their EMPTY blocks are
+skipped); ``key_lengths`` and ``mask`` are ANDed per visited block. Calls without a mask or score
+function are left to the dense backends (a reason, in words).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.blockplan import block_plan
+from mha.blocksparse import block_sparse_attention
+from mha.masks import lengths_mask
+from mha.mods import for_call
+
+
+def _forward(call: AttentionCall):
+    m = call.masks
+    plan = block_plan(for_call(m.mask_mod, m.causal, m.window), call.B, call.h, call.Tq,
+                      call.Tk, device=call.device)
+    extra = m.mask
+    if m.key_lengths is not None:
+        lm = lengths_mask(m.key_lengths, call.Tk)  # (B, 1, 1, Tk)
+        extra = lm if extra is None else extra & lm
+    out = block_sparse_attention(call.q, call.k, call.v, plan, scale=call.scale,
+                                 score_mod=call.score_mod, mask=extra)
+    return out, None  # (B, h, Tq, d_v)
+
+
+def _extra_reasons(call: AttentionCall) -> list[str]:
+    if "mask_mod" not in call.masks.kinds and call.score_mod is None:
+        return ["serves mask_mod / score_mod calls only (the dense backends serve the others)"]
+    return []
+
+
+BACKEND = Backend(
+    name="blocksparse",
+    summary="mask_mod / score_mod over a cached block plan in PyTorch ops; skips empty blocks",
+    caps=Capabilities(
+        devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+        dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+        mask_kinds=MOD_MASK_KINDS,
+        dropout=False, weights=False, grad=True, score_mod=True,
+    ),
+    forward=_forward,
+    extra_reasons=_extra_reasons,
+)
