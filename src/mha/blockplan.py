@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,25 @@ FULL, PARTIAL, EMPTY = 2, 1, 0
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64  # plans kept (least recently used dropped first)
 _CHUNK = 1 << 24  # mask elements evaluated at once while building
+
+
+@dataclass(frozen=True)
+class WalkGroup:
+    """Query blocks of one plan row ``(b, hh)`` walked together, padded to one key count ``n``.
+
+    ``qbs`` ``(R,)`` the query blocks; ``cols`` ``(R, n)`` the key indices of each (partial
+    blocks first, then full blocks, then padding; padding clamped to a valid index); ``ok``
+    ``(R, n)`` the real keys; ``partial`` ``(R, n)`` the keys of partial blocks (a prefix of
+    each row, at most ``n_partial`` columns).
+    """
+
+    b: int
+    hh: int
+    qbs: torch.Tensor
+    cols: torch.Tensor
+    ok: torch.Tensor
+    partial: torch.Tensor
+    n_partial: int
 
 
 class BlockPlan:
@@ -51,6 +71,7 @@ class BlockPlan:
         self.counts = {name: int((flat == s).sum()) for name, s in
                        (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
         self._walk = None
+        self._groups = None
 
     def row(self, b: int, hh: int, qb: int) -> int:
         return (b * self.h + hh) * self.n_q + qb
@@ -96,6 +117,56 @@ class BlockPlan:
                         steps.append((b, hh, qb, torch.cat([fc, pc]), fc.numel(), pc))
             self._walk = steps
         return self._walk
+
+    def groups(self) -> list[WalkGroup]:
+        """The non-empty query blocks of each plan row, bucketed by their number of key blocks
+        (up to the next power of two) so that one batched step serves each bucket. Built once."""
+        if self._groups is None:
+            self._groups = [g for b in range(self.B) for hh in range(self.h)
+                            for g in self._row_groups(b, hh)]
+        return self._groups
+
+    def _row_groups(self, b: int, hh: int) -> list[WalkGroup]:
+        buckets: dict[int, list] = {}
+        for qb in range(self.n_q):
+            full, part = (x.tolist() for x in self.blocks(b, hh, qb))
+            n = len(full) + len(part)
+            if n:
+                buckets.setdefault(1 << (n - 1).bit_length(), []).append((qb, part, full))
+        out = []
+        bk = self.block_k
+        for _, rows in sorted(buckets.items()):
+            nb = max(len(p) + len(f) for _, p, f in rows)
+            blk = torch.full((len(rows), nb), -1, dtype=torch.int64)  # (R, nb) key blocks
+            n_part = torch.tensor([len(p) for _, p, _ in rows])  # (R,)
+            for i, (_, p, f) in enumerate(rows):
+                blk[i, :len(p) + len(f)] = torch.tensor(p + f, dtype=torch.int64)
+            j = blk[:, :, None] * bk + torch.arange(bk)  # (R, nb, bk) key indices
+            ok = (blk[:, :, None] >= 0) & (j < self.Tk)  # (R, nb, bk)
+            part = (torch.arange(nb)[None, :] < n_part[:, None])[:, :, None] & ok  # (R, nb, bk)
+            R = len(rows)
+            out.append(WalkGroup(
+                b, hh, torch.tensor([qb for qb, _, _ in rows], device=self.device),
+                torch.where(ok, j, 0).reshape(R, nb * bk).to(self.device),  # (R, n)
+                ok.reshape(R, nb * bk).to(self.device), part.reshape(R, nb * bk).to(self.device),
+                int(n_part.max()) * bk))
+        return out
+
+    def eval_group(self, grp: WalkGroup, qrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask over the partial keys of a group: ``(sel (R',), m (.|1, .|1, R' * block_q,
+        n_partial))`` for the query blocks ``grp.qbs[sel]`` that have partial blocks; positions
+        that are not partial keys are True. ``qrows`` ``(R, block_q)``: the query index of each
+        row (clamped). Only keys inside partial blocks are passed to the function."""
+        P = grp.n_partial
+        sel = grp.partial[:, 0].nonzero()[:, 0]  # (R',) rows with partial blocks
+        pc, pok = grp.cols[sel, :P], grp.partial[sel, :P]  # (R', P)
+        pc = torch.where(pok, pc, pc[:, :1])  # padding -> the row's first partial key
+        bi, hi = self.index(grp.b, grp.hh)
+        bq = qrows.shape[1]
+        where = (f"query blocks {grp.qbs[sel].tolist()}, their partial key blocks")
+        m = eval_mask_mod(self.mask_mod, bi, hi, qrows[sel].flatten(),
+                          pc.repeat_interleave(bq, 0), where)  # (.|1, .|1, R' bq|1, P|1)
+        return sel, m | ~pok.repeat_interleave(bq, 0)  # (., ., R' * block_q, P)
 
     def eval_partial(self, b: int, hh: int, qb: int, cols: torch.Tensor) -> torch.Tensor:
         """The mask over query block ``qb`` and key indices ``cols`` (of partial blocks):

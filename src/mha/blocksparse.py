@@ -5,9 +5,11 @@ Shape legend: B batch, h query heads, h_kv K/V heads, g = h // h_kv, Tq/Tk lengt
 head dims; for one step of the walk, ``rows`` query indices and ``n`` gathered key indices.
 
 :func:`block_sparse_attention` visits, for each query block, only the key blocks the plan marks
-FULL or PARTIAL: it gathers their K/V rows, computes the scores ``(., ., rows, n)``, applies
-``score_mod``, evaluates ``mask_mod`` over the partial blocks only, and softmaxes with the usual
-rule (a row with no key returns zeros, with finite gradients). Its cost follows the visited
+FULL or PARTIAL: it gathers their K/V rows, computes the scores, applies ``score_mod``, evaluates
+``mask_mod`` over the partial blocks only, and softmaxes with the usual rule (a row with no key
+returns zeros, with finite gradients). Query blocks with about as many key blocks are batched
+into one step (padded to the same key count), so the Python loop runs a few times per plan row,
+not once per block. Its cost follows the visited
 blocks: for a document mask, ``sum(len_i^2)`` rather than ``T^2``. Everything is autograd-able.
 """
 
@@ -60,47 +62,77 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return (used @ v).view(B, h, Tq, v.shape[-1]), w  # (B, h_kv, g*Tq, d_v) -> (B, h, Tq, d_v)
 
 
+def _grouped(x: torch.Tensor, hk: int, g: int, R: int, bq: int) -> torch.Tensor:
+    """``(b, hq, R * bq, m)`` -> ``(b, hk, R, g * bq, m)``: a K/V head's query heads side by
+    side in each query block (hq = hk * g)."""
+    b, m = x.shape[0], x.shape[-1]
+    x = x.reshape(b, hk, g, R, bq, m)  # (b, hq, R*bq, m) -> (b, hk, g, R, bq, m)
+    return x.transpose(2, 3).reshape(b, hk, R, g * bq, m)  # -> (b, hk, R, g*bq, m)
+
+
+def _ungrouped(x: torch.Tensor, g: int, bq: int) -> torch.Tensor:
+    """The inverse of :func:`_grouped`: ``(b, hk, R, g * bq, m)`` -> ``(b, hq, R * bq, m)``."""
+    b, hk, R, _, m = x.shape
+    x = x.reshape(b, hk, R, g, bq, m).transpose(2, 3)  # -> (b, hk, g, R, bq, m)
+    return x.reshape(b, hk * g, R * bq, m)  # -> (b, hq, R*bq, m)
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, *,
                            scale: float, score_mod=None,
                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the plan's FULL and PARTIAL blocks only. q ``(B, h, Tq, d_k)``, k/v
     ``(B, h_kv, Tk, d)``; ``mask`` an extra bool tensor, a 4-D view broadcastable to
-    ``(B, h, Tq, Tk)``, ANDed per block. Returns ``out (B, h, Tq, d_v)``."""
+    ``(B, h, Tq, Tk)``, ANDed per block. Returns ``out (B, h, Tq, d_v)``.
+
+    One batched step per group of query blocks (:meth:`BlockPlan.groups`): the group's ``R``
+    query blocks, each with its own ``n`` gathered keys (padding masked out)."""
     B, h, Tq, d_k = q.shape
-    h_kv, d_v = k.shape[1], v.shape[3]
+    h_kv, Tk, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = h // h_kv
-    out = q.new_zeros(B, h, Tq, d_v)  # rows of query blocks with no key block stay zero
+    bq = plan.block_q
+    out = q.new_zeros(B, h, Tq, d_v)  # query blocks with no key block stay zero
     dev = q.device
     all_b, all_h = torch.arange(B, device=dev), torch.arange(h, device=dev)
-    for b, hh, qb, cols, n_full, pcols in plan.walk():
-        bs = slice(None) if plan.B == 1 else slice(b, b + 1)
-        hs = slice(None) if plan.h == 1 else slice(hh, hh + 1)  # query heads of this step
-        ks = slice(None) if plan.h == 1 else slice(hh // g, hh // g + 1)  # their K/V head
+    for grp in plan.groups():
+        bs = slice(None) if plan.B == 1 else slice(grp.b, grp.b + 1)
+        hs = slice(None) if plan.h == 1 else slice(grp.hh, grp.hh + 1)  # this step's query heads
+        ks = slice(None) if plan.h == 1 else slice(grp.hh // g, grp.hh // g + 1)  # their K/V head
         gg = g if plan.h == 1 else 1
-        r0, r1 = qb * plan.block_q, min(Tq, (qb + 1) * plan.block_q)
-        cols = cols.to(dev)
-        qs = q[bs, hs, r0:r1]  # (b, hq, rows, d_k)
-        kc = k[bs, ks].index_select(2, cols)  # (b, hk, n, d_k)
-        vc = v[bs, ks].index_select(2, cols)  # (b, hk, n, d_v)
-        nb, hq, rows = qs.shape[0], qs.shape[1], r1 - r0
-        qg = qs.reshape(nb, hq // gg, gg * rows, d_k)  # (b, hq, rows, d_k) -> (b, hk, g*rows, d_k)
-        s = (qg @ kc.transpose(-2, -1) * scale).view(nb, hq, rows, cols.numel())  # (b, hq, rows, n)
+        R, n = grp.cols.shape
+        raw = grp.qbs[:, None] * bq + torch.arange(bq, device=dev)  # (R, bq) query indices
+        qrows = raw.clamp(max=Tq - 1)  # a short last block repeats its last row
+        kv = grp.cols.repeat_interleave(bq, 0)  # (R*bq, n): each query row's keys
+        qs = q[bs, hs].index_select(2, qrows.flatten())  # (b, hq, R*bq, d_k)
+        hq = qs.shape[1]
+        hk = hq // gg
+        kc = k[bs, ks].index_select(2, grp.cols.flatten()).unflatten(2, (R, n))  # (b, hk, R, n, d_k)
+        vc = v[bs, ks].index_select(2, grp.cols.flatten()).unflatten(2, (R, n))  # (b, hk, R, n, d_v)
+        s = _grouped(qs, hk, gg, R, bq) @ kc.transpose(-2, -1) * scale  # (b, hk, R, g*bq, n)
+        s = _ungrouped(s, gg, bq)  # (b, hq, R*bq, n)
         if score_mod is not None:
-            s = apply_score_mod(score_mod, s, all_b[bs], all_h[hs],
-                                torch.arange(r0, r1, device=dev), cols,
-                                f"query block {qb}, key blocks of the plan")
-        allowed = None
-        if pcols.numel():
-            pm = plan.eval_partial(b, hh, qb, pcols.to(dev))  # (1|b, 1|hq, rows|1, np|1)
-            lead = (pm.shape[0], pm.shape[1], rows)
-            allowed = torch.cat([torch.ones(*lead, n_full, dtype=torch.bool, device=dev),
-                                 pm.expand(*lead, pcols.numel())], dim=-1)  # (., ., rows, n)
+            s = apply_score_mod(score_mod, s, all_b[bs], all_h[hs], qrows.flatten(), kv,
+                                f"query blocks {grp.qbs.tolist()}, their key blocks")
+        allowed = grp.ok.repeat_interleave(bq, 0)[None, None]  # (1, 1, R*bq, n)
+        if grp.n_partial:
+            sel, pm = plan.eval_group(grp, qrows)  # (R',), (., ., R'*bq, P)
+            lead = torch.broadcast_shapes(allowed.shape[:2], pm.shape[:2])
+            allowed = allowed.expand(*lead, R * bq, n).clone().view(*lead, R, bq, n)
+            P = grp.n_partial
+            allowed[:, :, sel, :, :P] &= pm.expand(*lead, -1, -1).reshape(*lead, -1, bq, P)
+            allowed = allowed.view(*lead, R * bq, n)  # (., ., R*bq, n)
         if mask is not None:
-            m = mask[bs if mask.shape[0] > 1 else slice(None), hs if mask.shape[1] > 1 else
-                     slice(None)]
-            m = m[:, :, r0:r1] if m.shape[2] > 1 else m
-            m = m.index_select(3, cols) if m.shape[3] > 1 else m  # (., ., rows|1, n|1)
-            allowed = m if allowed is None else allowed & m
-        o, _ = _softmax_v(s, allowed, vc, gg)  # (b, hq, rows, d_v)
-        out[bs, hs, r0:r1] = o
+            m = mask[bs if mask.shape[0] > 1 else slice(None),
+                     hs if mask.shape[1] > 1 else slice(None)]
+            m = m.index_select(2, qrows.flatten()) if m.shape[2] > 1 else m  # (., ., R*bq|1, .)
+            if m.shape[3] > 1:
+                m = m.expand(*m.shape[:2], R * bq, Tk)
+                m = m.gather(3, kv[None, None].expand(*m.shape[:2], -1, -1))  # (., ., R*bq, n)
+            allowed = allowed & m
+        allowed, row_has_key = open_empty_rows(allowed.expand_as(s))
+        w = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)  # (b, hq, R*bq, n)
+        if row_has_key is not None:
+            w = torch.where(row_has_key, w, 0.0)  # rows with no key: zero weights
+        o = _ungrouped(_grouped(w, hk, gg, R, bq) @ vc, gg, bq)  # (b, hq, R*bq, d_v)
+        valid = (raw < Tq).flatten()  # (R*bq,) rows inside the sequence
+        out[bs, hs, raw.flatten()[valid]] = o[:, :, valid]
     return out

@@ -7,7 +7,8 @@ Shape legend: B batch, h query heads, Tq/Tk query/key lengths; n the key columns
 
 Both are **vectorised**: they are called with broadcastable int64 index tensors ``b``
 ``(B|1, 1, 1, 1)``, ``h`` ``(1, h|1, 1, 1)``, ``q_idx`` ``(1, 1, rows, 1)``, ``kv_idx``
-``(1, 1, 1, n)`` (``score`` has the broadcast shape of all four) and must use tensor ops
+``(1, 1, 1, n)`` or, when several query blocks are evaluated at once, ``(1, 1, rows, n)`` (each
+row its own keys); ``score`` has the broadcast shape of all four. They must use tensor ops
 (``&``, ``|``, ``torch.where``, indexing a table by an index), not Python ``if``. A function
 that ignores ``b`` or ``h`` gives a result of size 1 there; :func:`mha.block_plan` keeps it so.
 
@@ -56,9 +57,11 @@ def check_mod(name: str, fn):
 
 
 def _indices(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
-    """1-D index tensors -> the broadcastable 4-D views the functions are called with."""
+    """Index tensors (1-D; kv_idx 1-D or ``(rows, n)``) -> the broadcastable 4-D views the
+    functions are called with."""
+    kv = kv_idx.view(1, 1, 1, -1) if kv_idx.dim() == 1 else kv_idx[None, None]  # (1, 1, 1|rows, n)
     return (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1),  # (B|1, 1, 1, 1), (1, h|1, 1, 1)
-            q_idx.view(1, 1, -1, 1), kv_idx.view(1, 1, 1, -1))  # (1, 1, rows, 1), (1, 1, 1, n)
+            q_idx.view(1, 1, -1, 1), kv)  # (1, 1, rows, 1)
 
 
 def _span(t: torch.Tensor) -> str:
@@ -71,10 +74,11 @@ def where(q_idx: torch.Tensor, kv_idx: torch.Tensor, where_: str) -> str:
 
 
 def eval_mask_mod(mod, b, h, q_idx, kv_idx, where_: str) -> torch.Tensor:
-    """``mod`` on the block ``b x h x q_idx x kv_idx`` (1-D index tensors): a bool tensor of 4
-    dims broadcastable to ``(len b, len h, len q_idx, len kv_idx)``. ModError otherwise."""
+    """``mod`` on the block ``b x h x q_idx x kv_idx`` (1-D index tensors; kv_idx may be
+    ``(rows, n)``): a bool tensor of 4 dims broadcastable to ``(len b, len h, rows, n)``.
+    ModError otherwise."""
     args = _indices(b, h, q_idx, kv_idx)
-    full = tuple(a.numel() for a in (b, h, q_idx, kv_idx))
+    full = (b.numel(), h.numel(), q_idx.numel(), kv_idx.shape[-1])
     try:
         r = mod(*args)
     except Exception as e:  # noqa: BLE001 -- any error of user code, reported with its block
