@@ -304,3 +304,17 @@ def test_flex_attention_agrees_on_a_tiny_case():
         pytest.skip(f"FlexAttention's eager mode does not run here: {type(e).__name__}: {e}")
     got = mha.attention(q, k, v, mask_mod=doc_causal, score_mod=score_mod)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", MOD_BACKENDS)
+def test_a_nan_in_another_document_never_reaches_a_row(backend):
+    from oracle import rule_oracle
+
+    q, k, v = _qkv(1, 2, 2, 12, 12, 16)
+    k[0, 0, 2] = float("nan")  # key 2: document 0
+    v[0, 1, 3] = float("inf")  # value 3: document 0
+    doc = mods.document(cu_seqlens=[0, 5, 12])
+    out = mha.attention(q, k, v, mask_mod=doc, backend=backend)
+    want = rule_oracle(q, k, v, _dense(doc, 1, 2, 12, 12))
+    assert torch.isfinite(out[:, :, 5:]).all()  # document 1 never sees keys 2, 3
+    torch.testing.assert_close(out[:, :, 5:].double(), want[:, :, 5:], rtol=0, atol=1e-5)

@@ -5,7 +5,10 @@ functions until a native kernel walks plans.
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 The plan is built from ``mask_mod`` AND ``causal`` AND ``window`` (so their EMPTY blocks are
 skipped); ``key_lengths`` and ``mask`` are ANDed per visited block. Calls without a mask or score
-function are left to the dense backends (a reason, in words).
+function are left to the dense backends (a reason, in words). NaN / Inf inputs without a
+``score_mod`` take the exact dense path of :mod:`mha.nonfinite`; with a ``score_mod`` they follow
+IEEE arithmetic over the visited blocks (a masked non-finite key in a visited block can reach a
+row, as in a dense matmul).
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from mha.blockplan import block_plan
 from mha.blocksparse import block_sparse_attention
 from mha.masks import lengths_mask
 from mha.mods import for_call
+from mha.nonfinite import any_nonfinite, masked_attention
 
 
 def _forward(call: AttentionCall):
     m = call.masks
+    if call.score_mod is None and any_nonfinite(call.q, call.k, call.v):
+        # a masked NaN/Inf key must never reach a row (mha.nonfinite): the exact gated path
+        allowed = m.materialize(call.B, call.h, call.Tq, call.Tk, call.device)
+        return masked_attention(call.q, call.k, call.v, allowed, call.scale)[0], None
     plan = block_plan(for_call(m.mask_mod, m.causal, m.window), call.B, call.h, call.Tq,
                       call.Tk, device=call.device)
     extra = m.mask
