@@ -4,8 +4,8 @@ functions until a native kernel walks plans.
 
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 The plan is built from ``mask_mod`` AND ``causal`` AND ``window`` (so their EMPTY blocks are
-skipped); ``key_lengths`` and ``mask`` are ANDed per visited block. Calls without a mask or score
-function are left to the dense backends (a reason, in words). NaN / Inf inputs without a
+skipped); ``key_lengths`` and ``mask`` are ANDed per visited block. It can serve plain calls
+(forced, or for tests) but defers them to the dense backends. NaN / Inf inputs without a
 ``score_mod`` take the exact dense path of :mod:`mha.nonfinite`; with a ``score_mod`` they follow
 IEEE arithmetic over the visited blocks (a masked non-finite key in a visited block can reach a
 row, as in a dense matmul).
@@ -28,6 +28,8 @@ def _forward(call: AttentionCall):
     if call.score_mod is None and any_nonfinite(call.q, call.k, call.v):
         # a masked NaN/Inf key must never reach a row (mha.nonfinite): the exact gated path
         allowed = m.materialize(call.B, call.h, call.Tq, call.Tk, call.device)
+        if allowed is None:  # a plain call, forced here
+            allowed = torch.ones(1, 1, call.Tq, call.Tk, dtype=torch.bool, device=call.device)
         return masked_attention(call.q, call.k, call.v, allowed, call.scale)[0], None
     plan = block_plan(for_call(m.mask_mod, m.causal, m.window), call.B, call.h, call.Tq,
                       call.Tk, device=call.device)
@@ -40,10 +42,10 @@ def _forward(call: AttentionCall):
     return out, None  # (B, h, Tq, d_v)
 
 
-def _extra_reasons(call: AttentionCall) -> list[str]:
+def _defers(call: AttentionCall) -> str | None:
     if "mask_mod" not in call.masks.kinds and call.score_mod is None:
-        return ["serves mask_mod / score_mod calls only (the dense backends serve the others)"]
-    return []
+        return "no mask_mod / score_mod: the dense backends serve plain calls in fewer steps"
+    return None
 
 
 BACKEND = Backend(
@@ -56,5 +58,5 @@ BACKEND = Backend(
         dropout=False, weights=False, grad=True, score_mod=True,
     ),
     forward=_forward,
-    extra_reasons=_extra_reasons,
+    defers=_defers,
 )
