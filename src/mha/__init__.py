@@ -5,9 +5,10 @@ lengths, d_k query/key head dim, d_v value head dim, d_model model width.
 
 Public API:
     attention(q, k, v, *, mask, causal, key_lengths, scale, dropout_p, return_weights, backend,
-              window, softcap, sinks, bias, alibi_slopes)
+              window, softcap, sinks, bias, alibi_slopes, mask_mod, score_mod)
     alibi_slopes(n_heads)                the ALiBi paper's per-head slopes
     explain(q, k, v, **kwargs)           every backend's verdict, in words
+    mods, block_plan(mask_mod, B, h, Tq, Tk)   mask / score functions of indices, block plans
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
     MultiHeadAttention(d_model, num_heads, ...)
     trace(module, x)                     shapes recorded from a real run
@@ -16,7 +17,8 @@ Public API:
 
 from __future__ import annotations
 
-from mha import io, reference
+from mha import io, mods, reference
+from mha.blockplan import BlockPlan, block_plan
 from mha.cache import KVCache
 from mha.dispatch import BackendError
 from mha.functional import attention, explain
@@ -29,4 +31,5 @@ from mha.varlen import varlen_attention
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
-           "reference", "io", "BackendError", "KVCache", "ScoreSpec", "alibi_slopes", "__version__"]
+           "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache",
+           "ScoreSpec", "alibi_slopes", "__version__"]

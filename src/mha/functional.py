@@ -25,6 +25,7 @@ from mha.checks import (
     check_window,
 )
 from mha.masks import MaskSpec
+from mha.mods import check_mod
 from mha.scores import NO_SCORES, ScoreSpec
 
 
@@ -34,7 +35,8 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               window: int | None = None,
               # score variants (mha.scores)
               softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
-              ) -> AttentionCall:
+              # mask / score functions of indices (mha.mods)
+              mask_mod=None, score_mod=None) -> AttentionCall:
     """Validate the arguments of :func:`attention` and bundle them into one call."""
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
@@ -57,8 +59,11 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
             bias=None if bias is None else check_bias(bias, B, h, Tq, Tk, q.device),
             alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(
                 alibi_slopes, B, h, q.device))
-    return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
-                         return_weights, scores)
+    # mask / score functions of indices (mha.mods): called lazily, when a plan is built
+    mask_mod = check_mod("mask_mod", mask_mod)
+    score_mod = check_mod("score_mod", score_mod)
+    return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window, mask_mod), scale, dropout_p,
+                         return_weights, scores, score_mod=score_mod)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
@@ -66,7 +71,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None,
               window: int | None = None,
               # score variants (mha.scores)
-              softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None):
+              softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
+              # mask / score functions of indices (mha.mods)
+              mask_mod=None, score_mod=None):
     """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
 
     Args:
@@ -104,6 +111,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
             ``slope * (i + Tk - Tq - j)``, the distance to query ``i``'s bottom-right diagonal
             (signed: keys after it gain). Per row this differs from BLOOM's ``slope * j`` by a
             constant, so the softmax is BLOOM's under any mask (not with a sink).
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), called with
+            broadcastable index tensors; see :mod:`mha.mods` (built-ins: ``causal``,
+            ``sliding_window``, ``document``, ``prefix_lm``, ``chunked``). Served through a
+            cached block plan (:func:`mha.block_plan`) by the ``blocksparse`` backend (and
+            ``reference``): empty blocks are skipped, full blocks never call it.
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` of the same shape, applied to
+            the scaled scores before masking (``blocksparse``, ``reference``).
 
     Order of operations for query ``i``, key ``j``: ``s = scale * q_i . k_j``, the softcap, ``+
     bias``, the ALiBi term, then the masks (mask AND causal AND key_lengths AND window), then
@@ -125,7 +139,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
                      dropout_p=dropout_p, return_weights=return_weights, window=window,
                      # score variants (mha.scores)
-                     softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes)
+                     softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
+                     mask_mod=mask_mod, score_mod=score_mod)
     if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (call.d_v == 0 and not return_weights):
         out, weights = _empty(call)
     else:

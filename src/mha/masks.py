@@ -24,6 +24,8 @@ that all combine with AND:
 * ``key_lengths`` ``(B,)`` — the number of real keys in each batch row; keys
   ``j >= key_lengths[b]`` are padding.
 * ``mask`` — a bool tensor broadcastable to ``(B, h, Tq, Tk)``.
+* ``mask_mod`` — a function of indices (:mod:`mha.mods`), materialized through its block plan
+  (:mod:`mha.blockplan`).
 * ``window`` (with ``causal``) — sliding-window attention: query ``i`` sees only the ``window``
   most recent keys up to its diagonal, ``i + (Tk - Tq) - window < j``. For ``Tq = Tk = 4``,
   ``window = 2``::
@@ -80,14 +82,17 @@ class MaskSpec:
     key_lengths: torch.Tensor | None = None  # (B,) int64, 0 <= n <= Tk
     mask: torch.Tensor | None = None  # bool, 4-D view broadcastable to (B, h, Tq, Tk)
     window: int | None = None  # with causal: only the `window` most recent keys
-    #: The mask kinds present, a subset of {"causal", "key_lengths", "mask", "window"}.
+    mask_mod: object = None  # (b, h, q_idx, kv_idx) -> bool tensor (mha.mods), via a block plan
+    #: The mask kinds present, a subset of {"causal", "key_lengths", "mask", "window",
+    #: "mask_mod"}.
     kinds: frozenset[str] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = frozenset((("causal",) if self.causal else ())
                           + (("key_lengths",) if self.key_lengths is not None else ())
                           + (("mask",) if self.mask is not None else ())
-                          + (("window",) if self.window is not None else ()))
+                          + (("window",) if self.window is not None else ())
+                          + (("mask_mod",) if self.mask_mod is not None else ()))
         object.__setattr__(self, "kinds", kinds)
 
     @property
@@ -115,6 +120,11 @@ class MaskSpec:
         if self.mask is not None:
             m = self.mask.to(device)
             allowed = m if allowed is None else allowed & m
+        if self.mask_mod is not None:
+            from mha.blockplan import block_plan  # plans build on masks' index functions
+
+            mm = block_plan(self.mask_mod, B, h, Tq, Tk, device=device).materialize()
+            allowed = mm if allowed is None else allowed & mm  # (B|1, h|1, Tq, Tk)
         return allowed
 
     def dense(self, B: int, h: int, Tq: int, Tk: int,

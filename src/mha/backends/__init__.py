@@ -11,7 +11,7 @@ import importlib
 from mha.backends.base import AttentionCall, Backend, Capabilities
 
 # Dispatch order. Each module is imported by name (``get``); none builds anything at import.
-ORDER = ("flash_decode", "flash_cpu", "sdpa", "math", "reference")
+ORDER = ("flash_decode", "flash_cpu", "blocksparse", "sdpa", "math", "reference")
 
 _loaded: dict[str, Backend] = {}
 

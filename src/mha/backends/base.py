@@ -25,6 +25,7 @@ NATIVE_VARIANT_GAPS = (("softcap", "is not native yet (served by math, reference
                        ("sinks", "are not native yet (served by math, reference)"),
                        ("bias", "is not native yet (served by sdpa, math, reference)"),
                        ("alibi", "is not native yet (served by sdpa, math, reference)"))
+MOD_MASK_KINDS = ALL_MASK_KINDS | {"mask_mod"}  # mask functions of indices (mha.mods)
 
 
 class AttentionCall:
@@ -36,14 +37,15 @@ class AttentionCall:
     times per call, and a slotted attribute is cheaper than ``tensor.shape[i]``.
     """
 
-    __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights", "scores",
+    __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights", "scores", "score_mod",
                  "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
                  scale: float, dropout_p: float = 0.0, return_weights: bool = False,
-                 scores: ScoreSpec | None = None) -> None:
+                 scores: ScoreSpec | None = None, score_mod=None) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
         self.scores = NO_SCORES if scores is None else scores  # softcap, sinks, bias, ALiBi
+        self.score_mod = score_mod  # (score, b, h, q_idx, kv_idx) -> score (mha.mods)
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
         self.B, self.h, self.Tq, self.d_k = q.shape
         self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -82,6 +84,7 @@ class Capabilities:
     variants: frozenset[str] = frozenset()
     #: Why a variant is not served, in words, when there is more to say than "not supported".
     variant_gaps: tuple[tuple[str, str], ...] = ()
+    score_mod: bool = False  # applies a score_mod (mha.mods)
 
 
 @dataclass
@@ -131,6 +134,11 @@ class Backend:
         gaps = dict(c.variant_gaps)
         for kind in sorted(call.scores.kinds - c.variants):
             reasons.append(f"{kind} {gaps.get(kind, 'not supported')}")
+        if call.score_mod is not None and not c.score_mod:
+            reasons.append("score_mod not supported")
+        if call.score_mod is not None and call.scores.kinds:
+            reasons.append("score_mod together with " + ", ".join(sorted(call.scores.kinds)) +
+                           " is not served yet (fold them into the score_mod)")
         hd = max(call.d_k, call.d_v)
         if c.max_head_dim is not None and hd > c.max_head_dim:
             reasons.append(f"head dim {hd} > {c.max_head_dim}")

@@ -5,12 +5,19 @@ from __future__ import annotations
 import torch
 
 from mha import reference
-from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.scores import VARIANT_KINDS
 
 
 def _forward(call: AttentionCall):
     allowed = call.masks.materialize(call.B, call.h, call.Tq, call.Tk, call.device)
+    if call.score_mod is not None:  # the dense formula in float64 (mha.blocksparse)
+        from mha.blocksparse import dense_attention
+
+        out, w = dense_attention(call.q.double(), call.k.double(), call.v.double(),
+                                 allowed=allowed, scale=call.scale, score_mod=call.score_mod,
+                                 dropout_p=call.dropout_p)
+        return out.to(call.dtype), (w.to(call.dtype) if call.return_weights else None)
     sc = call.scores
     out, w = reference.attention(call.q, call.k, call.v, allowed=allowed, scale=call.scale,
                                  dropout_p=call.dropout_p, softcap=sc.softcap, sinks=sc.sinks,
@@ -24,8 +31,8 @@ BACKEND = Backend(
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
-        mask_kinds=ALL_MASK_KINDS,
-        dropout=True, weights=True, grad=True, variants=VARIANT_KINDS,
+        mask_kinds=MOD_MASK_KINDS,
+        dropout=True, weights=True, grad=True, variants=VARIANT_KINDS, score_mod=True,
     ),
     forward=_forward,
 )

@@ -1,0 +1,270 @@
+"""Block plans: which key blocks each query block visits under a ``mask_mod`` (:mod:`mha.mods`).
+
+Shape legend: B batch, h query heads, Tq/Tk lengths; ``B_p`` / ``h_p`` the plan's batch and
+heads (1 when the mask does not depend on ``b`` / ``h``), ``n_q = ceil(Tq / block_q)`` query
+blocks, ``n_k = ceil(Tk / block_k)`` key blocks.
+
+A block (query block x key block) is **FULL** (every pair may attend: computed without calling
+the mask), **PARTIAL** (some pairs: the mask is evaluated over the block when attention runs) or
+**EMPTY** (no pair: never read). The plan stores the FULL and the PARTIAL key blocks of each
+query block in compressed rows (CSR), the form a kernel can walk::
+
+    row r = (b * h_p + hh) * n_q + qb
+    full key blocks of row r:    full_idx[full_ptr[r] : full_ptr[r + 1]]         (int32)
+    partial key blocks of row r: partial_idx[partial_ptr[r] : partial_ptr[r + 1]]
+
+Building a plan evaluates the mask once over every block (in bounded chunks); plans are cached
+by (mask_mod, B, h, Tq, Tk, block sizes, device). Built-in mask_mods are keyed by their
+parameters, tensors by content; a custom function by identity — if it reads data that changes
+between calls, pass ``cache=False`` (or make a new function).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from mha.checks import check_int
+from mha.mods import ModError, bind, check_mod, eval_mask_mod
+
+FULL, PARTIAL, EMPTY = 2, 1, 0
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 64  # plans kept (least recently used dropped first)
+_CHUNK = 1 << 24  # mask elements evaluated at once while building
+
+
+@dataclass(frozen=True)
+class WalkGroup:
+    """Query blocks of one plan row ``(b, hh)`` walked together, padded to one key count ``n``.
+
+    ``qbs`` ``(R,)`` the query blocks; ``cols`` ``(R, n)`` the key indices of each (partial
+    blocks first, then full blocks, then padding; padding clamped to a valid index); ``ok``
+    ``(R, n)`` the real keys; ``partial`` ``(R, n)`` the keys of partial blocks (a prefix of
+    each row, at most ``n_partial`` columns).
+    """
+
+    b: int
+    hh: int
+    qbs: torch.Tensor
+    cols: torch.Tensor
+    ok: torch.Tensor
+    partial: torch.Tensor
+    n_partial: int
+
+
+class BlockPlan:
+    """The block structure of one mask (see the module docstring). Read-only."""
+
+    def __init__(self, mask_mod, states: torch.Tensor, *, B: int, h: int, Tq: int, Tk: int,
+                 block_q: int, block_k: int, device: torch.device) -> None:
+        self.mask_mod = mask_mod  # bound to the sizes (mha.mods.bind)
+        self.batch, self.heads, self.Tq, self.Tk = B, h, Tq, Tk
+        self.B, self.h = states.shape[0], states.shape[1]  # B_p, h_p: 1 or B, 1 or h
+        self.block_q, self.block_k, self.device = block_q, block_k, device
+        self.n_q, self.n_k = states.shape[2], states.shape[3]
+        flat = states.reshape(-1, self.n_k)  # (B_p, h_p, n_q, n_k) -> (B_p * h_p * n_q, n_k)
+        self.full_ptr, self.full_idx = _csr(flat == FULL)
+        self.partial_ptr, self.partial_idx = _csr(flat == PARTIAL)
+        self.counts = {name: int((flat == s).sum()) for name, s in
+                       (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
+        self._walk = None
+        self._groups = None
+
+    def row(self, b: int, hh: int, qb: int) -> int:
+        return (b * self.h + hh) * self.n_q + qb
+
+    def blocks(self, b: int, hh: int, qb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(full key blocks, partial key blocks)`` of query block ``qb`` (plan indices)."""
+        r = self.row(b, hh, qb)
+        return (self.full_idx[self.full_ptr[r]:self.full_ptr[r + 1]],
+                self.partial_idx[self.partial_ptr[r]:self.partial_ptr[r + 1]])
+
+    def rows(self, qb: int) -> torch.Tensor:
+        """The query indices of query block ``qb``."""
+        return torch.arange(qb * self.block_q, min(self.Tq, (qb + 1) * self.block_q),
+                            device=self.device)
+
+    def cols(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The key indices of the key blocks ``blocks``, in order (the last block may be short)."""
+        j = (blocks.to(torch.int64)[:, None] * self.block_k
+             + torch.arange(self.block_k)[None])  # (n, block_k)
+        j = j.flatten()
+        return j[j < self.Tk].to(self.device)
+
+    def index(self, b: int, hh: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``b`` and ``h`` index tensors the mask is called with for plan row ``(b, hh)``."""
+        bi = torch.arange(self.batch, device=self.device) if self.B > 1 else \
+            torch.zeros(1, dtype=torch.int64, device=self.device)
+        hi = torch.arange(self.heads, device=self.device) if self.h > 1 else \
+            torch.zeros(1, dtype=torch.int64, device=self.device)
+        return bi[b:b + 1] if self.B > 1 else bi, hi[hh:hh + 1] if self.h > 1 else hi
+
+    def walk(self) -> list[tuple[int, int, int, torch.Tensor, int, torch.Tensor]]:
+        """Every non-empty plan row as ``(b, hh, qb, cols, n_full, partial cols)``: ``cols`` the
+        key indices to gather (the full blocks' first, ``n_full`` of them). Built once."""
+        if self._walk is None:
+            steps = []
+            for b in range(self.B):
+                for hh in range(self.h):
+                    for qb in range(self.n_q):
+                        full, part = self.blocks(b, hh, qb)
+                        if full.numel() + part.numel() == 0:
+                            continue
+                        fc, pc = self.cols(full), self.cols(part)
+                        steps.append((b, hh, qb, torch.cat([fc, pc]), fc.numel(), pc))
+            self._walk = steps
+        return self._walk
+
+    def groups(self) -> list[WalkGroup]:
+        """The non-empty query blocks of each plan row, bucketed by their number of key blocks
+        (up to the next power of two) so that one batched step serves each bucket. Built once."""
+        if self._groups is None:
+            self._groups = [g for b in range(self.B) for hh in range(self.h)
+                            for g in self._row_groups(b, hh)]
+        return self._groups
+
+    def _row_groups(self, b: int, hh: int) -> list[WalkGroup]:
+        buckets: dict[int, list] = {}
+        for qb in range(self.n_q):
+            full, part = (x.tolist() for x in self.blocks(b, hh, qb))
+            n = len(full) + len(part)
+            if n:
+                buckets.setdefault(1 << (n - 1).bit_length(), []).append((qb, part, full))
+        out = []
+        bk = self.block_k
+        for _, rows in sorted(buckets.items()):
+            nb = max(len(p) + len(f) for _, p, f in rows)
+            blk = torch.full((len(rows), nb), -1, dtype=torch.int64)  # (R, nb) key blocks
+            n_part = torch.tensor([len(p) for _, p, _ in rows])  # (R,)
+            for i, (_, p, f) in enumerate(rows):
+                blk[i, :len(p) + len(f)] = torch.tensor(p + f, dtype=torch.int64)
+            j = blk[:, :, None] * bk + torch.arange(bk)  # (R, nb, bk) key indices
+            ok = (blk[:, :, None] >= 0) & (j < self.Tk)  # (R, nb, bk)
+            part = (torch.arange(nb)[None, :] < n_part[:, None])[:, :, None] & ok  # (R, nb, bk)
+            R = len(rows)
+            out.append(WalkGroup(
+                b, hh, torch.tensor([qb for qb, _, _ in rows], device=self.device),
+                torch.where(ok, j, 0).reshape(R, nb * bk).to(self.device),  # (R, n)
+                ok.reshape(R, nb * bk).to(self.device), part.reshape(R, nb * bk).to(self.device),
+                int(n_part.max()) * bk))
+        return out
+
+    def eval_group(self, grp: WalkGroup, qrows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask over the partial keys of a group: ``(sel (R',), m (.|1, .|1, R' * block_q,
+        n_partial))`` for the query blocks ``grp.qbs[sel]`` that have partial blocks; positions
+        that are not partial keys are True. ``qrows`` ``(R, block_q)``: the query index of each
+        row (clamped). Only keys inside partial blocks are passed to the function."""
+        P = grp.n_partial
+        sel = grp.partial[:, 0].nonzero()[:, 0]  # (R',) rows with partial blocks
+        pc, pok = grp.cols[sel, :P], grp.partial[sel, :P]  # (R', P)
+        pc = torch.where(pok, pc, pc[:, :1])  # padding -> the row's first partial key
+        bi, hi = self.index(grp.b, grp.hh)
+        bq = qrows.shape[1]
+        where = (f"query blocks {grp.qbs[sel].tolist()}, their partial key blocks")
+        m = eval_mask_mod(self.mask_mod, bi, hi, qrows[sel].flatten(),
+                          pc.repeat_interleave(bq, 0), where)  # (.|1, .|1, R' bq|1, P|1)
+        return sel, m | ~pok.repeat_interleave(bq, 0)  # (., ., R' * block_q, P)
+
+    def eval_partial(self, b: int, hh: int, qb: int, cols: torch.Tensor) -> torch.Tensor:
+        """The mask over query block ``qb`` and key indices ``cols`` (of partial blocks):
+        ``(1|., 1|., rows, len(cols))`` bool."""
+        bi, hi = self.index(b, hh)
+        where = f"query block {qb}, partial key blocks {self.blocks(b, hh, qb)[1].tolist()}"
+        return eval_mask_mod(self.mask_mod, bi, hi, self.rows(qb), cols, where)
+
+    def materialize(self) -> torch.Tensor:
+        """The dense bool mask ``(B_p, h_p, Tq, Tk)`` (True = may attend), built from the plan:
+        full blocks are set without calling the mask, partial blocks evaluate it. Debugging."""
+        out = torch.zeros(self.B, self.h, self.Tq, self.Tk, dtype=torch.bool, device=self.device)
+        for b, hh, qb, cols, n_full, pcols in self.walk():
+            r0, r1 = qb * self.block_q, min(self.Tq, (qb + 1) * self.block_q)
+            out[b, hh, r0:r1, cols[:n_full]] = True
+            if pcols.numel():
+                m = self.eval_partial(b, hh, qb, pcols)  # (1, 1, rows|1, n|1)
+                out[b, hh, r0:r1, pcols] = m[0, 0].expand(r1 - r0, pcols.numel())
+        return out
+
+    def __repr__(self) -> str:
+        total = max(1, sum(self.counts.values()))
+        frac = ", ".join(f"{name} {100 * n / total:.1f}%" for name, n in self.counts.items())
+        return (f"BlockPlan(B={self.B}, h={self.h}, Tq={self.Tq}, Tk={self.Tk}, "
+                f"block=({self.block_q}, {self.block_k}), {sum(self.counts.values())} blocks: "
+                f"{frac})")
+
+
+def _csr(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a bool matrix ``(R, n_k)`` -> ``(ptr (R + 1,) int64, idx (nnz,) int32)``."""
+    ptr = torch.zeros(sel.shape[0] + 1, dtype=torch.int64)
+    ptr[1:] = sel.sum(1).cumsum(0)
+    return ptr, sel.nonzero()[:, 1].to(torch.int32)  # nonzero is row-major: grouped by row
+
+
+def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128,
+               block_k: int = 128, device: torch.device | str | None = None,
+               cache: bool = True) -> BlockPlan:
+    """The :class:`BlockPlan` of ``mask_mod`` over ``(B, h, Tq, Tk)`` (cached; see the module
+    docstring). ``print(plan)`` shows the fraction of full / partial / empty blocks."""
+    check_mod("mask_mod", mask_mod)
+    if mask_mod is None:
+        raise TypeError("mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool, got None")
+    B, h, Tq, Tk = (check_int(n, x, low=0, what="an int >= 0")
+                    for n, x in (("B", B), ("h", h), ("Tq", Tq), ("Tk", Tk)))
+    block_q = check_int("block_q", block_q, low=1, what="a positive int")
+    block_k = check_int("block_k", block_k, low=1, what="a positive int")
+    device = torch.device("cpu" if device is None else device)
+    key = (mask_mod, B, h, Tq, Tk, block_q, block_k, str(device))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable callable object: no caching
+        cache = False
+    if cache and key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    mod = bind(mask_mod, B, Tq, Tk)
+    plan = BlockPlan(mod, _states(mod, B, h, Tq, Tk, block_q, block_k, device), B=B, h=h,
+                     Tq=Tq, Tk=Tk, block_q=block_q, block_k=block_k, device=device)
+    if cache:  # only a plan that was built completely is kept
+        _CACHE[key] = plan
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return plan
+
+
+def _states(mod, B, h, Tq, Tk, bq, bk, device) -> torch.Tensor:
+    """``(B_p, h_p, n_q, n_k)`` int8 of FULL / PARTIAL / EMPTY, evaluating ``mod`` in chunks."""
+    n_q, n_k = math.ceil(Tq / bq), math.ceil(Tk / bk)
+    if 0 in (B, h, n_q, n_k):
+        return torch.zeros(1, 1, n_q, n_k, dtype=torch.int8)
+    bi, hi = torch.arange(B, device=device), torch.arange(h, device=device)
+    kchunk = max(1, _CHUNK // (B * h * bq * bk))  # key blocks per evaluation
+    shape = None
+    rows_out = []
+    for qb in range(n_q):
+        r0, r1 = qb * bq, min(Tq, (qb + 1) * bq)
+        rows = torch.arange(r0, r1, device=device)
+        parts = []
+        for kb0 in range(0, n_k, kchunk):
+            kb1 = min(n_k, kb0 + kchunk)
+            cols = torch.arange(kb0 * bk, min(Tk, kb1 * bk), device=device)
+            r = eval_mask_mod(mod, bi, hi, rows, cols,
+                              f"query block {qb}, key blocks {kb0}..{kb1 - 1}")
+            if shape is None:
+                shape = (r.shape[0], r.shape[1])  # 1 where the mask ignores b / h
+            elif r.shape[0] > shape[0] or r.shape[1] > shape[1]:
+                raise ModError(f"mask_mod's result depends on b or h in some blocks only (shape "
+                               f"{tuple(r.shape)} on query block {qb}, earlier {shape}): make "
+                               "every result broadcast the same way")
+            r = r.expand(*shape, r1 - r0, cols.numel())  # (B_p, h_p, rows, n)
+            pad = (kb1 - kb0) * bk - cols.numel()  # the last key block may be short
+            if pad:
+                r = torch.cat([r, r.new_zeros(*shape, r1 - r0, pad)], dim=-1)
+            count = r.reshape(*shape, r1 - r0, kb1 - kb0, bk).sum(dim=(2, 4))  # (B_p, h_p, nk)
+            width = (torch.arange(kb0, kb1, device=device) * bk).neg().add(Tk).clamp(max=bk)
+            area = (r1 - r0) * width  # (nk,) pairs in each block
+            parts.append(torch.where(count == area, FULL,
+                                     torch.where(count == 0, EMPTY, PARTIAL)).to(torch.int8))
+        rows_out.append(torch.cat(parts, dim=-1))  # (B_p, h_p, n_k)
+    return torch.stack(rows_out, dim=2).cpu()  # (B_p, h_p, n_q, n_k)
