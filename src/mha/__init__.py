@@ -4,7 +4,9 @@ Shape legend used throughout: B batch, h query heads, h_kv key/value heads, Tq/T
 lengths, d_k query/key head dim, d_v value head dim, d_model model width.
 
 Public API:
-    attention(q, k, v, *, mask, causal, key_lengths, scale, dropout_p, return_weights, backend)
+    attention(q, k, v, *, mask, causal, key_lengths, scale, dropout_p, return_weights, backend,
+              window, softcap, sinks, bias, alibi_slopes)
+    alibi_slopes(n_heads)                the ALiBi paper's per-head slopes
     explain(q, k, v, **kwargs)           every backend's verdict, in words
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
     MultiHeadAttention(d_model, num_heads, ...)
@@ -20,10 +22,11 @@ from mha.dispatch import BackendError
 from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
 from mha.module import MultiHeadAttention
+from mha.scores import ScoreSpec, alibi_slopes
 from mha.trace import trace
 from mha.varlen import varlen_attention
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
-           "reference", "io", "BackendError", "KVCache", "__version__"]
+           "reference", "io", "BackendError", "KVCache", "ScoreSpec", "alibi_slopes", "__version__"]

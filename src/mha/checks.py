@@ -233,3 +233,63 @@ def check_float_dtype(name: str, dtype) -> torch.dtype | None:
         raise TypeError(f"{name} must be None or a floating dtype (float32, bfloat16, float16, "
                         f"float64), got {dtype!r}")
     return dtype
+
+
+# Score variants (mha.scores): each checked here, with errors naming the argument.
+
+def check_softcap(value) -> float:
+    """A finite real number > 0 (the cap of ``softcap * tanh(s / softcap)``)."""
+    value = check_scalar("softcap", value, low=0.0)
+    if value == 0.0:
+        raise ValueError("softcap must be > 0 (scores are capped to (-softcap, softcap)), got 0.0; "
+                         "pass softcap=None for no cap")
+    return value
+
+
+def _check_float_tensor(name: str, t, expected: str, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a floating torch.Tensor of shape {expected}, "
+                        f"got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64) "
+                        f"of shape {expected}, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+
+
+def check_sinks(sinks, h: int, device: torch.device) -> torch.Tensor:
+    """Attention sinks: one float logit per query head, ``(h,)``."""
+    _check_float_tensor("sinks", sinks, f"(h,) = ({h},)", device)
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must have shape (h,) = ({h},) (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def check_bias(bias, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
+    """An additive float bias broadcastable to ``(B, h, Tq, Tk)``; returned as a 4-D view
+    (never expanded)."""
+    want = (B, h, Tq, Tk)
+    _check_float_tensor("bias", bias, f"broadcastable to (B, h, Tq, Tk) = {want}", device)
+    if bias.dim() > 4:
+        raise ValueError(f"bias must be broadcastable to (B, h, Tq, Tk) = {want}, "
+                         f"got {tuple(bias.shape)} ({bias.dim()} dims)")
+    b = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (..) -> 4-D view
+    for got, n in zip(b.shape, want, strict=True):
+        if got not in (1, n):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} is not broadcastable to "
+                             f"(B, h, Tq, Tk) = {want}")
+    return b
+
+
+def check_alibi_slopes(slopes, B: int, h: int, device: torch.device) -> torch.Tensor:
+    """ALiBi slopes ``(h,)`` or ``(B, h)``, finite floats; returned as ``(1|B, h)``."""
+    _check_float_tensor("alibi_slopes", slopes, f"(h,) = ({h},) or (B, h) = ({B}, {h})", device)
+    if tuple(slopes.shape) not in ((h,), (B, h)):
+        raise ValueError(f"alibi_slopes must have shape (h,) = ({h},) or (B, h) = ({B}, {h}), "
+                         f"got {tuple(slopes.shape)}; mha.alibi_slopes(h) gives the standard ones")
+    if slopes.numel() and not bool(torch.isfinite(slopes).all()):
+        raise ValueError("alibi_slopes must be finite numbers")
+    return slopes if slopes.dim() == 2 else slopes.unsqueeze(0)  # (h,) -> (1, h)

@@ -13,20 +13,28 @@ import torch
 from mha import dispatch, trace
 from mha.backends.base import AttentionCall
 from mha.checks import (
+    check_alibi_slopes,
+    check_bias,
     check_bool,
     check_key_lengths,
     check_mask,
     check_qkv,
     check_scalar,
+    check_sinks,
+    check_softcap,
     check_window,
 )
 from mha.masks import MaskSpec
+from mha.scores import ScoreSpec
 
 
 def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: bool = False,
-              window: int | None = None) -> AttentionCall:
+              window: int | None = None,
+              # score variants (mha.scores)
+              softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
+              ) -> AttentionCall:
     """Validate the arguments of :func:`attention` and bundle them into one call."""
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
@@ -39,14 +47,23 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
     if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
         window = min(check_window(window, causal), max(Tk, 1))
+    # score variants (mha.scores)
+    scores = ScoreSpec(
+        softcap=None if softcap is None else check_softcap(softcap),
+        sinks=None if sinks is None else check_sinks(sinks, h, q.device),
+        bias=None if bias is None else check_bias(bias, B, h, Tq, Tk, q.device),
+        alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, B, h,
+                                                                          q.device))
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window), scale, dropout_p,
-                         return_weights)
+                         return_weights, scores)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               causal: bool = False, key_lengths=None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: bool = False, backend: str | None = None,
-              window: int | None = None):
+              window: int | None = None,
+              # score variants (mha.scores)
+              softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None):
     """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
 
     Args:
@@ -69,9 +86,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         dropout_p: dropout on the attention weights (training); 0 means none.
         return_weights: also return the softmax weights ``(B, h, Tq, Tk)`` (before dropout).
         backend: force one of ``mha.backends.ORDER``; None picks the first capable one.
+        softcap: a finite float > 0: the scaled scores become ``softcap * tanh(s / softcap)``,
+            before the bias and the masks (Gemma 2's logit soft-capping).
+        sinks: ``(h,)`` float, one attention-sink logit per query head (gpt-oss): each row's
+            softmax denominator gains ``exp(sinks[hq])``, a key with no value. The returned
+            weights exclude the sink (a row sums to less than 1). Differentiable.
+        bias: float, broadcastable to ``(B, h, Tq, Tk)`` (e.g. T5's ``(1, h, Tq, Tk)`` position
+            bias or a ``(h, 1, Tk)`` one), added to the scores after the softcap. Read through
+            its broadcast view, never expanded; its gradient comes back in its own shape.
+            A bias is not a mask: pass masked pairs in ``mask`` (a masked pair's bias is never
+            read, even when it is NaN or -inf).
+        alibi_slopes: ``(h,)`` or ``(B, h)`` float (ALiBi, BLOOM / MPT;
+            :func:`mha.alibi_slopes` gives the paper's slopes): the scores lose
+            ``slope * (i + Tk - Tq - j)``, the distance to query ``i``'s bottom-right diagonal
+            (signed: keys after it gain). Per row this differs from BLOOM's ``slope * j`` by a
+            constant, so the softmax is BLOOM's under any mask (not with a sink).
+
+    Order of operations for query ``i``, key ``j``: ``s = scale * q_i . k_j``, the softcap, ``+
+    bias``, the ALiBi term, then the masks (mask AND causal AND key_lengths AND window), then
+    the softmax with the sink in its denominator (:mod:`mha.scores`).
 
     All masks combine with AND. Query rows that may attend no key return zeros (and zero
-    weights), with finite gradients.
+    weights), with finite gradients — with or without a sink.
 
     Sizes: d_k must be >= 1 (a ValueError otherwise: with no dimension to sum over, the scores
     and the default scale are undefined). Every other size may be 0 and gives the correctly
@@ -84,7 +120,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
     """
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
-                     dropout_p=dropout_p, return_weights=return_weights, window=window)
+                     dropout_p=dropout_p, return_weights=return_weights, window=window,
+                     # score variants (mha.scores)
+                     softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes)
     if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (call.d_v == 0 and not return_weights):
         out, weights = _empty(call)
     else:
@@ -108,6 +146,7 @@ def _empty(call: AttentionCall):
     """Empty sequences or batch: correctly shaped zeros, still attached to the graph."""
     out = call.q.new_zeros(call.B, call.h, call.Tq, call.d_v)  # (B, h, Tq, d_v)
     if call.needs_grad:
-        out = out + 0.0 * (call.q.sum() + call.k.sum() + call.v.sum())
+        attached = [t.sum() for t in (call.q, call.k, call.v, *call.scores.grad_tensors())]
+        out = out + 0.0 * sum(attached)
     weights = call.q.new_zeros(call.B, call.h, call.Tq, call.Tk) if call.return_weights else None
     return out, weights

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from mha.scores import ScoreSpec
+
 _CHUNK_ELEMENTS = 1 << 22  # elements of one (B, h, C, Tk, d) gated product
 
 
@@ -43,8 +45,11 @@ def any_nonfinite(*tensors: torch.Tensor) -> bool:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, dropout_p: float = 0.0,
+                     scores: ScoreSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` over the allowed pairs only, exactly as the rule says.
+    ``scores``: the call's score variants (softcap, bias, ALiBi, sinks), applied to each chunk
+    of rows; a masked pair's bias is replaced by ``-inf`` before any use.
 
     q ``(B, h, Tq, d_k)``, k ``(B, h_kv, Tk, d_k)``, v ``(B, h_kv, Tk, d_v)``, allowed bool
     broadcastable to ``(B, h, Tq, Tk)`` (True = may attend). Returns ``(out (B, h, Tq, d_v),
@@ -64,10 +69,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
         # every product below sees 0 in place of a masked key: nothing masked is ever read
         k_pair = torch.where(vis[..., None], kh[:, :, None], zero)  # (B, h, C, Tk, d_k)
         s = (q[:, :, i0:i0 + rows, None, :] * k_pair).sum(-1) * scale  # (B, h, C, Tk)
+        if scores is not None:
+            s = scores.modify(s, Tq, rows=slice(i0, i0 + rows))  # (B, h, C, Tk)
         s = s.masked_fill(~vis, float("-inf"))
         has_key = (s != float("-inf")).any(-1, keepdim=True)  # (B, h, C, 1); NaN counts
         s = torch.where(has_key, s, zero)  # empty rows: a finite dummy row, zeroed below
-        w = torch.where(has_key, torch.softmax(s, dim=-1), zero)  # (B, h, C, Tk)
+        p = torch.softmax(s, dim=-1) if scores is None else scores.softmax(s)  # (B, h, C, Tk)
+        w = torch.where(has_key, p, zero)  # (B, h, C, Tk)
         used = torch.nn.functional.dropout(w, dropout_p) if dropout_p > 0 else w
         v_pair = torch.where(vis[..., None], vh[:, :, None], zero)  # (B, h, C, Tk, d_v)
         outs.append((used[..., None] * v_pair).sum(-2))  # (B, h, C, d_v)

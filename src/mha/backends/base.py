@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mha.masks import MaskSpec
+from mha.scores import ScoreSpec
 
 BASIC_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
 ALL_MASK_KINDS = BASIC_MASK_KINDS | {"window"}
+#: Why the native kernels reject each score variant (they read the scores in registers; the
+#: variants come with their next layout change). Dispatch then falls back to sdpa / math.
+NATIVE_VARIANT_GAPS = (("softcap", "is not native yet (served by math, reference)"),
+                       ("sinks", "are not native yet (served by math, reference)"),
+                       ("bias", "is not native yet (served by sdpa, math, reference)"),
+                       ("alibi", "is not native yet (served by sdpa, math, reference)"))
 
 
 class AttentionCall:
@@ -29,12 +36,14 @@ class AttentionCall:
     times per call, and a slotted attribute is cheaper than ``tensor.shape[i]``.
     """
 
-    __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights",
+    __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights", "scores",
                  "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
-                 scale: float, dropout_p: float = 0.0, return_weights: bool = False) -> None:
+                 scale: float, dropout_p: float = 0.0, return_weights: bool = False,
+                 scores: ScoreSpec | None = None) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
+        self.scores = ScoreSpec() if scores is None else scores  # softcap, sinks, bias, ALiBi
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
         self.B, self.h, self.Tq, self.d_k = q.shape
         self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -42,13 +51,16 @@ class AttentionCall:
 
     @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        return torch.is_grad_enabled() and any(
+            t.requires_grad for t in (self.q, self.k, self.v, *self.scores.grad_tensors()))
 
     def describe(self) -> str:
         """One line naming the inputs, for error messages."""
         kinds = ",".join(sorted(self.masks.kinds)) or "none"
+        variants = ",".join(sorted(self.scores.kinds)) or "none"
         return (f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
-                f"{self.dtype}, {self.device.type}, masks={kinds}, dropout_p={self.dropout_p}, "
+                f"{self.dtype}, {self.device.type}, masks={kinds}, variants={variants}, "
+                f"dropout_p={self.dropout_p}, "
                 f"return_weights={self.return_weights}, grad={self.needs_grad}")
 
 
@@ -66,6 +78,10 @@ class Capabilities:
     dropout: bool = False
     weights: bool = False  # can return the (B, h, Tq, Tk) attention weights
     grad: bool = True
+    #: The score variants served, a subset of :data:`mha.scores.VARIANT_KINDS`.
+    variants: frozenset[str] = frozenset()
+    #: Why a variant is not served, in words, when there is more to say than "not supported".
+    variant_gaps: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -112,6 +128,9 @@ class Backend:
                            f"(supports {names})")
         for kind in sorted(call.masks.kinds - c.mask_kinds):
             reasons.append(f"mask kind '{kind}' not supported")
+        gaps = dict(c.variant_gaps)
+        for kind in sorted(call.scores.kinds - c.variants):
+            reasons.append(f"{kind} {gaps.get(kind, 'not supported')}")
         hd = max(call.d_k, call.d_v)
         if c.max_head_dim is not None and hd > c.max_head_dim:
             reasons.append(f"head dim {hd} > {c.max_head_dim}")

@@ -15,7 +15,13 @@ import warnings
 
 import torch
 
-from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.backends.base import (
+    ALL_MASK_KINDS,
+    NATIVE_VARIANT_GAPS,
+    AttentionCall,
+    Backend,
+    Capabilities,
+)
 
 
 @functools.cache
@@ -85,7 +91,8 @@ BACKEND = Backend(
     caps=Capabilities(devices=frozenset({"cpu"}),
                       dtypes=frozenset({torch.float32, torch.bfloat16}),
                       min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
-                      dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS),
+                      dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS,
+                      variants=frozenset(), variant_gaps=NATIVE_VARIANT_GAPS),
     forward=_forward,
     unavailable=_unavailable,
     defers=_defers,

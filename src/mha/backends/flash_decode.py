@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mha import decode
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import NATIVE_VARIANT_GAPS, AttentionCall, Backend, Capabilities
 
 
 def _forward(call: AttentionCall):
@@ -37,6 +37,7 @@ BACKEND = Backend(
         dtypes=frozenset({torch.float32, torch.bfloat16}),
         mask_kinds=frozenset({"causal", "key_lengths", "mask"}),
         gqa=True, different_v_dim=True, dropout=False, weights=False, grad=False,
+        variants=frozenset(), variant_gaps=NATIVE_VARIANT_GAPS,
     ),
     forward=_forward,
     unavailable=decode.unavailable,

@@ -12,26 +12,30 @@ import torch
 from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.masks import open_empty_rows
 from mha.nonfinite import any_nonfinite, masked_attention
+from mha.scores import VARIANT_KINDS
 
 
 def _forward(call: AttentionCall):
     q, k, v = call.q, call.k, call.v
     B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
+    sc = call.scores
     allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
-    if any_nonfinite(q, k, v):  # masked NaN/Inf are never read (mha.nonfinite)
+    if any_nonfinite(q, k, v, *(() if sc.bias is None else (sc.bias,))):
+        # masked NaN/Inf are never read (mha.nonfinite)
         if allowed is None:
             allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=call.device)
-        out, weights = masked_attention(q, k, v, allowed, call.scale, call.dropout_p)
+        out, weights = masked_attention(q, k, v, allowed, call.scale, call.dropout_p, sc)
         return out, (weights if call.return_weights else None)
     g = h // h_kv
     qg = q.reshape(B, h_kv, g * Tq, call.d_k)  # (B, h, Tq, d_k) -> (B, h_kv, g*Tq, d_k)
     scores = (qg @ k.transpose(-2, -1)) * call.scale  # (B, h_kv, g*Tq, Tk)
     scores = scores.view(B, h, Tq, Tk)  # (B, h_kv, g*Tq, Tk) -> (B, h, Tq, Tk)
+    scores = sc.modify(scores, Tq)  # softcap, + bias, - ALiBi distance (mha.scores)
     row_has_key = None
     if allowed is not None:
         allowed, row_has_key = open_empty_rows(allowed)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # (B, h, Tq, Tk)
+    weights = sc.softmax(scores)  # (B, h, Tq, Tk), a sink in the denominators when given
     if row_has_key is not None:
         weights = torch.where(row_has_key, weights, 0.0)  # fully masked rows: zero weights
     used = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
@@ -47,7 +51,7 @@ BACKEND = Backend(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
-        dropout=True, weights=True, grad=True,
+        dropout=True, weights=True, grad=True, variants=VARIANT_KINDS,
     ),
     forward=_forward,
 )

@@ -3,7 +3,9 @@
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 Pure causal calls use SDPA's own ``is_causal`` when Tq == Tk (its alignment is top-left, which
 equals ours only then); everything else passes the materialized bool mask (True = may attend,
-SDPA's polarity too). Fully masked query rows are opened before SDPA and zeroed after, so the
+SDPA's polarity too). A bias and ALiBi become one additive float ``attn_mask`` (with ``-inf``
+where the bool masks forbid); SDPA cannot softcap or add a sink, so it rejects those with a
+reason. Fully masked query rows are opened before SDPA and zeroed after, so the
 output is zero and the gradients finite.
 """
 
@@ -20,7 +22,8 @@ from mha.nonfinite import any_nonfinite, masked_attention
 def _forward(call: AttentionCall):
     B, h, Tq, Tk = call.B, call.h, call.Tq, call.Tk
     kwargs = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.h_kv != call.h)
-    if any_nonfinite(call.q, call.k, call.v):
+    sc = call.scores
+    if any_nonfinite(call.q, call.k, call.v, *(() if sc.bias is None else (sc.bias,))):
         # SDPA multiplies masked pairs (0 * NaN) in a block-size-dependent way, and its bf16
         # kernel drops +Inf scores; mha's rule is IEEE arithmetic over the keys a row may
         # attend (mha.nonfinite)
@@ -28,15 +31,20 @@ def _forward(call: AttentionCall):
         if allowed is None:
             allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=call.device)
         return masked_attention(call.q, call.k, call.v, allowed, call.scale,
-                                call.dropout_p)[0], None
-    if call.masks.kinds == {"causal"} and Tq == Tk:
+                                call.dropout_p, sc)[0], None
+    if call.masks.kinds == {"causal"} and Tq == Tk and sc.is_empty:
         return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=True,
                                               **kwargs), None
     allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
     row_has_key = None
     if allowed is not None:
         allowed, row_has_key = open_empty_rows(allowed)
-    out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=allowed, **kwargs)
+    attn_mask = allowed
+    if not sc.is_empty:  # bias and ALiBi: one additive float mask, -inf where not allowed
+        attn_mask = sc.modify(call.q.new_zeros(1, 1, Tq, Tk), Tq)  # (B|1, h|1, Tq, Tk)
+        if allowed is not None:
+            attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+    out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=attn_mask, **kwargs)
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)  # (B|1, h|1, Tq, 1): fully masked rows -> 0
     return out, None  # (B, h, Tq, d_v)
@@ -49,7 +57,10 @@ BACKEND = Backend(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
-        dropout=True, weights=False, grad=True,
+        dropout=True, weights=False, grad=True, variants=frozenset({"bias", "alibi"}),
+        variant_gaps=(("softcap", "cannot be served: SDPA has no tanh cap inside its softmax"),
+                      ("sinks", "cannot be served: SDPA has no sink logit in its softmax "
+                                "denominator")),
     ),
     forward=_forward,
 )
