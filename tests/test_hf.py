@@ -222,29 +222,11 @@ def test_none_mask_uses_is_causal():
     torch.testing.assert_close(out2, want)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(softcap=30.0), "soft-capping"),
-    (dict(s_aux=torch.zeros(4)), "sinks"),
-    (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position bias"),
-])
-def test_unsupported_features_raise(kwargs, match):
-    q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=match):
-        hf.attention_forward(_Layer(), q, k, v, None, **kwargs)
-
-
 def test_packed_sequences_need_one_row():
     q, k, v = _qkv()
     q2, k2, v2 = (torch.cat([t, t]) for t in (q, k, v))  # (2, h, T, d): not one packed row
     with pytest.raises(ValueError, match="one row"):
         hf.attention_forward(_Layer(), q2, k2, v2, None, cu_seq_lens_q=torch.tensor([0, 5]))
-
-
-def test_additive_bias_is_rejected_not_rounded():
-    q, k, v = _qkv()
-    bias = torch.full((1, 1, 5, 5), -2.0)
-    with pytest.raises(NotImplementedError, match="additive bias"):
-        hf.attention_forward(_Layer(), q, k, v, bias)
 
 
 def test_ambiguous_causal_without_mask_raises():

@@ -25,10 +25,14 @@ Recipe::
   dense bool tensor, which is exact for any of them.
 
 Masks from elsewhere (a 4-D mask passed by the caller) are converted at the boundary: bool
-as is; a float additive mask becomes ``mask == 0`` after checking it holds only 0 and large
-negative values (a real additive bias is rejected, not rounded). Features mha does not have
-(soft-capping, attention sinks, position bias, paged caches) raise
-a ``NotImplementedError`` naming them instead of being ignored.
+as is; a float additive mask is split into the pairs it masks (-inf or at most half of the
+dtype's most negative value) and, if any other value is not 0, an additive ``bias`` for the
+rest. The score variants that models pass to their attention function reach
+:func:`mha.attention` as its own arguments (table :data:`SERVED`): ``softcap`` (Gemma 2),
+``s_aux`` attention sinks (gpt-oss) as ``sinks``, ``position_bias`` (T5 family) as ``bias``;
+``head_mask`` (transformers 4's per-head multiplier of the probabilities) scales each head's
+output. What mha does not have (a paged cache) raises a ``NotImplementedError`` naming it
+instead of being ignored.
 
 Packed sequences (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: one row,
 ``position_ids`` restarting per sequence, ``cu_seq_lens_q/k`` passed down to attention) run
@@ -50,23 +54,33 @@ from mha.varlen import varlen_attention
 
 NAME = "mha"
 
+# Keyword arguments that change the math and how mha serves each (the families table in
+# docs/huggingface.md is derived from this, see mha.integrations.families).
+SERVED = {
+    "scaling": "scale",
+    "dropout": "dropout_p",
+    "is_causal": "causal (when attention_mask is None)",
+    "sliding_window": "the window in the mask the model builds",
+    "softcap": "softcap",
+    "s_aux": "sinks",
+    "sinks": "sinks",
+    "position_bias": "bias",
+    "head_mask": "each head's output scaled (probabilities times head_mask)",
+    "cu_seq_lens_q": "mha.varlen_attention",
+    "cu_seq_lens_k": "mha.varlen_attention",
+}
 # Keyword arguments whose (non-None, non-False) values change the math in ways mha cannot do.
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping (softcap)",
-    "s_aux": "attention sinks (s_aux)",
-    "sinks": "attention sinks",
-    "position_bias": "an additive position bias",
-    "head_mask": "head masking",
     "cache": "a paged KV cache (continuous batching)",
 }
 # Plumbing that transformers passes down to every attention function; none changes the math.
-_PLUMBING = frozenset({
+PLUMBING = frozenset({
     "position_ids", "output_attentions", "output_hidden_states", "use_cache", "cache_position",
     "past_key_values", "past_key_value", "return_dict", "num_items_in_batch",
     "output_router_logits", "max_length_q", "max_length_k", "seq_idx", "position_embeddings",
     "layer_idx", "token_type_ids", "encoder_hidden_states", "encoder_attention_mask",
-    "cu_seq_lens_q", "cu_seq_lens_k",  # consumed by the packed path (_packed_forward)
 })
+UNSUPPORTED = frozenset(_UNSUPPORTED)
 _warned: set[str] = set()
 _SPEC_ATTR = "_mha_masks"  # attribute of the bool mask tensor holding the native MaskSpec
 
@@ -170,30 +184,85 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         query: ``(B, h, Tq, d_k)``; key ``(B, h_kv, Tk, d_k)``; value ``(B, h_kv, Tk, d_v)``
             (GQA: K/V keep their ``h_kv`` heads, nothing is repeated).
         attention_mask: what the model's mask hook built (normally :func:`mask_for_mha`), a
-            4-D mask of the caller's, or None (then ``is_causal``, else ``module.is_causal``).
+            4-D mask of the caller's (bool, or float additive: its finite nonzero values
+            become a bias), or None (then ``is_causal``, else ``module.is_causal``).
         dropout: on the attention weights; the layer passes 0 in eval mode.
         scaling: multiplies the scores (None: ``1/sqrt(d_k)``).
+        softcap: ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2).
+        s_aux: ``(h,)`` attention sinks (gpt-oss): ``exp(s_aux[h])`` joins each row's
+            denominator, with no value.
+        position_bias: float, broadcastable to ``(B, h, Tq, Tk)``, added to the scores (T5).
+        head_mask: ``(h,)`` or 4-D broadcastable to ``(B, h, Tq, 1)``: multiplies the
+            attention probabilities of each head (of each query row), transformers 4's rule;
+            that is the head's output times the same factor.
 
     Returns ``(out (B, Tq, h, d_v), weights (B, h, Tq, Tk) or None)``; weights are returned
-    when ``output_attentions`` is requested (before dropout).
+    when ``output_attentions`` is requested (before dropout; without the sink; times
+    ``head_mask``).
     """
     _check_kwargs(kwargs)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwargs)
-    Tq, Tk = query.shape[2], key.shape[2]
-    spec = _spec_for_call(module, attention_mask, Tq, Tk, is_causal)
+    B, h, Tq, _ = query.shape
+    Tk = key.shape[2]
+    spec, mask_bias = _spec_for_call(module, attention_mask, Tq, Tk, is_causal)
     window = kwargs.get("sliding_window")
     if window is not None and attention_mask is None and Tk > window:
         raise NotImplementedError(
             f"sliding_window={window} with attention_mask=None and Tk={Tk} keys: mha has no "
             "sliding-window mask kind; build the mask with the model's own mask functions "
             "(they encode the window in it)")
+    head_mask = _head_scale(kwargs.get("head_mask"), B, h, Tq)
+    variants = _variants(kwargs, mask_bias)
     want_weights = _wants_weights(kwargs)
     res = attention(query, key, value, mask=spec.mask, causal=spec.causal,
                     key_lengths=spec.key_lengths, scale=scaling, dropout_p=float(dropout or 0.0),
-                    return_weights=want_weights)
+                    return_weights=want_weights, **variants)
     out, weights = res if want_weights else (res, None)
+    if head_mask is not None:  # (., ., Tq or 1, 1) broadcasts over d_v and over Tk
+        out = out * head_mask.to(out.dtype)  # (B, h, Tq, d_v)
+        weights = None if weights is None else weights * head_mask.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # (B, h, Tq, d_v) -> (B, Tq, h, d_v)
+
+
+def _variants(kwargs: dict, mask_bias: torch.Tensor | None) -> dict:
+    """The score variants of one call as :func:`mha.attention`'s keyword arguments (only those
+    that are on, so a plain call is the plain call)."""
+    out = {}
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        out["softcap"] = float(softcap)
+    sinks = kwargs.get("s_aux")
+    sinks = kwargs.get("sinks") if sinks is None else sinks
+    if sinks is not None:
+        out["sinks"] = sinks
+    bias = kwargs.get("position_bias")
+    if bias is not None and not bias.requires_grad and not bool(bias.any()):
+        bias = None  # T5's layers without a relative bias pass zeros: adding them is a no-op
+    if mask_bias is not None:
+        bias = mask_bias if bias is None else bias + mask_bias  # broadcast (., ., Tq, Tk)
+    if bias is not None:
+        out["bias"] = bias
+    return out
+
+
+def _head_scale(head_mask, B: int, h: int, Tq: int) -> torch.Tensor | None:
+    """``head_mask`` as a 4-D factor broadcastable to ``(B, h, Tq, 1)``, or None."""
+    if head_mask is None:
+        return None
+    if not isinstance(head_mask, torch.Tensor) or not head_mask.is_floating_point():
+        raise TypeError(f"head_mask must be a float tensor of shape (h,) = ({h},) or "
+                        f"broadcastable to (B, h, Tq, 1) = ({B}, {h}, {Tq}, 1), got "
+                        f"{_short(head_mask)} {getattr(head_mask, 'dtype', '')}".rstrip())
+    if head_mask.dim() == 1 and head_mask.shape[0] == h:
+        return head_mask.view(1, h, 1, 1)  # (h,) -> (1, h, 1, 1)
+    ok = head_mask.dim() == 4 and all(
+        n in (1, want) for n, want in zip(head_mask.shape, (B, h, Tq, 1), strict=True))
+    if not ok:
+        raise ValueError(f"head_mask must have shape (h,) = ({h},) or be broadcastable to "
+                         f"(B, h, Tq, 1) = ({B}, {h}, {Tq}, 1) (one factor per head and query "
+                         f"row, the same for every key), got {tuple(head_mask.shape)}")
+    return head_mask
 
 
 def _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwargs):
@@ -209,6 +278,11 @@ def _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwar
     if _wants_weights(kwargs):
         raise NotImplementedError("attn_implementation='mha' returns no attention weights for "
                                   "packed sequences (cu_seq_lens_q/k); use unpacked batches")
+    on = sorted(k for k in ("softcap", "s_aux", "sinks", "position_bias", "head_mask")
+                if kwargs.get(k) is not None)
+    if on:
+        raise NotImplementedError(f"attn_implementation='mha' does not combine packed sequences "
+                                  f"(cu_seq_lens_q/k) with {', '.join(on)}; use unpacked batches")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),  # (N, h, d)
                            value[0].transpose(0, 1), cu_q.to(query.device),
@@ -217,8 +291,10 @@ def _packed_forward(module, query, key, value, dropout, scaling, is_causal, kwar
     return out.unsqueeze(0), None  # (1, N_q, h, d_v)
 
 
-def _spec_for_call(module, attention_mask, Tq: int, Tk: int, is_causal) -> MaskSpec:
-    """The masking of one call as a :class:`MaskSpec` (see the module docstring)."""
+def _spec_for_call(module, attention_mask, Tq: int, Tk: int,
+                   is_causal) -> tuple[MaskSpec, torch.Tensor | None]:
+    """The masking of one call as a :class:`MaskSpec` (see the module docstring), and the
+    additive bias a float mask carries besides its masking (None when it carries none)."""
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if causal and 1 < Tq < Tk:
@@ -226,38 +302,38 @@ def _spec_for_call(module, attention_mask, Tq: int, Tk: int, is_causal) -> MaskS
                 f"attention_mask=None with a causal layer, Tq={Tq} queries and Tk={Tk} keys is "
                 "ambiguous: transformers' sdpa aligns that causal mask top-left, mha aligns it "
                 "bottom-right; pass the mask built by the model (mask_for_mha) instead")
-        return MaskSpec(causal=bool(causal) and Tq > 1)
+        return MaskSpec(causal=bool(causal) and Tq > 1), None
     spec = getattr(attention_mask, _SPEC_ATTR, None)
     if isinstance(spec, MaskSpec) and tuple(attention_mask.shape[-2:]) == (Tq, Tk):
-        return spec
+        return spec, None
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor broadcastable to (B, 1, Tq, Tk) "
                         f"= (B, 1, {Tq}, {Tk}) or None, got {type(attention_mask).__name__}")
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be 4-D, broadcastable to (B, 1, Tq, Tk) = "
                          f"(B, 1, {Tq}, {Tk}), got shape {tuple(attention_mask.shape)}")
-    return MaskSpec(mask=bool_mask(attention_mask))
+    keep, bias = split_mask(attention_mask)
+    return MaskSpec(mask=keep), bias
 
 
-def bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A transformers mask as bool, True = may attend.
+def split_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformers mask as ``(keep, bias)``: bool keep (True = may attend) and the additive
+    bias on the kept pairs, or None when the mask is pure masking.
 
-    Bool masks pass through. Float masks are additive (0 = attend, a large negative number
-    such as ``finfo.min`` or -inf = masked); any other value is a bias mha cannot apply, so
-    it raises rather than round it away.
+    Bool masks are all keep. A float mask is additive: -inf, or a value at most half of the
+    dtype's most negative one (``finfo.min``, what transformers writes, plus any bias),
+    masks the pair; 0 keeps it; any other value is a bias added to the score (the bias at
+    masked pairs is never read).
     """
     if mask.dtype == torch.bool:
-        return mask
+        return mask, None
     if not mask.is_floating_point():
         raise TypeError(f"attention_mask must be bool (True = may attend) or an additive float "
                         f"mask, got {mask.dtype}")
-    allowed = mask == 0
-    if not bool((allowed | (mask <= -1e4)).all()):
-        bad = mask[~allowed & (mask > -1e4)]
-        raise NotImplementedError(
-            f"attention_mask holds an additive bias (values such as {bad[:3].tolist()}), not "
-            "only 0 (attend) and large negative values (masked); mha applies masks, not biases")
-    return allowed
+    keep = mask > torch.finfo(mask.dtype).min / 2  # -inf and ~finfo.min: masked
+    if bool((mask[keep] == 0).all()):
+        return keep, None
+    return keep, mask
 
 
 def _check_kwargs(kwargs: dict) -> None:
@@ -267,7 +343,7 @@ def _check_kwargs(kwargs: dict) -> None:
             raise NotImplementedError(f"attn_implementation='mha' does not support {what}: "
                                       f"got {name}={_short(val)}; use attn_implementation='eager'")
     unknown = sorted(k for k, v in kwargs.items()
-                     if v is not None and k not in _PLUMBING and k != "sliding_window"
+                     if v is not None and k not in PLUMBING and k not in SERVED
                      and k not in _UNSUPPORTED)
     for k in unknown:
         if k not in _warned:
