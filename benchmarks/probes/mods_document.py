@@ -1,7 +1,7 @@
 """Document masks through a block plan: cost follows sum(len_i^2), not T^2 (developer probe).
 
 Run (small; one process, round-robin, under the timing lock):
-    .venv/bin/python benchmarks/mods_document.py --T 2048 4096 --doc 256
+    .venv/bin/python benchmarks/probes/mods_document.py --T 2048 4096 --doc 256
 
 Shape (1, 8, T, 64) float32, causal documents of ``--doc`` tokens each. Prints the median ms of
 each, measured side by side in one process, and each one's ratio to the plan path:
