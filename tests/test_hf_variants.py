@@ -273,7 +273,11 @@ def test_packed_sequences_refuse_variants():
                              cu_seq_lens_q=torch.tensor([0, 2, 6]))
 
 
-def test_paged_cache_still_raises():
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cache=object()), "paged"),
+    (dict(indices=torch.zeros(2, 5, 3, dtype=torch.int32)), "indices"),
+    (dict(block_indices=torch.zeros(2, 5, 3, dtype=torch.int32)), "block_indices")])
+def test_what_mha_lacks_raises_naming_it(kwargs, match):
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="paged"):
-        hf.attention_forward(_Layer(), q, k, v, None, cache=object())
+    with pytest.raises(NotImplementedError, match=match):
+        hf.attention_forward(_Layer(), q, k, v, None, **kwargs)

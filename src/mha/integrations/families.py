@@ -12,8 +12,9 @@ own tables (:data:`mha.integrations.transformers.SERVED`, ``PLUMBING``, ``UNSUPP
 * ``not served``: some argument is one the adapter refuses (it raises, naming it);
 * ``unclassified``: some argument is unknown to the adapter (it would warn and ignore it).
 
-The source is parsed (``ast``), never imported, so this takes a second and needs no model
-dependencies. Math an eager function does without a keyword argument (a module attribute read
+The source is parsed (``ast``, only the top-level blocks that name the interface), never
+imported, so this takes seconds and needs no model dependencies. Math an eager function
+does without a keyword argument (a module attribute read
 inside it) is not visible here; the tests of ``tests/test_hf*.py`` cover the families named
 in ``docs/huggingface.md``.
 
@@ -67,15 +68,20 @@ def attention_kwargs(source: str) -> frozenset[str] | None:
     function; None when it does not use the attention interface."""
     if not any(name in source for name in _INTERFACE):
         return None
-    tree = ast.parse(source)
+    try:  # only the top-level blocks that name the interface: parsing whole files is slow
+        trees = [ast.parse(block) for block in _blocks(source)
+                 if any(name in block for name in _INTERFACE)]
+    except SyntaxError:  # a block boundary inside a string: parse the whole file
+        trees = [ast.parse(source)]
+    nodes = [node for tree in trees for node in ast.walk(tree)]
     found: set[str] = set()
     callees = {"eager_attention_forward"}
-    for node in ast.walk(tree):  # names bound to an attention function
+    for node in nodes:  # names bound to an attention function
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             if any(isinstance(n, ast.Name) and n.id in _INTERFACE for n in ast.walk(node.value)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 callees.update(t.id for t in targets if isinstance(t, ast.Name))
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.FunctionDef) and node.name == "eager_attention_forward":
             params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
             found.update(a.arg for a in params if a.arg not in _FIXED)
@@ -84,6 +90,22 @@ def attention_kwargs(source: str) -> frozenset[str] | None:
             found.update(kw.arg for kw in node.keywords
                          if kw.arg is not None and kw.arg not in _FIXED)
     return frozenset(found)
+
+
+def _blocks(source: str) -> list[str]:
+    """The source cut before each line that starts a top-level statement (decorators stay
+    with what they decorate)."""
+    blocks, current, decorated = [], [], False
+    for line in source.splitlines(keepends=True):
+        starts = line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")", "]", "}")
+        if starts and current and not decorated:
+            blocks.append("".join(current))
+            current = []
+        if starts:
+            decorated = line.startswith("@")
+        current.append(line)
+    blocks.append("".join(current))
+    return blocks
 
 
 def scan(root: Path | None = None) -> tuple[list[Family], list[str]]:

@@ -72,6 +72,10 @@ SERVED = {
 # Keyword arguments whose (non-None, non-False) values change the math in ways mha cannot do.
 _UNSUPPORTED = {
     "cache": "a paged KV cache (continuous batching)",
+    # DeepSeek-V3.2-style sparse attention: for implementations other than eager/sdpa the
+    # model passes the indexer's top-k keys here instead of folding them into the mask
+    "indices": "sparse attention over selected keys (indices)",
+    "block_indices": "sparse attention over selected key blocks (block_indices)",
 }
 # Plumbing that transformers passes down to every attention function; none changes the math.
 PLUMBING = frozenset({
@@ -79,6 +83,7 @@ PLUMBING = frozenset({
     "past_key_values", "past_key_value", "return_dict", "num_items_in_batch",
     "output_router_logits", "max_length_q", "max_length_k", "seq_idx", "position_embeddings",
     "layer_idx", "token_type_ids", "encoder_hidden_states", "encoder_attention_mask",
+    "deterministic",  # flash-attn's deterministic backward (ModernBERT)
 })
 UNSUPPORTED = frozenset(_UNSUPPORTED)
 _warned: set[str] = set()
