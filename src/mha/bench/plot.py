@@ -114,7 +114,7 @@ def plot(run: dict, path: Path) -> Path:
         ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     meta = run["meta"]
     fig.suptitle(f"mha bench — speed relative to the fastest peer of each case\n"
-                 f"{cpu.describe(cpu.of_run(run))}\n{meta.get('started', '?')} UTC, "
+                 f"{cpu.describe(cpu.of_run(run))}\nrun of {str(meta.get('started', '?')).split(' ')[0]}, "
                  f"{meta.get('threads', '?')} threads, load {meta.get('load_start', '?')} → "
                  f"{meta.get('load_end', '?')}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / height))  # room for the three-line title

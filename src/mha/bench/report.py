@@ -193,7 +193,7 @@ def markdown(run: dict) -> str:
     meta = run["meta"]
     lines = [f"### CPU kind `{cpu.of_run(run)['kind']}`", "", cpu.describe(cpu.of_run(run)) + ".",
              "",
-             f"Run {meta.get('started', '?')} UTC, `{meta.get('command', 'mha bench')}`, "
+             f"Run of {_day(meta)}, `{meta.get('command', 'mha bench')}`, "
              f"{meta.get('threads', '?')} threads; load average "
              f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')} "
              f"(the machine is shared: see the ± column). Commit {meta.get('git') or '?'}; "
@@ -260,7 +260,7 @@ def headline(run: dict) -> str:
     rows = rows_from_run(run)
     meta = run["meta"]
     lines = [f"**{cpu.describe(cpu.of_run(run))}.**", "",
-             f"`{meta.get('command', 'mha bench')}`, {meta.get('started', '?')} UTC, "
+             f"`{meta.get('command', 'mha bench')}`, run of {_day(meta)}, "
              f"{meta.get('threads', '?')} threads, load "
              f"{meta.get('load_start', '?')} → {meta.get('load_end', '?')}. Ratios > 1: mha is "
              "faster; every figure comes from one process, implementations interleaved.", "",
@@ -319,3 +319,8 @@ def write_markdown(run: dict, path: Path, *, headline_only: bool = False,
     else:
         inner = "\n" + section + "\n"
     path.write_text(head + begin + inner + end + tail)
+
+
+def _day(meta: dict) -> str:
+    """The run's date (the JSON keeps the full UTC start; the docs name the day only)."""
+    return str(meta.get("started", "?")).split(" ")[0]
