@@ -65,7 +65,7 @@ def spy(monkeypatch):
 def native_linear(monkeypatch):
     """``mha.linear``'s native op; where the CPU lacks AVX-512, its portable loops (same packing
     and blocking, scalar tiles) rather than the F.linear fallback, so the op is still tested."""
-    from mha import linear
+    from mha.ops import linear
 
     reason = linear.load()
     if reason is not None:

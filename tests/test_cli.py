@@ -33,13 +33,13 @@ def test_shapes_json_gqa_dv_cross(capsys):
 
 
 def test_build_names_every_extension_and_the_tiles(capsys):
-    import mha.native
+    import mha.ops.flash
 
     assert main(["build"]) == 0
     out = capsys.readouterr().out
     for name in ("mha_flash:", "mha_flash_bwd:", "mha_decode:", "mha_linear:"):
         assert name in out
-    picked = mha.native.kernels()
+    picked = mha.ops.flash.kernels()
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out
     math = torch.ops.mha.flash_attention_bwd_bf16_math()
     assert f"backward, bfloat16 inputs: {math} products" in out

@@ -1,4 +1,4 @@
-"""The native decode kernel (``mha.decode.flash_decode``, op ``mha::flash_decode``) against the
+"""The native decode kernel (``mha.ops.decode.flash_decode``, op ``mha::flash_decode``) against the
 fp64 seed-000 oracle, its determinism, its op registration, and its backend's capabilities.
 
 Shape legend: B batch, h / h_kv query / key-value heads, Tq / Tk lengths, d_k / d_v head dims.
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import mha
-from mha import _build, decode
 from mha.masks import MaskSpec
+from mha.ops import build, decode
 
 from oracle import assert_within_budget
 
@@ -159,10 +159,10 @@ def test_opcheck(dtype, masks):
 
 def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
     def broken(name, sources, verbose=False):
-        raise _build.BuildError("no C++ compiler found (simulated)")
+        raise build.BuildError("no C++ compiler found (simulated)")
 
-    monkeypatch.setattr(_build, "load", broken)
-    decode._load.cache_clear()
+    monkeypatch.setattr(build, "load", broken)
+    build.forget(decode.EXTENSION)
     try:
         with pytest.warns(RuntimeWarning, match="simulated"):
             reason = decode.unavailable()
@@ -174,7 +174,7 @@ def test_a_failed_build_warns_once_and_dispatch_falls_back(monkeypatch):
         torch.testing.assert_close(mha.attention(q, k, v), mha.attention(q, k, v, backend="math"))
     finally:
         monkeypatch.undo()
-        decode._load.cache_clear()
+        build.forget(decode.EXTENSION)
     assert decode.unavailable() is None
 
 

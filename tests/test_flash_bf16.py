@@ -18,16 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
-from mha import native, reference
+from mha import reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 EPS = 1e-3  # absolute floor of the bf16 output budget (as in test_flash_cpu.py)
 LSE_TOL = 2e-4  # exp2 polynomial: relative error 7.5e-5 -> lse error <= 7.5e-5 (+ fp32 sums)
 
 
 def _kernels() -> list[str]:
-    native.load()
-    return [k for k in ("avx512bf16", "amx") if k in native.isa().split(",")]
+    assert flash.unavailable() is None, flash.unavailable()
+    return [k for k in ("avx512bf16", "amx") if k in flash.isa().split(",")]
 
 
 KERNELS = _kernels()

@@ -15,16 +15,17 @@ from hypothesis import strategies as st
 from examples import examples
 from kernel_inputs import bool_mask as _mask
 from kernel_inputs import key_lengths, layout_tensor, qkv
-from mha import native, reference
+from mha import reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 from oracle import FLOOR, max_err
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    native.load()
-    assert native.load_backward() is None  # a build failure fails these tests
+    assert flash.unavailable() is None, flash.unavailable()
+    assert flash.load_backward() is None  # a build failure fails these tests
 
 
 def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed):
@@ -80,7 +81,7 @@ def _assert_same_bits_across_threads(op, args):
 
 def _native_grads(q, k, v, go, gl, spec, scale, *, use_go=True, use_gl=True):
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = native.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
+    out, lse = flash.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
                                       mask=spec.mask, scale=scale)
     loss = 0
     if use_go:
@@ -115,7 +116,7 @@ def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, l
         assert max_err(a, w) <= budget, f"d{name}: error {max_err(a, w):.3e} > {budget:.3e}"
 
 
-BF16_MATHS = ["bf16", "fp32"] if "avx512bf16" in native.isa().split(",") else ["fp32"]
+BF16_MATHS = ["bf16", "fp32"] if "avx512bf16" in flash.isa().split(",") else ["fp32"]
 
 
 @pytest.mark.parametrize("math", BF16_MATHS)
@@ -136,7 +137,7 @@ def test_bf16_products_vs_fp64_reference(math, B, h_kv, group, Tq, Tk, d_k, d_v,
     spec = MaskSpec(causal, kl, _mask(mask, B, h, Tq, Tk, seed))
     if not use_gl:
         gl = torch.zeros_like(gl)
-    out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=spec.mask,
+    out, lse = flash.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=spec.mask,
                                       scale=0.3)
     got = torch.ops.mha._flash_attention_bwd_fused_math(go, gl.float() if use_gl else None, q, k,
                                                         v, out, lse, kl, spec.mask, causal, 0.3,
@@ -153,7 +154,7 @@ def test_bf16_products_vs_fp64_reference(math, B, h_kv, group, Tq, Tk, d_k, d_v,
 @pytest.mark.parametrize("math", BF16_MATHS)
 def test_bf16_products_deterministic_across_thread_counts(math):
     q, k, v, go, gl = _inputs(1, 4, 1, 301, 700, 64, 64, torch.bfloat16, "bthd", 3)
-    out, lse = native.flash_attention(q, k, v, causal=True)
+    out, lse = flash.flash_attention(q, k, v, causal=True)
     _assert_same_bits_across_threads(torch.ops.mha._flash_attention_bwd_fused_math,
                                      (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125,
                                       math))
@@ -164,16 +165,16 @@ def test_fused_matches_pytorch_backward(use_go, use_gl, monkeypatch):
     """Native vs the PyTorch fallback (in many chunks) on one awkward case: GQA, Tq > Tk causal
     (rows that see nothing), key_lengths with a 0, a broadcast mask, d_v != d_k, non-contiguous
     inputs."""
-    monkeypatch.setattr(native, "_CHUNK_ELEMENTS", 2000)  # ~5 query rows per chunk
+    monkeypatch.setattr(flash, "_CHUNK_ELEMENTS", 2000)  # ~5 query rows per chunk
     B, h, h_kv, Tq, Tk, d_k, d_v = 2, 6, 2, 97, 70, 40, 24
     q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.float32, "bthd", 1)
     kl = torch.tensor([0, 51])
     m = _mask("rows", B, h, Tq, Tk, 2).reshape(1, 1, Tq, Tk)
-    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m, scale=0.2)
+    out, lse = flash.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m, scale=0.2)
     args = (go if use_go else None, gl.float() if use_gl else None, q, k, v, out, lse, kl, m,
             True, 0.2)
     fused = torch.ops.mha.flash_attention_bwd_fused(*args)
-    ref = native.flash_attention_bwd_torch(*args)
+    ref = flash.flash_attention_bwd_torch(*args)
     for a, b in zip(fused, ref, strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
@@ -187,14 +188,14 @@ def test_custom_op_falls_back_to_pytorch_when_the_extension_is_missing(monkeypat
     spec = MaskSpec(True, torch.tensor([40]), None)
     fused = _native_grads(q, k, v, go, gl, spec, 0.25)
     calls = []
-    real = native.flash_attention_bwd_torch
+    real = flash.flash_attention_bwd_torch
 
     def spy(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(native, "load_backward", lambda: "simulated: no compiler")
-    monkeypatch.setattr(native, "flash_attention_bwd_torch", spy)
+    monkeypatch.setattr(flash, "load_backward", lambda: "simulated: no compiler")
+    monkeypatch.setattr(flash, "flash_attention_bwd_torch", spy)
     fallback = _native_grads(q, k, v, go, gl, spec, 0.25)
     assert calls
     for a, b in zip(fused, fallback, strict=True):
@@ -203,7 +204,7 @@ def test_custom_op_falls_back_to_pytorch_when_the_extension_is_missing(monkeypat
 
 def test_no_gradients_give_zeros():
     q, k, v, go, gl = _inputs(1, 2, 1, 5, 7, 16, 16, torch.float32, "bhtd", 0)
-    out, lse = native.flash_attention(q, k, v)
+    out, lse = flash.flash_attention(q, k, v)
     for t in torch.ops.mha.flash_attention_bwd_fused(None, None, q, k, v, out, lse, None, None,
                                                      False, 0.25):
         assert t.abs().max() == 0
@@ -215,7 +216,7 @@ def test_deterministic_across_thread_counts(shape):
     over several units, whose partial dQ are summed in a fixed order)."""
     B, h, h_kv, Tq, Tk, d = shape
     q, k, v, go, gl = _inputs(B, h, h_kv, Tq, Tk, d, d, torch.float32, "bthd", 3)
-    out, lse = native.flash_attention(q, k, v, causal=True)
+    out, lse = flash.flash_attention(q, k, v, causal=True)
     _assert_same_bits_across_threads(torch.ops.mha.flash_attention_bwd_fused,
                                      (go, gl.float(), q, k, v, out, lse, None, None, True, 0.125))
 
@@ -224,7 +225,7 @@ def test_opcheck():
     q, k, v, go, gl = _inputs(2, 4, 2, 9, 13, 16, 24, torch.float32, "bthd", 4)
     kl = torch.tensor([13, 4])
     m = _mask("keys", 2, 4, 9, 13, 5)
-    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m)
+    out, lse = flash.flash_attention(q, k, v, causal=True, key_lengths=kl, mask=m)
     args = (go, gl.float(), q, k, v, out, lse, kl, m, True, 0.25)
     torch.library.opcheck(torch.ops.mha.flash_attention_bwd_fused.default, args)
     torch.library.opcheck(torch.ops.mha.flash_attention_bwd.default, args)
@@ -233,7 +234,7 @@ def test_opcheck():
 
 def test_rejects_bad_shapes_in_words():
     q, k, v, go, gl = _inputs(1, 2, 1, 5, 7, 16, 16, torch.float32, "bhtd", 0)
-    out, lse = native.flash_attention(q, k, v)
+    out, lse = flash.flash_attention(q, k, v)
     with pytest.raises(RuntimeError, match="grad_out must have out's shape"):
         torch.ops.mha.flash_attention_bwd_fused(go[..., :8], None, q, k, v, out, lse, None, None,
                                                 False, 0.25)

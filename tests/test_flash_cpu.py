@@ -22,15 +22,16 @@ from examples import examples
 from kernel_inputs import bool_mask as _mask
 from kernel_inputs import key_lengths
 from kernel_inputs import qkv as _inputs
-from mha import native, reference
+from mha import reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    native.load()  # builds once per cache; a build failure fails these tests
+    assert flash.unavailable() is None, flash.unavailable()  # a build failure fails these tests
 
 
 def _ref(q, k, v, *, causal=False, key_lengths=None, mask=None, scale, upcast=True):
@@ -54,7 +55,7 @@ def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengt
     kl = key_lengths(B, Tk, seed, lengths)
     m = _mask(mask, B, h, Tq, Tk, seed)
     scale = d_k ** -0.5
-    out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)
+    out, lse = flash.flash_attention(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)
     assert out.shape == (B, h, Tq, d_v) and out.dtype == dtype
     exact = _ref(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale)  # fp64
     naive = _ref(q, k, v, causal=causal, key_lengths=kl, mask=m, scale=scale, upcast=False)
@@ -74,8 +75,8 @@ def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengt
 
 def _kernel_cases():
     """(kernel, dtype) for every tile kernel compiled in; avx512bf16 and amx serve bfloat16."""
-    native.load()
-    isa = native.isa().split(",")
+    assert flash.unavailable() is None, flash.unavailable()
+    isa = flash.isa().split(",")
     cases = [(k, dt) for k in ("portable", "avx512f") if k in isa
              for dt in (torch.float32, torch.bfloat16)]
     return cases + [(k, torch.bfloat16) for k in ("avx512bf16", "amx") if k in isa]
@@ -83,7 +84,7 @@ def _kernel_cases():
 
 @pytest.mark.parametrize("kernel,dtype", _kernel_cases())
 def test_every_compiled_kernel_matches_reference(kernel, dtype):
-    """Each compiled kernel, not only the one this CPU picks (see mha.native.kernels())."""
+    """Each compiled kernel, not only the one this CPU picks (see mha.ops.flash.kernels())."""
     for causal, m, kl, shape in [(True, "full", None, (2, 4, 2, 33, 47, 40, 24)),
                                  (False, "keys", [5, 0], (2, 2, 1, 70, 150, 64, 80)),
                                  (True, None, [150, 77], (2, 8, 2, 130, 150, 128, 16))]:
@@ -102,8 +103,8 @@ def test_every_compiled_kernel_matches_reference(kernel, dtype):
 def _needs_avx512_exp2():
     """The exp2 polynomial is AVX-512 code: a portable build (an AVX2-only CPU) answers these
     ops with std::exp2, which keeps denormals, so its flush behaviour is not this test's."""
-    if "avx512f" not in native.isa().split(","):
-        pytest.skip(f"the AVX-512 exp2 is not compiled on this CPU (kernel ISA: {native.isa()}); "
+    if "avx512f" not in flash.isa().split(","):
+        pytest.skip(f"the AVX-512 exp2 is not compiled on this CPU (kernel ISA: {flash.isa()}); "
                     "tests/test_isa_compiles.py compiles it")
 
 
@@ -134,7 +135,7 @@ def test_exp2_of_the_one_pass_softmax():
 
 
 
-@pytest.mark.skipif("avx512f" not in native.isa().split(","), reason="the avx512f kernel is not "
+@pytest.mark.skipif("avx512f" not in flash.isa().split(","), reason="the avx512f kernel is not "
                     "compiled in (needs a CPU with AVX-512)")
 @pytest.mark.parametrize("growth", [0.05, 0.6, 2.0, 8.0, -0.6])
 @pytest.mark.parametrize("causal", [False, True])
@@ -184,7 +185,7 @@ def test_fully_masked_rows_zero_output_finite_grad():
     m = torch.ones(2, 1, 6, 4, dtype=torch.bool)
     m[0, :, 1] = False  # row 1 of batch 0 sees nothing
     # causal with Tq > Tk: rows 0, 1 see nothing; key_lengths 0: batch 1 sees nothing
-    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=torch.tensor([4, 0]),
+    out, lse = flash.flash_attention(q, k, v, causal=True, key_lengths=torch.tensor([4, 0]),
                                       mask=m)
     assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -200,12 +201,12 @@ def test_fully_masked_rows_zero_output_finite_grad():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deterministic_across_runs_and_thread_counts(dtype):
     q, k, v = _inputs(2, 4, 2, 150, 170, 64, 64, dtype)
-    first = native.flash_attention(q, k, v, causal=True)
-    again = native.flash_attention(q, k, v, causal=True)
+    first = flash.flash_attention(q, k, v, causal=True)
+    again = flash.flash_attention(q, k, v, causal=True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = native.flash_attention(q, k, v, causal=True)
+        single = flash.flash_attention(q, k, v, causal=True)
     finally:
         torch.set_num_threads(threads)
     for a, b, c in zip(first, again, single, strict=True):
@@ -217,8 +218,8 @@ def test_non_contiguous_inputs_give_identical_results(dtype):
     q, k, v = _inputs(2, 4, 2, 40, 50, 32, 48, dtype, layout="strided")
     assert not any(t.is_contiguous() for t in (q, k, v))
     m = _mask("keys", 2, 4, 40, 50, 3)
-    out, lse = native.flash_attention(q, k, v, mask=m, causal=True)
-    out_c, lse_c = native.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+    out, lse = flash.flash_attention(q, k, v, mask=m, causal=True)
+    out_c, lse_c = flash.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                           mask=m.contiguous(), causal=True)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
 
@@ -228,7 +229,7 @@ def test_non_contiguous_inputs_give_identical_results(dtype):
 @pytest.mark.parametrize("chunk", [None, 64])  # 64 elements: many backward chunks
 def test_gradients_vs_fp64_reference(causal, lengths, mask, chunk, monkeypatch):
     if chunk is not None:
-        monkeypatch.setattr(native, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(flash, "_CHUNK_ELEMENTS", chunk)
     B, h, h_kv, Tq, Tk, d_k, d_v = 2, 4, 2, 11, 19, 16, 24
     q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, torch.float64)
     kl = torch.tensor([19, 7]) if lengths else None
@@ -240,7 +241,7 @@ def test_gradients_vs_fp64_reference(causal, lengths, mask, chunk, monkeypatch):
     want = torch.autograd.grad((_ref(*ref_in, causal=causal, key_lengths=kl, mask=m,
                                      scale=0.3) * go).sum(), ref_in)
     got_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out, lse = native.flash_attention(*got_in, causal=causal, key_lengths=kl, mask=m, scale=0.3)
+    out, lse = flash.flash_attention(*got_in, causal=causal, key_lengths=kl, mask=m, scale=0.3)
     got = torch.autograd.grad((out * go.float()).sum(), got_in, retain_graph=True)
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5, rtol=1e-4)
@@ -262,7 +263,7 @@ def test_bf16_gradients_close_to_fp64():
     ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     want = torch.autograd.grad((_ref(*ref_in, causal=True, scale=0.2) * go).sum(), ref_in)
     got_in = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
-    out, _ = native.flash_attention(*got_in, causal=True, scale=0.2)
+    out, _ = flash.flash_attention(*got_in, causal=True, scale=0.2)
     got = torch.autograd.grad((out * go.bfloat16()).sum(), got_in)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == torch.bfloat16

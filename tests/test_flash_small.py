@@ -18,8 +18,9 @@ from examples import examples
 from kernel_inputs import bool_mask as _mask
 from kernel_inputs import key_lengths
 from kernel_inputs import qkv as _inputs
-from mha import native, reference
+from mha import reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 MAX_KEYS = 64  # kSmallMaxKeys in flash_small.h
@@ -27,14 +28,14 @@ MAX_KEYS = 64  # kSmallMaxKeys in flash_small.h
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    native.load()
-    if "avx512f" not in native.isa().split(","):
+    assert flash.unavailable() is None, flash.unavailable()
+    if "avx512f" not in flash.isa().split(","):
         pytest.skip("the small path is compiled only with AVX-512")
 
 
 def _auto_takes_small(dtype, Tk: int) -> bool:
     """The op's own choice (flash_small.h small_path_applies): Tk <= 64, <= 32 for bf16 on AMX."""
-    tiles = native.kernels()["float32" if dtype == torch.float32 else "bfloat16"]
+    tiles = flash.kernels()["float32" if dtype == torch.float32 else "bfloat16"]
     return tiles != "portable" and Tk <= (32 if tiles == "amx" else MAX_KEYS)
 
 
@@ -90,13 +91,13 @@ def test_seed_shape_every_mask_kind(dtype):
     for causal, lengths, mask in [(False, None, None), (True, None, None), (True, kl, "full"),
                                   (False, kl, "keys")]:
         m = _mask(mask, 4, 8, 20, 20, 2)
-        out, lse = native.flash_attention(q, k, v, causal=causal, key_lengths=lengths, mask=m)
+        out, lse = flash.flash_attention(q, k, v, causal=causal, key_lengths=lengths, mask=m)
         _check(out, lse, q, k, v, causal, lengths, m, 64 ** -0.5)
     # causal with Tq != Tk (bottom-right): Tq > Tk gives fully masked leading rows
     q2 = q[:, :, :1].contiguous()
     k2, v2 = k[:, :, :5], v[:, :, :5]
     for qq, kk, vv in [(q2, k, v), (q, k2, v2)]:
-        out, lse = native.flash_attention(qq, kk, vv, causal=True)
+        out, lse = flash.flash_attention(qq, kk, vv, causal=True)
         _check(out, lse, qq, kk, vv, True, None, None, 64 ** -0.5)
 
 
@@ -104,13 +105,13 @@ def test_seed_shape_every_mask_kind(dtype):
 def test_deterministic_and_layout_independent(dtype):
     q, k, v = _inputs(3, 4, 2, 37, 29, 64, 48, dtype, "strided", 3)
     m = _mask("full", 3, 4, 37, 29, 4)
-    first = native.flash_attention(q, k, v, causal=True, mask=m)
-    contig = native.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+    first = flash.flash_attention(q, k, v, causal=True, mask=m)
+    contig = flash.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
                                     mask=m)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = native.flash_attention(q, k, v, causal=True, mask=m)
+        single = flash.flash_attention(q, k, v, causal=True, mask=m)
     finally:
         torch.set_num_threads(threads)
     for a, b, c in zip(first, contig, single, strict=True):
@@ -122,7 +123,7 @@ def test_fully_masked_rows_give_zeros_and_finite_grads():
                                                      "contiguous", 5))
     m = torch.ones(2, 2, 6, 9, dtype=torch.bool)
     m[0, :, :3] = False  # rows 0-2 of batch 0 see no key
-    out, lse = native.flash_attention(q, k, v, mask=m, key_lengths=torch.tensor([9, 0]))
+    out, lse = flash.flash_attention(q, k, v, mask=m, key_lengths=torch.tensor([9, 0]))
     assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # key_lengths 0: every row empty
     assert torch.isinf(lse[0, :, :3]).all() and torch.isinf(lse[1]).all()

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
-from mha import native, reference
+from mha import reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 from oracle import assert_within_budget
 
@@ -26,8 +27,8 @@ LSE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-3}
 
 def _kernels() -> list[tuple[str, torch.dtype]]:
     """(kernel, dtype) for every kernel compiled in; "small" is the short-key path."""
-    native.load()
-    isa = native.isa().split(",")
+    assert flash.unavailable() is None, flash.unavailable()
+    isa = flash.isa().split(",")
     cases = [(k, dt) for k in ("portable", "avx512f") if k in isa
              for dt in (torch.float32, torch.bfloat16)]
     cases += [(k, torch.bfloat16) for k in ("avx512bf16", "amx") if k in isa]
@@ -141,7 +142,7 @@ def test_deterministic_across_thread_counts(dtype):
         runs = []
         for threads in (1, 2, 2):
             torch.set_num_threads(threads)
-            runs.append(native.flash_attention(q, k, v, causal=True, window=100))
+            runs.append(flash.flash_attention(q, k, v, causal=True, window=100))
     finally:
         torch.set_num_threads(before)
     for out, lse in runs[1:]:
@@ -150,11 +151,11 @@ def test_deterministic_across_thread_counts(dtype):
 
 def test_the_function_passes_the_window_and_checks_it():
     q, k, v = _inputs(1, 2, 2, 90, 90, 32, 32, torch.float32)
-    out, lse = native.flash_attention(q, k, v, causal=True, window=9)
+    out, lse = flash.flash_attention(q, k, v, causal=True, window=9)
     _check(q, k, v, out, lse, MaskSpec(True, None, None, 9), 32 ** -0.5)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="window must be a positive int"):
-            native.flash_attention(q, k, v, causal=True, window=bad)
+            flash.flash_attention(q, k, v, causal=True, window=bad)
 
 
 def test_window_gradients_through_autograd():
@@ -162,7 +163,7 @@ def test_window_gradients_through_autograd():
     window materialized, and differ from plain causal (tests/test_hostile_window_train.py
     covers the cases)."""
     ins = [t.requires_grad_() for t in _inputs(1, 2, 2, 90, 90, 32, 32, torch.float32)]
-    out, _ = native.flash_attention(*ins, causal=True, window=9)
+    out, _ = flash.flash_attention(*ins, causal=True, window=9)
     got = torch.autograd.grad(out.sum(), ins)
     ref_in = [t.detach().double().requires_grad_() for t in ins]
     allowed = MaskSpec(True, None, None, 9).dense(1, 2, 90, 90)  # (1, 2, 90, 90)
@@ -170,7 +171,7 @@ def test_window_gradients_through_autograd():
     want = torch.autograd.grad(ref.sum(), ref_in)
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-4)
-    causal = torch.autograd.grad(native.flash_attention(*ins, causal=True)[0].sum(), ins)
+    causal = torch.autograd.grad(flash.flash_attention(*ins, causal=True)[0].sum(), ins)
     assert not torch.allclose(got[0], causal[0])
 
 

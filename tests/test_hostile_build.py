@@ -3,7 +3,7 @@ a half-written or corrupted library in the cache, several processes building at 
 
 Every case runs in a subprocess with a cache directory of its own, so the libraries the test
 process has loaded are untouched. The cache tests build a tiny test-only source (a plain C
-function, no torch headers: seconds instead of minutes) through the same ``_build.load`` as the
+function, no torch headers: seconds instead of minutes) through the same ``build.load`` as the
 kernels, with a compiler wrapper that logs each invocation so builds can be counted.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mha import _build
+from mha.ops import build
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TESTS = Path(__file__).resolve().parent
@@ -36,7 +36,7 @@ A, B = (1.5, -2.0, 3.25, 4.0, 0.5), (2.0, 7.0, -1.0, 0.25, 10.0)
 
 # Loads the probe (argv: sources dir, then optionally a barrier dir and an index: announce
 # readiness there and start when the file "go" appears) and prints what happened as JSON.
-# ``mha/_build.py`` depends on torch only; it is imported on its own, without the package's
+# ``mha/ops/build.py`` depends on torch only; it is imported on its own, without the package's
 # other modules, to keep each process's start short.
 PROBE = textwrap.dedent("""
     import ctypes, importlib.util, json, os, sys, time, warnings
@@ -64,7 +64,7 @@ PROBE = textwrap.dedent("""
         dot = f(a, b, 5)
     print(json.dumps({"lib": lib and str(lib), "error": error, "dot": dot,
                       "warnings": [str(w.message) for w in caught]}))
-""").replace("@BUILD_PY@", repr(str(SRC / "mha" / "_build.py"))).replace(
+""").replace("@BUILD_PY@", repr(str(SRC / "mha" / "ops" / "build.py"))).replace(
     "@A@", repr(A)).replace("@B@", repr(B))
 
 # The first mha.attention call of a process, judged against the fp64 oracle.
@@ -109,7 +109,7 @@ def _run(script: str, env: dict[str, str], *args: str) -> dict:
 @pytest.fixture(scope="module")
 def toolchain(tmp_path_factory):
     """The probe's sources and a compiler wrapper that logs every invocation."""
-    real = _build.compiler()
+    real = build.compiler()
     if real is None:
         pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
     root = tmp_path_factory.mktemp("toolchain")
@@ -142,7 +142,7 @@ def _assert_complete(cache: Path) -> None:
     """One entry whose library matches its manifest; no temporary build directory left."""
     entry = _entry(cache)
     manifest = json.loads((entry / f"{NAME}.manifest.json").read_text())
-    assert _build._digest(entry / f"{NAME}.so") == (manifest["size"], manifest["sha256"])
+    assert build._digest(entry / f"{NAME}.so") == (manifest["size"], manifest["sha256"])
     assert not [d for d in cache.iterdir() if d.name.startswith(".build-")]
 
 
@@ -266,7 +266,7 @@ def _not_a_library_with_its_manifest(entry: Path) -> None:
     """Matches its manifest, but dlopen refuses it: the load failure path."""
     lib = entry / f"{NAME}.so"
     lib.write_bytes(b"not an ELF file\n" * 64)
-    size, sha = _build._digest(lib)
+    size, sha = build._digest(lib)
     (entry / f"{NAME}.manifest.json").write_text(json.dumps({"size": size, "sha256": sha}))
 
 
@@ -344,9 +344,9 @@ def test_cache_key_covers_headers_in_subfolders(tmp_path):
     src.write_text('#include "common/x.h"\n')
     header = tmp_path / "common" / "x.h"
     header.write_text("int x = 1;\n")
-    before = _build._key("probe", [src], tmp_path)
+    before = build._key("probe", [src], tmp_path)
     header.write_text("int x = 2;\n")
-    edited = _build._key("probe", [src], tmp_path)
+    edited = build._key("probe", [src], tmp_path)
     header.rename(tmp_path / "other" / "x.h")
-    moved = _build._key("probe", [src], tmp_path)
+    moved = build._key("probe", [src], tmp_path)
     assert len({before, edited, moved}) == 3

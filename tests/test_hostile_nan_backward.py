@@ -1,4 +1,4 @@
-"""NaN / Inf in the backward of flash_cpu (the rule in :mod:`mha.native`).
+"""NaN / Inf in the backward of flash_cpu (the rule in :mod:`mha.ops.flash`).
 
 Shape legend: B batch, h query heads, h_kv key/value heads, Tq/Tk lengths, d_k/d_v head dims.
 A pair (i, j) that row i may not attend (causal, window, key_lengths, bool mask) contributes
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernel_inputs import qkv
-from mha import native
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 from oracle import FLOOR, max_err
 
@@ -28,8 +28,8 @@ SCALE = 0.25
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    native.load()
-    assert native.load_backward() is None  # a build failure fails these tests
+    assert flash.unavailable() is None, flash.unavailable()
+    assert flash.load_backward() is None  # a build failure fails these tests
 
 
 def rule_reference(q, k, v, go, allowed, scale, dt):
@@ -72,7 +72,7 @@ def _assert_rule(got, want, low, dtype, what):
 
 
 def _paths():
-    bf16 = ["bf16", "fp32"] if "avx512bf16" in native.isa().split(",") else ["fp32"]
+    bf16 = ["bf16", "fp32"] if "avx512bf16" in flash.isa().split(",") else ["fp32"]
     return ([("fused", torch.float32), ("torch", torch.float32), ("torch", torch.bfloat16)]
             + [(m, torch.bfloat16) for m in bf16])
 
@@ -82,12 +82,12 @@ def _backward(path, go, q, k, v, out, lse, spec: MaskSpec):
     if path == "fused":
         return torch.ops.mha.flash_attention_bwd_fused(*args, spec.window or 0)
     if path == "torch":
-        chunk = native._CHUNK_ELEMENTS
-        native._CHUNK_ELEMENTS = 4000  # a few rows per chunk
+        chunk = flash._CHUNK_ELEMENTS
+        flash._CHUNK_ELEMENTS = 4000  # a few rows per chunk
         try:
-            return native.flash_attention_bwd_torch(*args, spec.window or 0)
+            return flash.flash_attention_bwd_torch(*args, spec.window or 0)
         finally:
-            native._CHUNK_ELEMENTS = chunk
+            flash._CHUNK_ELEMENTS = chunk
     return torch.ops.mha._flash_attention_bwd_fused_math(*args, path, spec.window or 0)
 
 
@@ -171,7 +171,7 @@ def test_training_through_nan_keys_left_of_the_window(dtype):
 
     def grads(k_in, v_in):
         ins = [t.detach().clone().requires_grad_() for t in (q, k_in, v_in)]
-        out = native.flash_attention(*ins, causal=True, window=w)[0]
+        out = flash.flash_attention(*ins, causal=True, window=w)[0]
         return torch.autograd.grad((out * go).sum(), ins)
 
     k_bad, v_bad = k.clone(), v.clone()

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
-from mha import decode, native
+from mha.ops import decode, flash
 
 from oracle import FLOOR, max_err, naive, oracle
 
@@ -33,8 +33,8 @@ NAN, INF = float("nan"), float("inf")
 
 
 def _kernels() -> list[str]:
-    native.load()
-    isa = native.isa().split(",")
+    assert flash.unavailable() is None, flash.unavailable()
+    isa = flash.isa().split(",")
     names = ["portable"] + [k for k in ("avx512f", "avx512bf16", "amx") if k in isa]
     return names + (["small"] if "avx512f" in isa else [])  # flash_small.h needs AVX-512
 
@@ -245,13 +245,13 @@ def test_forward_rule_property(kernel, bf16, Tq, Tk, d_k, d_v, mask_kind, poison
 
 
 def test_public_function_nan_query_row():
-    """mha.native.flash_attention (the op's own kernel choice): a NaN query row is NaN, lse
+    """mha.ops.flash.flash_attention (the op's own kernel choice): a NaN query row is NaN, lse
     NaN; the other rows are untouched; a NaN in the causal mask's hidden V row reaches no row
     but the last."""
     q, k, v = _inputs(1, 2, 2, 96, 96, 64, 64, torch.float32, seed=3)
     q[0, 1, 5, 7] = NAN
     v[0, 0, 95, 3] = NAN  # the last key: only the last row may attend it (causal)
-    out, lse = native.flash_attention(q, k, v, causal=True)
+    out, lse = flash.flash_attention(q, k, v, causal=True)
     assert out[0, 1, 5].isnan().all() and lse[0, 1, 5].isnan()
     others = torch.ones(2, 96, dtype=torch.bool)
     others[1, 5] = False
@@ -267,7 +267,7 @@ DECODE_OPS = ("flash_decode", "flash_decode_portable")
 
 @pytest.fixture(scope="module")
 def decode_ops():
-    reason = decode._load()
+    reason = decode.unavailable()
     if reason:
         pytest.skip(reason)
     return {name: getattr(torch.ops.mha, name) for name in DECODE_OPS}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mha
-from mha.decode import flash_decode
+from mha.ops.decode import flash_decode
 
 B, H, TQ, TK, D = 2, 4, 3, 5, 8
 

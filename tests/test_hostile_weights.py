@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
-from mha import linear
+from mha.ops import linear
 
 B, TQ, TK = 2, 48, 64
 

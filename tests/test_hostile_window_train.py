@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 import mha
 from examples import examples
 from kernel_inputs import bool_mask, qkv
-from mha import dispatch, native, reference
+from mha import dispatch, reference
 from mha.masks import MaskSpec
+from mha.ops import flash
 
 from oracle import FLOOR, max_err
 
@@ -33,14 +34,14 @@ LENGTHS = [1, 2, 17, 63, 64, 65, 100, 129, 150]
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    native.load()
-    assert native.load_backward() is None  # a build failure fails these tests
+    assert flash.unavailable() is None, flash.unavailable()
+    assert flash.load_backward() is None  # a build failure fails these tests
 
 
 def _paths() -> list[tuple[str, torch.dtype]]:
     """(path, dtype): "autograd" is the fused kernel through flash_attention's autograd,
     "fp32" / "bf16" name the fused kernel's product arithmetic, "torch" the PyTorch fallback."""
-    bf16 = ["bf16", "fp32"] if "avx512bf16" in native.isa().split(",") else ["fp32"]
+    bf16 = ["bf16", "fp32"] if "avx512bf16" in flash.isa().split(",") else ["fp32"]
     return ([("autograd", torch.float32), ("autograd", torch.bfloat16), ("torch", torch.float32),
              ("torch", torch.bfloat16)] + [(m, torch.bfloat16) for m in bf16])
 
@@ -67,20 +68,20 @@ def _grads(path, q, k, v, go, gl, spec: MaskSpec, scale):
     """dq, dk, dv of sum(out * go) + sum(lse * gl) by one of _paths()."""
     if path == "autograd":
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = native.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
+        out, lse = flash.flash_attention(*ins, causal=spec.causal, key_lengths=spec.key_lengths,
                                           mask=spec.mask, scale=scale, window=spec.window)
         loss = (out * go).sum() + (torch.where(torch.isfinite(lse), lse, 0) * gl).sum()
         return torch.autograd.grad(loss, ins)
-    out, lse = native.flash_attention(q, k, v, causal=spec.causal, key_lengths=spec.key_lengths,
+    out, lse = flash.flash_attention(q, k, v, causal=spec.causal, key_lengths=spec.key_lengths,
                                       mask=spec.mask, scale=scale, window=spec.window)
     args = (go, gl, q, k, v, out, lse, spec.key_lengths, spec.mask, spec.causal, scale)
     if path == "torch":
-        chunk = native._CHUNK_ELEMENTS
-        native._CHUNK_ELEMENTS = 3000  # a few rows per chunk: the chunks' key ranges differ
+        chunk = flash._CHUNK_ELEMENTS
+        flash._CHUNK_ELEMENTS = 3000  # a few rows per chunk: the chunks' key ranges differ
         try:
-            return native.flash_attention_bwd_torch(*args, spec.window)
+            return flash.flash_attention_bwd_torch(*args, spec.window)
         finally:
-            native._CHUNK_ELEMENTS = chunk
+            flash._CHUNK_ELEMENTS = chunk
     return torch.ops.mha._flash_attention_bwd_fused_math(*args, path, spec.window)
 
 
@@ -147,7 +148,7 @@ def test_window_gradients_skip_keys_outside_every_window(path):
 def test_window_bwd_deterministic_across_thread_counts():
     q, k, v = qkv(1, 4, 1, 301, 700, 64, 64, torch.float32, "bthd", seed=3)
     go = torch.randn(1, 4, 301, 64)
-    out, lse = native.flash_attention(q, k, v, causal=True, window=150)
+    out, lse = flash.flash_attention(q, k, v, causal=True, window=150)
     threads = torch.get_num_threads()
     runs = []
     try:
@@ -174,7 +175,7 @@ def test_flash_cpu_serves_window_training():
 def test_window_opcheck():
     q, k, v = qkv(2, 4, 2, 37, 45, 32, 24, torch.float32, "bthd", seed=4)
     kl = torch.tensor([45, 30])
-    out, lse = native.flash_attention(q, k, v, causal=True, key_lengths=kl, window=11)
+    out, lse = flash.flash_attention(q, k, v, causal=True, key_lengths=kl, window=11)
     go, gl = torch.randn_like(out), torch.randn_like(lse)
     args = (go, gl, q, k, v, out, lse, kl, None, True, 0.25, 11)
     torch.library.opcheck(torch.ops.mha.flash_attention_bwd_fused.default, args)

@@ -15,7 +15,7 @@ import sysconfig
 
 import pytest
 
-from mha import _build
+from mha.ops import build
 
 AVX512_BF16 = "-march=cooperlake"
 AMX = "-march=sapphirerapids"
@@ -37,15 +37,15 @@ CASES = [  # (source, target, macros the source defines when the path is compile
 def _compile(source: str, target: str, macros, tmp_path) -> subprocess.CompletedProcess:
     from torch.utils.cpp_extension import include_paths
 
-    cxx = _build.compiler()
+    cxx = build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
     wrapper = tmp_path / f"isa_{source.replace('/', '_')}"
     checks = "".join(f'#ifndef {m}\n#error "{m} is not defined: the {target} path was not '
                      'compiled"\n#endif\n' for m in macros)
     wrapper.write_text(f'#include "{source}"\n{checks}')
-    incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], _build.CSRC)]
-    flags = [f for f in _build.FLAGS if f != "-march=native"]
+    incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], build.CSRC)]
+    flags = [f for f in build.FLAGS if f != "-march=native"]
     cmd = [cxx, "-fsyntax-only", *flags, target, *incs, str(wrapper)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
@@ -63,5 +63,5 @@ def test_isa_path_compiles(source, target, macros, tmp_path):
 
 def test_every_translation_unit_is_compiled_here():
     """A new ``.cpp`` under ``csrc`` (any subfolder) must join ``CASES``."""
-    sources = {p.relative_to(_build.CSRC).as_posix() for p in _build.CSRC.rglob("*.cpp")}
+    sources = {p.relative_to(build.CSRC).as_posix() for p in build.CSRC.rglob("*.cpp")}
     assert sources == {s for s, _, _ in CASES if s.endswith(".cpp")}

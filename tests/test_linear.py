@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import mha
 from examples import examples
-from mha import linear
+from mha.ops import linear
 
 pytestmark = pytest.mark.usefixtures("native_linear")  # tests/conftest.py
 

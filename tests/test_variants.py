@@ -350,7 +350,7 @@ def test_varlen_variants_match_one_call_per_sequence(causal):
 
 
 def test_decode_entry_point_serves_the_variants_on_the_python_path():
-    from mha.decode import flash_decode
+    from mha.ops.decode import flash_decode
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 16, generator=g)

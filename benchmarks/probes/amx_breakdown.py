@@ -44,15 +44,15 @@ def _load_breakdown() -> None:
     """Build (cached) and load bench/flash_breakdown.cpp into this process."""
     from torch.utils import cpp_extension
 
-    from mha import _build
+    from mha.ops import build
 
-    flags = _build.FLAGS
-    src = _build.CSRC / "bench" / "flash_breakdown.cpp"
+    flags = build.FLAGS
+    src = build.CSRC / "bench" / "flash_breakdown.cpp"
     h = hashlib.sha256(" ".join(flags).encode())
-    for f in [*sorted(_build.CSRC.rglob("*.cpp")), *sorted(_build.CSRC.rglob("*.h"))]:
+    for f in [*sorted(build.CSRC.rglob("*.cpp")), *sorted(build.CSRC.rglob("*.h"))]:
         h.update(f.read_bytes())
     name = f"mha_flash_breakdown_{h.hexdigest()[:12]}"
-    build_dir = _build.cache_root() / name
+    build_dir = build.cache_root() / name
     lib = build_dir / f"{name}.so"
     import torch
 
@@ -64,8 +64,8 @@ def _load_breakdown() -> None:
         name=name,
         sources=[str(src)],
         extra_cflags=list(flags),
-        extra_ldflags=list(_build.LDFLAGS),
-        extra_include_paths=[str(_build.CSRC)],
+        extra_ldflags=list(build.LDFLAGS),
+        extra_include_paths=[str(build.CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,
     )

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from _timing import interleaved
-from mha import native
+from mha.ops import flash
 
 SHAPES = ((1, 8, 4096, 64), (1, 32, 2048, 128), (4, 16, 2048, 64), (32, 8, 20, 64))
 CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
@@ -24,7 +24,7 @@ CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
 
 def _contenders(q, k, v, causal: bool, naive: bool) -> dict:
     runs = {
-        "flash": lambda: native.flash_attention(q, k, v, causal=causal),
+        "flash": lambda: flash.flash_attention(q, k, v, causal=causal),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
     if naive:
@@ -50,8 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    native.load()
-    print(f"threads={torch.get_num_threads()} isa={native.isa()}")
+    assert flash.unavailable() is None, flash.unavailable()
+    print(f"threads={torch.get_num_threads()} isa={flash.isa()}")
     print(f"{'shape':>18} {'case':>12} {'flash':>8} {'sdpa':>8} {'naive':>8} "
           f"{'x sdpa':>7} {'x naive':>7}   (GFLOP/s)")
     for spec in args.shapes:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import mha
 import mha.module
 from _timing import interleaved
-from mha import _build, linear
+from mha.ops import build, linear
 
 SHAPES = ((640, 512, 1536), (640, 512, 512), (2048, 512, 1536), (2048, 2048, 2048),
           (16, 512, 1536))
@@ -41,7 +41,7 @@ def build_old(rev: str) -> None:
     the flat layout) with its ops in the namespace ``mha_old``, against that revision's own
     headers (its csrc tree is extracted beside the build)."""
     root = Path(__file__).resolve().parents[2]
-    tmp = _build.cache_root() / f"mha_linear_old-{rev}"  # a rebuild only when the text changes
+    tmp = build.cache_root() / f"mha_linear_old-{rev}"  # a rebuild only when the text changes
     tmp.mkdir(parents=True, exist_ok=True)
     tree = subprocess.run(["git", "archive", rev, "src/mha/csrc"], cwd=root, check=True,
                           capture_output=True).stdout
@@ -56,7 +56,7 @@ def build_old(rev: str) -> None:
     from torch.utils import cpp_extension
 
     cpp_extension.load(name="mha_linear_old", sources=[str(tmp / "linear_old.cpp")],
-                       extra_cflags=list(_build.FLAGS), extra_ldflags=list(_build.LDFLAGS),
+                       extra_cflags=list(build.FLAGS), extra_ldflags=list(build.LDFLAGS),
                        extra_include_paths=[str(csrc)], build_directory=str(tmp),
                        is_python_module=False)
 

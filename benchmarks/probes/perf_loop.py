@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mha import native
+from mha.ops import flash
 
 
 def main() -> None:
@@ -36,14 +36,14 @@ def main() -> None:
     q, k, v = (torch.randn(B, T, h, d).to(dtype).transpose(1, 2) for _ in range(3))
     flops = 4.0 * B * h * T * T * d * (0.5 if args.causal else 1.0)
     if args.backward:
-        if native.load_backward() is not None:
+        if flash.load_backward() is not None:
             sys.exit("the fused backward is unavailable here")
-        out, lse = native.flash_attention(q, k, v, causal=args.causal)
+        out, lse = flash.flash_attention(q, k, v, causal=args.causal)
         bargs = (torch.randn_like(out), None, q, k, v, out, lse, None, None, args.causal, d**-0.5)
         call = lambda: torch.ops.mha.flash_attention_bwd_fused(*bargs)  # noqa: E731
         flops *= 2.5
     else:
-        call = lambda: native.flash_attention(q, k, v, causal=args.causal)  # noqa: E731
+        call = lambda: flash.flash_attention(q, k, v, causal=args.causal)  # noqa: E731
     call()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds:

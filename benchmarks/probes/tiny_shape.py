@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import mha
 from _timing import interleaved
-from mha import native
+from mha.ops import flash
 
 CASES = ("fp32-dense", "fp32-causal", "bf16-dense", "bf16-causal")
 
@@ -54,7 +54,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     B, h, T, d = (int(x) for x in args.shape.split(","))
-    native.load()
+    assert flash.unavailable() is None, flash.unavailable()
     print(f"shape (B, h, T, d) = ({B}, {h}, {T}, {d}), threads {torch.get_num_threads()}, "
           f"microseconds per call (median of {args.repeats})")
     print(f"{'case':<12} {'raw op':>8} {'auto':>8} {'flash_cpu':>9} {'sdpa':>8} {'naive':>8}"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import mha
 from _timing import interleaved
-from mha import native
+from mha.ops import flash
 
 # (B, h, T, d, dtype, mask)
 CASES = ("1,8,2048,64,fp32,causal", "1,8,2048,64,bf16,causal", "4,8,512,64,fp32,causal",
@@ -60,12 +60,12 @@ def contenders(case: str, torch_bwd: bool) -> dict:
         fused = _step(_mha, q, k, v, grad, causal)
 
         def torch_backward():
-            saved = native.load_backward
-            native.load_backward = lambda: "benchmark: PyTorch backward"
+            saved = flash.load_backward
+            flash.load_backward = lambda: "benchmark: PyTorch backward"
             try:
                 fused()
             finally:
-                native.load_backward = saved
+                flash.load_backward = saved
         runs["mha-torchbwd"] = torch_backward
     return runs
 
@@ -77,17 +77,17 @@ def backward_only(case: str, repeats: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (torch.randn(B, h, T, d, generator=g).to(DTYPES[dt]) for _ in range(4))
     causal = kind == "causal"
-    out, lse = native.flash_attention(q, k, v, causal=causal)  # (B, h, T, d), (B, h, T)
+    out, lse = flash.flash_attention(q, k, v, causal=causal)  # (B, h, T, d), (B, h, T)
     args = (go, None, q, k, v, out, lse, None, None, causal, d ** -0.5)
 
     def torch_chunks(n):
         def run():
-            saved = native._CHUNK_ELEMENTS
-            native._CHUNK_ELEMENTS = n
+            saved = flash._CHUNK_ELEMENTS
+            flash._CHUNK_ELEMENTS = n
             try:
-                native.flash_attention_bwd_torch(*args)
+                flash.flash_attention_bwd_torch(*args)
             finally:
-                native._CHUNK_ELEMENTS = saved
+                flash._CHUNK_ELEMENTS = saved
         return run
 
     return interleaved({"fused": lambda: torch.ops.mha.flash_attention_bwd_fused(*args),
@@ -106,8 +106,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    native.load()
-    native.load_backward()
+    assert flash.unavailable() is None, flash.unavailable()
+    flash.load_backward()
     if args.backward_only:
         print(f"threads {torch.get_num_threads()}; ms per backward (median of {args.repeats})")
         for case in args.cases:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from _timing import interleaved
-from mha import native
+from mha.ops import flash
 
 
 def inputs(B: int, h: int, T: int, d: int, peaky: bool, seed: int = 0):
@@ -40,12 +40,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     B, h, T, d = map(int, args.shape.split(","))
-    native.load()
-    print(f"threads={torch.get_num_threads()} isa={native.isa()} shape={args.shape} scale=1")
+    assert flash.unavailable() is None, flash.unavailable()
+    print(f"threads={torch.get_num_threads()} isa={flash.isa()} shape={args.shape} scale=1")
     runs = {}
     for kind in ("random", "peaky"):
         q, k, v = inputs(B, h, T, d, kind == "peaky")
-        runs[f"flash {kind}"] = lambda q=q, k=k, v=v: native.flash_attention(q, k, v, scale=1.0)
+        runs[f"flash {kind}"] = lambda q=q, k=k, v=v: flash.flash_attention(q, k, v, scale=1.0)
         runs[f"sdpa {kind}"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
             q, k, v, scale=1.0)
     with torch.no_grad():

@@ -10,6 +10,7 @@ Public API:
     explain(q, k, v, **kwargs)           every backend's verdict, in words
     mods, block_plan(mask_mod, B, h, Tq, Tk)   mask / score functions of indices, block plans
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
+    flash_decode(q, k, v, ...)           a few queries against a long K/V cache (inference)
     MultiHeadAttention(d_model, num_heads, ...)
     trace(module, x)                     shapes recorded from a real run
     reference                            the seeds' per-head loop (the test oracle)
@@ -24,6 +25,7 @@ from mha.dispatch import BackendError
 from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
 from mha.module import MultiHeadAttention
+from mha.ops.decode import flash_decode
 from mha.scores import ScoreSpec, alibi_slopes
 from mha.trace import trace
 from mha.varlen import varlen_attention
@@ -31,5 +33,5 @@ from mha.varlen import varlen_attention
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
-           "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache",
+           "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache", "flash_decode",
            "ScoreSpec", "alibi_slopes", "__version__"]

@@ -2,8 +2,8 @@
 
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 A thin adapter: the capability table says what it serves; the kernel is built on first use
-(:func:`mha.native.load`). Training runs the fused native backward, sliding windows included
-(O(Tq window) work and memory); NaN / Inf follow the rule in :mod:`mha.native`. When the build
+(:func:`mha.ops.flash.unavailable`). Training runs the fused native backward, sliding windows included
+(O(Tq window) work and memory); NaN / Inf follow the rule in :mod:`mha.ops.flash`. When the build
 fails, one warning gives the reason, the backend rejects every call with that reason
 (``mha.explain`` shows it) and dispatch falls back.
 """
@@ -11,7 +11,6 @@ fails, one warning gives the reason, the backend rejects every call with that re
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -24,19 +23,10 @@ from mha.backends.base import (
 )
 
 
-@functools.cache
 def _unavailable() -> str | None:
-    from mha import _build, native
+    from mha.ops import flash
 
-    try:
-        native.load()
-    except _build.BuildError as e:
-        reason = f"native kernel unavailable ({e})"
-        if not e.warned:  # a cache directory that cannot be used: _build warned once
-            warnings.warn(f"mha: flash_cpu disabled, falling back to other backends: {reason}",
-                          RuntimeWarning, stacklevel=2)
-        return reason
-    return None
+    return flash.unavailable()
 
 
 PORTABLE_MIN_TK = 512  # from here on SDPA's fused kernel beats the portable loops (below)
@@ -45,9 +35,9 @@ PORTABLE_MIN_TK = 512  # from here on SDPA's fused kernel beats the portable loo
 @functools.cache
 def _portable_kernels() -> frozenset[torch.dtype]:
     """The dtypes whose tile kernel is the portable C++ loops on this CPU (no AVX-512)."""
-    from mha import native
+    from mha.ops import flash
 
-    kernels = native.kernels()  # e.g. {"float32": "avx512f", "bfloat16": "avx512bf16"}
+    kernels = flash.kernels()  # e.g. {"float32": "avx512f", "bfloat16": "avx512bf16"}
     return frozenset(d for d in (torch.float32, torch.bfloat16)
                      if kernels[str(d).replace("torch.", "")] == "portable")
 
@@ -76,10 +66,10 @@ def _defers(call: AttentionCall) -> str | None:
 
 
 def _forward(call: AttentionCall):
-    from mha import native
+    from mha.ops import flash
 
     m = call.masks
-    out, _ = native.flash_attention(call.q, call.k, call.v, causal=m.causal,
+    out, _ = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
                                     key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
                                     window=m.window)
     return out, None  # (B, h, Tq, d_v)

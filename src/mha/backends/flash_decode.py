@@ -1,4 +1,4 @@
-"""Backend ``flash_decode``: the native decode kernel (:mod:`mha.decode`), for Tq <= 16.
+"""Backend ``flash_decode``: the native decode kernel (:mod:`mha.ops.decode`), for Tq <= 16.
 
 Shape legend: B batch, h query heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 Listed first in dispatch: it serves inference calls with few queries (decoding steps against
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from mha import decode
 from mha.backends.base import NATIVE_VARIANT_GAPS, AttentionCall, Backend, Capabilities
+from mha.ops import decode
 
 
 def _forward(call: AttentionCall):

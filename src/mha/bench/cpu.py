@@ -12,7 +12,7 @@ run and keeps
 * ``kind``: a short label derived from the above by :func:`kind` — ``<line>-<isa>`` such as
   ``xeon-amx``, ``epyc-avx512``, ``epyc-avx2`` — under which docs and result files keep the
   latest figures of each kind of machine apart;
-* ``native``: the native kernel path mha compiled here (``mha.native.isa()`` and the tile each
+* ``native``: the native kernel path mha compiled here (``mha.ops.flash.isa()`` and the tile each
   dtype runs), or why it could not be built.
 
 Runs saved before this record existed carry only the model name; :func:`of_run` infers their
@@ -84,9 +84,9 @@ def native_path() -> dict:
     """The native kernel path mha compiled on this machine: ``{"isa": ..., "float32": tile,
     "bfloat16": tile}``, or ``{"error": reason}`` when the extension cannot be built."""
     try:
-        from mha import native
+        from mha.ops import flash
 
-        return {"isa": native.isa(), **native.kernels()}
+        return {"isa": flash.isa(), **flash.kernels()}
     except Exception as e:  # noqa: BLE001 — a missing build is a fact to record, not a crash
         return {"error": f"{type(e).__name__}: {e}"}
 

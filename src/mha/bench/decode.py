@@ -131,11 +131,11 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
         return lambda: (kf.sum(), vf.sum())
 
     def make_native_read():
-        from mha import _build
+        from mha.ops import build
 
         try:
-            _build.load("mha_stream_read", ("bench/stream_read.cpp",))
-        except _build.BuildError as e:
+            build.load("mha_stream_read", ("bench/stream_read.cpp",))
+        except build.BuildError as e:
             raise Skip(f"native read probe not built: {e}") from e
         cache, _, _ = inputs()
         kf, vf = cache.k.view(torch.float32), cache.v.view(torch.float32)  # the same bytes

@@ -1,7 +1,7 @@
 """``mha build``: compile the native kernels ahead of time and say what they target.
 
-Builds ``mha_flash`` (``mha.native``), its fused backward ``mha_flash_bwd``, ``mha_decode``
-(``mha.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
+Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, ``mha_decode``
+(``mha.ops.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
 each dtype runs, the compiler and the cache path. Exit code 1 when a build fails or the cache
 directory cannot be used (the reason is printed, one line).
@@ -21,39 +21,37 @@ def run(args) -> int:
     import time
     import warnings
 
-    from mha import _build, native
+    from mha.ops import build, flash
 
-    print(f"compiler: {_build.compiler() or 'none found'}")
+    print(f"compiler: {build.compiler() or 'none found'}")
     with warnings.catch_warnings(record=True) as notes:  # said here in one line, not twice
         warnings.simplefilter("always")
         try:
-            root = _build.cache_root()
-        except _build.BuildError as e:
+            root = build.cache_root()
+        except build.BuildError as e:
             print(f"mha build: {e}")
             return 1
     print(f"cache:    {root}" + "".join(f" ({n.message})" for n in notes))
     start = time.perf_counter()
     try:
-        if args.verbose:
-            _build.load(native.NAME, native.SOURCES, verbose=True)
-        lib = native.load()
-    except _build.BuildError as e:
-        print(f"{native.NAME}: build FAILED: {e}")
+        lib = build.load(flash.NAME, flash.SOURCES, verbose=args.verbose)
+    except build.BuildError as e:
+        print(f"{flash.NAME}: build FAILED: {e}")
         return 1
-    isa = native.isa().split(",")
-    print(f"{native.NAME}: {lib} ({time.perf_counter() - start:.1f} s)")
+    isa = flash.isa().split(",")
+    print(f"{flash.NAME}: {lib} ({time.perf_counter() - start:.1f} s)")
     print(f"  AVX-512F:    {'yes' if 'avx512f' in isa else 'no (portable loops)'}")
     print(f"  AVX512_BF16: {'yes' if 'avx512bf16' in isa else 'no (bf16 widened to fp32)'}")
     print(f"  compiled in: {', '.join(isa)}")
-    picked = native.kernels()
+    picked = flash.kernels()
     print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
-    from mha import decode, linear
+    from mha.ops import decode, linear
 
     status = 0
-    for name, sources in ((native.BWD_NAME, native.BWD_SOURCES),
+    for name, sources in ((flash.BWD_NAME, flash.BWD_SOURCES),
                           (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES)):
         status |= _build_other(name, sources)
-    if native.load_backward() is None:
+    if flash.load_backward() is None:
         import torch
 
         print(f"  backward, bfloat16 inputs: {torch.ops.mha.flash_attention_bwd_bf16_math()} "
@@ -65,12 +63,12 @@ def _build_other(name: str, sources: tuple[str, ...]) -> int:
     """The fused backward and the decode kernel are extensions of their own, built here too."""
     import time
 
-    from mha import _build
+    from mha.ops import build
 
     start = time.perf_counter()
     try:
-        lib = _build.load(name, sources)
-    except _build.BuildError as e:
+        lib = build.load(name, sources)
+    except build.BuildError as e:
         print(f"{name}: build FAILED: {e}")
         return 1
     print(f"{name}: {lib} ({time.perf_counter() - start:.1f} s)")

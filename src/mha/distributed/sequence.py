@@ -154,9 +154,9 @@ def _partial(q, k, v, allowed, causal: bool, scale: float):
     mask = None if allowed is None else allowed[None, None]  # (1, 1, n_q, n_k)
     call = make_call(q, k, v, mask=mask, causal=causal, scale=scale)
     if not backends.get("flash_cpu").not_supported_reasons(call):
-        from mha import native
+        from mha.ops import flash
 
-        out, lse = native.flash_attention(q, k, v, causal=causal, mask=mask, scale=scale)
+        out, lse = flash.flash_attention(q, k, v, causal=causal, mask=mask, scale=scale)
         return out.float(), lse
     # Any other device / dtype: the scores of one shard, in float32.
     B, h, n_q, d_k = q.shape

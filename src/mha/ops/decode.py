@@ -6,7 +6,7 @@ Shape legend: B batch, h query heads, h_kv key/value heads (h_kv divides h), Tq 
 Three layers, as for every native op in mha:
 
 1. the registered op ``torch.ops.mha.flash_decode`` (schema in C++, built on first use by
-   :func:`mha._build.load` as the extension ``mha_decode``) and its ``register_fake`` twin;
+   :func:`mha.ops.build.load_extension` as the extension ``mha_decode``) and its ``register_fake`` twin;
 2. autograd: none — decoding is inference. The op's Autograd kernel (C++, so it costs
    nothing per step) refuses inputs that require grad with a reason, rather than PyTorch's
    fallback, which would warn and return no gradient; the backend's capabilities say the
@@ -19,48 +19,30 @@ If the build fails, :func:`unavailable` returns the reason (and one warning is i
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 import torch
 
 from mha.checks import check_key_lengths, check_mask, check_qkv
+from mha.ops import build
 
 EXTENSION = "mha_decode"
 SOURCES = ("decode/flash_decode.cpp",)
 MAX_TQ = 16  # the kernel keeps every query row of a K/V group in flight; beyond this use prefill
 
 
-@functools.cache
-def _load() -> str | None:
-    """Build/load the extension once; register the fake and autograd twins. Returns the reason
-    it is unavailable, or None."""
-    from mha import _build
-
-    try:
-        _build.load(EXTENSION, SOURCES)
-    except _build.BuildError as e:
-        reason = f"native decode kernel unavailable ({e})"
-        if not e.warned:  # a cache directory that cannot be used: _build warned once
-            warnings.warn(f"mha: {reason}; falling back to other backends", RuntimeWarning,
-                          stacklevel=3)
-        return reason
-    _register()
-    return None
-
-
-@functools.cache
 def _register() -> None:
-    """The fake (shape-only) twins of the ops; once per process."""
+    """The fake (shape-only) twins of the ops."""
     for name in ("mha::flash_decode", "mha::flash_decode_portable"):
         torch.library.register_fake(name)(_fake)
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
 def unavailable() -> str | None:
-    """Why the decode kernel cannot run here (build failure), or None when it can."""
-    return _load()
+    """Why the decode kernel cannot run here (its build failed: warned once), or None."""
+    return build.load_extension(
+        EXTENSION, SOURCES, register=_register,
+        instead="backend flash_decode disabled, falling back to other backends")
 
 
 def _fake(q, k, v, key_lengths, mask, scale, causal):

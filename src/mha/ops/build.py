@@ -1,5 +1,7 @@
 """Building the native extensions in ``mha/csrc`` once, and caching them across runs.
 
+:func:`load_extension` is what the op modules call: it loads, registers the op's Python side
+once and answers None or the reason the op is unavailable. Underneath,
 ``load(name, sources)`` compiles the C++ files with ``torch.utils.cpp_extension`` (ninja from
 PyPI, the machine's g++) and ``-O3 -march=native -fopenmp`` (OpenMP so that
 ``at::parallel_for`` really runs in parallel), then loads the shared library, whose
@@ -56,7 +58,7 @@ try:
 except ImportError:  # not a POSIX system: builds stay atomic, concurrent ones may duplicate work
     fcntl = None
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent.parent / "csrc"  # src/mha/csrc
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
 _FIX = "set MHA_BUILD_DIR to a writable directory"
@@ -199,6 +201,48 @@ def load(name: str, sources: tuple[str, ...], verbose: bool = False, *,
                 raise BuildError(f"native sources missing: {', '.join(missing)}")
             _loaded[name, tuple(paths)] = _load_unlocked(name, paths, csrc, verbose)
         return _loaded[name, tuple(paths)]
+
+
+
+_ready: dict[str, str | None] = {}  # extension name -> None (loaded, registered) or the reason
+_registered: set[str] = set()  # extensions whose Python side is registered (once per process)
+
+
+def load_extension(name: str, sources: tuple[str, ...], *, register=None,
+                   instead: str | None = None) -> str | None:
+    """The one loader of mha's native ops: build (or reuse) and load the extension ``name``,
+    then run ``register()`` (the op's Python side: fake twins, autograd) once per process.
+
+    Returns None when the ops are ready, or the reason they are unavailable, e.g.
+    ``"mha_decode unavailable (no C++ compiler found ...)"``. ``instead`` says what the caller
+    does without them (``"falling back to other backends"``): the reason is then warned once
+    (never twice: a cache directory that cannot be used was already warned by
+    :func:`cache_root`). ``instead=None`` stays silent (the caller's fallback is exact and
+    cheap, e.g. ``F.linear``). The answer is kept: later calls cost a dict lookup.
+    """
+    if name in _ready:
+        return _ready[name]
+    try:
+        load(name, sources)
+    except BuildError as e:
+        reason = f"{name} unavailable ({e})"
+        if instead is not None and not e.warned:
+            warnings.warn(f"mha: {reason}; {instead}", RuntimeWarning, stacklevel=3)
+        _ready[name] = reason
+        return reason
+    with _lock:
+        if name not in _registered:
+            if register is not None:
+                register()
+            _registered.add(name)
+        _ready[name] = None
+    return None
+
+
+def forget(name: str) -> None:
+    """Drop the kept answer of :func:`load_extension` for ``name`` (tests that simulate a
+    failed build); the next call asks again."""
+    _ready.pop(name, None)
 
 
 def _load_unlocked(name: str, paths: list[Path], csrc: Path, verbose: bool) -> Path:

@@ -6,7 +6,7 @@ Tq query length, Tk key length, d_k query/key head dim, d_v value head dim.
 Three layers, as in flash-attention's interface:
 
 1. ``torch.ops.mha.flash_attention_fwd`` — C++ (``csrc/flash/flash_attn.cpp``), built on first use
-   by :func:`mha._build.load` and cached; its ``register_fake`` twin below only allocates
+   by :func:`mha.ops.build.load_extension` and cached; its ``register_fake`` twin below only allocates
    shaped outputs, so ``torch.compile`` and ``torch.library.opcheck`` work.
 2. ``register_autograd``: the backward is ``mha::flash_attention_bwd``, a custom op that runs
    the fused native kernel (``csrc/flash/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
@@ -40,38 +40,47 @@ import math
 
 import torch
 
-from mha import _build
+from mha.ops import build
 
 NAME = "mha_flash"
 SOURCES = ("flash/flash_attn.cpp",)
 _CHUNK_ELEMENTS = 1 << 20  # fp32 elements of one (B, h, rows, Tk) score chunk, PyTorch backward
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
-def load() -> str:
-    """Build (or reuse) and load the extension, then register its Python side. Returns the
-    library path; raises :class:`mha._build.BuildError` with the reason when it cannot."""
-    return _load()
-
-
-@functools.cache
-def _load() -> str:
-    lib = _build.load(NAME, SOURCES)
+def _register() -> None:
     torch.library.register_fake("mha::flash_attention_fwd")(_fwd_fake)
     torch.library.register_autograd("mha::flash_attention_fwd", _backward,
                                     setup_context=_setup_context)
-    return str(lib)
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
+def unavailable() -> str | None:
+    """Why the flash forward cannot run here (its build failed: warned once), or None."""
+    return build.load_extension(
+        NAME, SOURCES, register=_register,
+        instead="backend flash_cpu disabled, falling back to other backends")
+
+
+def _ready() -> None:
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(f"flash_attention: {reason}")
+
+
+@functools.cache
 def isa() -> str:
     """The instruction sets compiled into the kernel, e.g. ``portable,avx512f,avx512bf16``."""
-    load()
+    _ready()
     return torch.ops.mha.flash_attention_isa()
 
 
+@functools.cache
 def kernels() -> dict[str, str]:
-    """The tile kernel each dtype runs on this CPU, e.g. ``{"float32": "avx512f", ...}``."""
-    load()
+    """The tile kernel each dtype runs on this CPU, e.g. ``{"float32": "avx512f", ...}``: the
+    choice the extension made once when it was loaded (``csrc/common/kernel_choice.h``: the
+    CPU's instruction sets and ``MHA_FLASH_BF16``), read here once. Every consumer (the
+    backend's deferral rule, ``mha build``, the bench's CPU record) asks this function."""
+    _ready()
     f32, bf16 = torch.ops.mha.flash_attention_kernels()
     return {"float32": f32, "bfloat16": bf16}
 
@@ -127,21 +136,12 @@ BWD_NAME = "mha_flash_bwd"
 BWD_SOURCES = ("flash/flash_attn_bwd.cpp",)
 
 
-@functools.cache
 def load_backward() -> str | None:
     """Build (or reuse) and load the fused backward ``csrc/flash/flash_attn_bwd.cpp`` (extension
     ``mha_flash_bwd``). Returns the reason it is unavailable (warned once), or None."""
-    try:
-        _build.load(BWD_NAME, BWD_SOURCES)
-    except _build.BuildError as e:
-        import warnings
-
-        if not e.warned:  # a cache directory that cannot be used: _build warned once
-            warnings.warn(f"mha: fused flash backward unavailable ({e}); using the PyTorch "
-                          "backward", RuntimeWarning, stacklevel=3)
-        return str(e)
-    torch.library.register_fake("mha::flash_attention_bwd_fused")(_bwd_fake)
-    return None
+    return build.load_extension(
+        BWD_NAME, BWD_SOURCES, instead="using the PyTorch backward",
+        register=lambda: torch.library.register_fake("mha::flash_attention_bwd_fused")(_bwd_fake))
 
 
 @torch.library.custom_op("mha::flash_attention_bwd", mutates_args=())
@@ -267,7 +267,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         see no key give zeros and ``lse = -inf`` (and zero, finite gradients). NaN / Inf
         in the inputs follow the module's rule (see the module docstring).
     """
-    load()
+    _ready()
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, h|1, Tq|1, Tk|1)
     if key_lengths is not None:
