@@ -244,6 +244,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` on the CPU with the native kernel, and its log-sum-exp.
 
+    Internal: the backends and tests call it with arguments ``mha.attention`` has validated
+    (``mha.checks``); the public entry is ``mha.attention(..., backend="flash_cpu")``.
+
     Args:
         q: ``(B, h, Tq, d_k)``, float32 or bfloat16, any strides.
         k: ``(B, h_kv, Tk, d_k)``; query head ``i`` reads K/V head ``i // (h // h_kv)``.
@@ -273,13 +276,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if key_lengths is not None:
         key_lengths = torch.as_tensor(key_lengths).to(torch.int64)  # (B,)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
-        raise ValueError(f"flash_attention: window must be a positive int or None, got {window!r}")
-    args = (q, k, v, key_lengths, mask, bool(causal), scale, int(window or 0))
-    if not torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        # no graph to record: skip the Python autograd wrapper (~6 us a call, measured on the
-        # seeds' tiny shape where a whole call is ~400 us); it would redispatch the same way
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.mha.flash_attention_fwd(*args)
-    return torch.ops.mha.flash_attention_fwd(*args)
+    # No second validation here: mha.attention's boundary (mha.checks) has validated every
+    # argument and the C++ op guards shapes, dtypes and lengths (TORCH_CHECK); a window <= 0
+    # is no window there.
+    return torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
+                                             int(window or 0))
