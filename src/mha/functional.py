@@ -36,13 +36,17 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               # score variants (mha.scores)
               softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
               # mask / score functions of indices (mha.mods)
-              mask_mod=None, score_mod=None) -> AttentionCall:
+              mask_mod=None, score_mod=None, return_lse: bool = False) -> AttentionCall:
     """Validate the arguments of :func:`attention` and bundle them into one call."""
     check_qkv(q, k, v)
     B, h, Tq, d_k = q.shape
     Tk = k.shape[2]
     causal = check_bool("causal", causal)
     return_weights = check_bool("return_weights", return_weights)
+    return_lse = check_bool("return_lse", return_lse)
+    if return_weights and return_lse:
+        raise ValueError("return_weights and return_lse: pass one of them (the log-sum-exp of "
+                         "a row is log(sum_j exp(s_ij)); the weights are exp(s_ij - lse_i))")
     m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
@@ -63,7 +67,7 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     mask_mod = check_mod("mask_mod", mask_mod)
     score_mod = check_mod("score_mod", score_mod)
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window, mask_mod), scale, dropout_p,
-                         return_weights, scores, score_mod=score_mod)
+                         return_weights, scores, score_mod=score_mod, return_lse=return_lse)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
@@ -73,7 +77,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
               # score variants (mha.scores)
               softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
               # mask / score functions of indices (mha.mods)
-              mask_mod=None, score_mod=None):
+              mask_mod=None, score_mod=None, return_lse: bool = False):
     """``softmax(q k^T * scale) v`` for every head, as the seeds write it.
 
     Args:
@@ -95,6 +99,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
         scale: multiplies the scores; None means ``1 / sqrt(d_k)``.
         dropout_p: dropout on the attention weights (training); 0 means none.
         return_weights: also return the softmax weights ``(B, h, Tq, Tk)`` (before dropout).
+        return_lse: also return the log-sum-exp ``(B, h, Tq)`` float32 of each row: the log of
+            its softmax denominator, ``log(sum_j exp(s_ij) + exp(sink))`` over the keys it may
+            attend, ``-inf`` for a row that sees none (and has no sink); differentiable. What
+            merging results over disjoint key sets needs (ring attention, split-K decoding):
+            ``out = sum_s exp(lse_s - lse) out_s``. Served by backends whose capabilities say
+            ``lse`` (flash_cpu, math, reference); not together with ``return_weights``.
         backend: force one of ``mha.backends.ORDER``; None picks the first capable one.
         softcap: a finite float > 0: the scaled scores become ``softcap * tanh(s / softcap)``,
             before the bias and the masks (Gemma 2's logit soft-capping).
@@ -134,20 +144,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     numbers, ``window`` an int; numpy scalars of those kinds are accepted, tensors are not.
 
     Returns:
-        ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``.
+        ``out (B, h, Tq, d_v)``, or ``(out, weights)`` when ``return_weights``, or ``(out,
+        lse)`` when ``return_lse``.
     """
     call = make_call(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths, scale=scale,
                      dropout_p=dropout_p, return_weights=return_weights, window=window,
                      # score variants (mha.scores)
                      softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
-                     mask_mod=mask_mod, score_mod=score_mod)
-    if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (call.d_v == 0 and not return_weights):
-        out, weights = _empty(call)
+                     mask_mod=mask_mod, score_mod=score_mod, return_lse=return_lse)
+    if call.Tq == 0 or call.Tk == 0 or call.B == 0 or (
+            call.d_v == 0 and not call.return_weights and not call.return_lse):
+        out, second = _empty(call)
     else:
         chosen = dispatch.choose(call, backend)
         trace.set_backend(chosen.name)
-        out, weights = chosen.forward(call)
-    return (out, weights) if return_weights else out
+        out, second = chosen.forward(call)  # second: the weights, or the lse (return_lse)
+    return (out, second) if call.return_weights or call.return_lse else out
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dispatch.Explanation:
@@ -166,5 +178,10 @@ def _empty(call: AttentionCall):
     if call.needs_grad:
         attached = [t.sum() for t in (call.q, call.k, call.v, *call.scores.grad_tensors())]
         out = out + 0.0 * sum(attached)
+    if call.return_lse:  # no key: the sink alone, or -inf
+        lse = call.q.new_full((call.B, call.h, call.Tq), float("-inf"), dtype=torch.float32)
+        if call.scores.sinks is not None:
+            lse = lse.logaddexp(call.scores.sinks.float().view(1, -1, 1))  # (B, h, Tq)
+        return out, lse
     weights = call.q.new_zeros(call.B, call.h, call.Tq, call.Tk) if call.return_weights else None
     return out, weights

@@ -115,4 +115,14 @@ class ScoreSpec:
         return torch.softmax(both, dim=-1)[..., :-1]  # (B, h, C, Tk), the sink dropped
 
 
+    def logsumexp(self, s: torch.Tensor) -> torch.Tensor:
+        """``log(sum_j exp(s_ij) + exp(sinks[hq]))`` over the last dim: the log of the softmax
+        denominator, sink included. ``s`` ``(B, h, C, Tk)`` with masked pairs at ``-inf``;
+        returns ``(B, h, C)`` (``-inf`` for a row with no visible key and no sink)."""
+        lse = torch.logsumexp(s, dim=-1)  # (B, h, C)
+        if self.sinks is None:
+            return lse
+        return torch.logaddexp(lse, self.sinks.to(s.dtype).view(1, -1, 1))  # (B, h, C)
+
+
 NO_SCORES = ScoreSpec()  #: the call without variants (immutable, shared)

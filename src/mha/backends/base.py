@@ -38,12 +38,14 @@ class AttentionCall:
     """
 
     __slots__ = ("q", "k", "v", "masks", "scale", "dropout_p", "return_weights", "scores", "score_mod",
-                 "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
+                 "return_lse", "B", "h", "h_kv", "Tq", "Tk", "d_k", "d_v", "dtype", "device")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
                  scale: float, dropout_p: float = 0.0, return_weights: bool = False,
-                 scores: ScoreSpec | None = None, score_mod=None) -> None:
+                 scores: ScoreSpec | None = None, score_mod=None,
+                 return_lse: bool = False) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
+        self.return_lse = return_lse  # the backend returns the log-sum-exp instead of weights
         self.scores = NO_SCORES if scores is None else scores  # softcap, sinks, bias, ALiBi
         self.score_mod = score_mod  # (score, b, h, q_idx, kv_idx) -> score (mha.mods)
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
@@ -63,7 +65,8 @@ class AttentionCall:
         return (f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
                 f"{self.dtype}, {self.device.type}, masks={kinds}, variants={variants}, "
                 f"dropout_p={self.dropout_p}, "
-                f"return_weights={self.return_weights}, grad={self.needs_grad}")
+                f"return_weights={self.return_weights}, return_lse={self.return_lse}, "
+                f"grad={self.needs_grad}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Capabilities:
     different_v_dim: bool = True  # d_v != d_k
     dropout: bool = False
     weights: bool = False  # can return the (B, h, Tq, Tk) attention weights
+    lse: bool = False  # can return the (B, h, Tq) float32 log-sum-exp of each row's scores
     grad: bool = True
     #: The score variants served, a subset of :data:`mha.scores.VARIANT_KINDS`.
     variants: frozenset[str] = frozenset()
@@ -91,7 +95,10 @@ class Capabilities:
 class Backend:
     """A backend: a name, its capabilities, and a forward function.
 
-    ``forward(call) -> (out (B, h, Tq, d_v), weights (B, h, Tq, Tk) or None)``.
+    ``forward(call) -> (out (B, h, Tq, d_v), weights (B, h, Tq, Tk) or None)``; when
+    ``call.return_lse`` the second element is the log-sum-exp ``(B, h, Tq)`` float32 instead
+    (``log`` of each row's softmax denominator, the sink included; ``-inf`` for a row that sees
+    no key), which is what merging partial results over disjoint keys needs.
     ``unavailable`` returns a reason when the backend cannot run at all here (e.g. its native
     build failed); ``extra_reasons`` adds checks that the capability table cannot express.
     ``defers`` returns a reason to leave a call it *can* serve to the next capable backend when
@@ -152,6 +159,8 @@ class Backend:
             reasons.append("dropout not supported")
         if not c.weights and call.return_weights:
             reasons.append("cannot return attention weights")
+        if not c.lse and call.return_lse:
+            reasons.append("cannot return the log-sum-exp")
         if not c.grad and call.needs_grad:
             reasons.append("no backward pass (inputs require grad)")
         reasons.extend(self.extra_reasons(call))

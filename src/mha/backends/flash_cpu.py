@@ -69,10 +69,10 @@ def _forward(call: AttentionCall):
     from mha.ops import flash
 
     m = call.masks
-    out, _ = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
-                                    key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
-                                    window=m.window)
-    return out, None  # (B, h, Tq, d_v)
+    out, lse = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
+                                     key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
+                                     window=m.window)
+    return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
 
 
 BACKEND = Backend(
@@ -81,7 +81,7 @@ BACKEND = Backend(
     caps=Capabilities(devices=frozenset({"cpu"}),
                       dtypes=frozenset({torch.float32, torch.bfloat16}),
                       min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
-                      dropout=False, weights=False, grad=True, mask_kinds=ALL_MASK_KINDS,
+                      dropout=False, weights=False, lse=True, grad=True, mask_kinds=ALL_MASK_KINDS,
                       variants=frozenset(), variant_gaps=NATIVE_VARIANT_GAPS),
     forward=_forward,
     unavailable=_unavailable,

@@ -16,6 +16,25 @@ from mha.scores import VARIANT_KINDS
 
 
 def _forward(call: AttentionCall):
+    out, weights = _attend(call)
+    return out, (_lse(call) if call.return_lse else weights)
+
+
+def _lse(call: AttentionCall) -> torch.Tensor:
+    """``(B, h, Tq)`` float32: the log of each row's softmax denominator (sink included), from
+    the scores in at least float32 with masked pairs at -inf (a masked NaN is never read)."""
+    B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
+    wide = torch.promote_types(call.dtype, torch.float32)
+    qg = call.q.to(wide).reshape(B, h_kv, (h // h_kv) * Tq, call.d_k)  # (B, h_kv, g*Tq, d_k)
+    s = (qg @ call.k.to(wide).transpose(-2, -1)) * call.scale  # (B, h_kv, g*Tq, Tk)
+    s = call.scores.modify(s.view(B, h, Tq, Tk), Tq)  # (B, h, Tq, Tk)
+    allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return call.scores.logsumexp(s).float()  # (B, h, Tq)
+
+
+def _attend(call: AttentionCall):
     q, k, v = call.q, call.k, call.v
     B, h, h_kv, Tq, Tk = call.B, call.h, call.h_kv, call.Tq, call.Tk
     sc = call.scores
@@ -51,7 +70,7 @@ BACKEND = Backend(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
-        dropout=True, weights=True, grad=True, variants=VARIANT_KINDS,
+        dropout=True, weights=True, lse=True, grad=True, variants=VARIANT_KINDS,
     ),
     forward=_forward,
 )

@@ -146,31 +146,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _partial(q, k, v, allowed, causal: bool, scale: float):
-    """``(out (B, h, n_q, d_v) float32, lse (B, h, n_q) float32)`` of one K/V shard; lse is
-    -inf for rows that see no key (their out is 0)."""
-    from mha import backends
-    from mha.functional import make_call
+    """``(out (B, h, n_q, d_v) float32, lse (B, h, n_q) float32)`` of one K/V shard, through
+    dispatch (the first backend that can return the log-sum-exp); lse is -inf for rows that see
+    no key (their out is 0)."""
+    from mha.functional import attention
 
     mask = None if allowed is None else allowed[None, None]  # (1, 1, n_q, n_k)
-    call = make_call(q, k, v, mask=mask, causal=causal, scale=scale)
-    if not backends.get("flash_cpu").not_supported_reasons(call):
-        from mha.ops import flash
-
-        out, lse = flash.flash_attention(q, k, v, causal=causal, mask=mask, scale=scale)
-        return out.float(), lse
-    # Any other device / dtype: the scores of one shard, in float32.
-    B, h, n_q, d_k = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
-    qg = q.float().reshape(B, h_kv, (h // h_kv) * n_q, d_k)  # (B, h_kv, g n_q, d_k)
-    s = (qg @ k.float().transpose(-2, -1)).view(B, h, n_q, n_k) * scale  # (B, h, n_q, n_k)
-    seen = call.masks.materialize(B, h, n_q, n_k, q.device)
-    if seen is not None:
-        s = s.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, h, n_q)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # (B, h, n_q, n_k)
-    p = p.view(B, h_kv, (h // h_kv) * n_q, n_k)  # (B, h_kv, g n_q, n_k)
-    out = (p @ v.float()).view(B, h, n_q, v.shape[3])  # (B, h, n_q, d_v)
-    return out, lse
+    out, lse = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
+    return out.float(), lse
 
 
 def _merge(acc, part):
