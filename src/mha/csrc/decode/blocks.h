@@ -1,0 +1,342 @@
+// The decode kernel's building blocks: q.k scores, softmax in base 2 and p.v products, as
+// portable C++ loops and on AVX-512 (fp32 FMAs; bf16 dot products with AVX512_BF16), and the
+// qk / pv / softmax2 switches that pick one at compile time (kVec).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "common/exp2.h"
+#include "common/finite.h"
+#include "decode/problem.h"
+
+namespace {
+
+// ------------------------------------------------------------------ portable building blocks
+
+// scores[r * kChunk + t] = (q_r . k_t) * scale for r < G, t < n.
+template <typename T>
+void qk_portable(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n,
+                 float scale, float* scores) {
+  for (int64_t r = 0; r < G; ++r)
+    for (int64_t t = 0; t < n; ++t) {
+      float s = 0.f;
+      for (int64_t c = 0; c < dk; ++c) s += widen(q[r * dk + c]) * widen(k[t * kst + c]);
+      scores[r * kChunk + t] = s * scale;
+    }
+}
+
+// O[r] += sum_t p[r * kChunk + t] * v_t for r < G, t < n.
+template <typename T>
+void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv,
+                 float* O) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < G; ++r) {
+      const float w = p[r * kChunk + t];
+      for (int64_t c = 0; c < dv; ++c) O[r * dv + c] += w * widen(v[t * vst + c]);
+    }
+}
+
+// Row max, then s <- 2^(s - max) in place; returns (max, sum). Entries at -inf become 0; a
+// NaN entry makes the max, every entry and the sum NaN.
+std::pair<float, float> softmax_portable(float* s, int64_t n) {
+  float m = kNegInf, l = 0.f;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  // std::max drops NaN; next to a finite score a NaN one still gives a NaN weight and sum.
+  // Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = (s[j] == kNegInf) ? 0.f : std::exp2(s[j] - m);
+    l += s[j];
+  }
+  return {m, l};
+}
+
+// ------------------------------------------------------------------ AVX-512 building blocks
+#ifdef __AVX512F__
+#define MHA_INLINE inline __attribute__((always_inline))
+// Unroll loops over compile-time register counts early: otherwise GCC keeps arrays of
+// accumulators in memory and stores them back every iteration.
+#define MHA_UNROLL _Pragma("GCC unroll 16")
+
+MHA_INLINE __mmask16 tail16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// 16 bf16 values -> 16 fp32 (exact: bf16 is the top half of an fp32).
+MHA_INLINE __m512 load_f32(const bf16* p, __mmask16 mk) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mk, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+MHA_INLINE __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
+
+// One dot product's partial sums (16 lanes): q . k over d elements.
+MHA_INLINE __m512 dot_lanes(const float* q, const float* k, int64_t d) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(k + c + 16), a1);
+  }
+  for (; c < d; c += 16) {
+    const __mmask16 mk = tail16(d - c);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + c), _mm512_maskz_loadu_ps(mk, k + c), a0);
+  }
+  return _mm512_add_ps(a0, a1);
+}
+
+MHA_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
+#ifdef __AVX512BF16__
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(q + c + 32),
+                          (__m512bh)_mm512_loadu_si512(k + c + 32));
+  }
+  for (; c < d; c += 32) {
+    const int64_t r = std::min<int64_t>(32, d - c);
+    const __mmask32 mk = r == 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << r) - 1ull);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + c),
+                          (__m512bh)_mm512_maskz_loadu_epi16(mk, k + c));
+  }
+  return _mm512_add_ps(a0, a1);
+#else
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 mk = tail16(d - c);
+    a = _mm512_fmadd_ps(load_f32(q + c, mk), load_f32(k + c, mk), a);
+  }
+  return a;
+#endif
+}
+
+// Ask for one row (n elements) to be brought into the cache ahead of its use.
+template <typename T>
+MHA_INLINE void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// Sixteen 16-lane partial sums -> one vector of their 16 totals. With the accumulators
+// assigned as below (acc[i] holds key 4 * (i % 4) + i / 4), lane t of the result is key t.
+MHA_INLINE __m512 reduce16(const __m512* a) {
+  __m512 s[8], u[4];
+  MHA_UNROLL for (int i = 0; i < 8; ++i)  // halves: [a_2i (8 lanes) | a_2i+1 (8 lanes)]
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  MHA_UNROLL for (int i = 0; i < 4; ++i)  // quarters: four 128-bit blocks, one per accumulator
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  const __m512 xy = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 zw = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512d xyd = _mm512_castps_pd(xy), zwd = _mm512_castps_pd(zw);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xyd, zwd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(xyd, zwd)));
+}
+
+template <typename T>
+void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
+            float* scores) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t nt = std::min<int64_t>(16, n - j);
+    const T* kp[16];
+    MHA_UNROLL for (int t = 0; t < 16; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
+    if (j + 32 < n)  // the block after next: keeps the memory stream ahead of the loads
+      for (int t = 0; t < 16; ++t) prefetch_row(kp[t] + 32 * kst, dk);
+    for (int64_t r = 0; r < G; ++r) {  // the 16 K rows stay in L1 across the G query rows
+      __m512 acc[16];
+      // keys are read in memory order; reduce16 wants accumulator i to hold key
+      // 4 * (i % 4) + i / 4, so the (compile-time) index is permuted instead of the loads
+      MHA_UNROLL for (int t = 0; t < 16; ++t) acc[4 * (t % 4) + t / 4] = dot_lanes(q + r * dk, kp[t], dk);
+      _mm512_mask_storeu_ps(scores + r * kChunk + j, tail16(nt),
+                            _mm512_mul_ps(reduce16(acc), vscale));
+    }
+  }
+}
+
+// O[r0:r0+R, col:col+16*NV] += p[r0:r0+R, :n] @ v[:n, col:col+16*NV]; accumulators in
+// registers, each V vector loaded once for the R rows.
+template <typename T, int R, int NV>
+void pv_tile(const float* p, int64_t n, const T* v, int64_t vst, int64_t col, __mmask16 last,
+             float* O, int64_t dv) {
+  __m512 acc[R][NV];
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pr[R];
+    MHA_UNROLL for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
+    const T* vt = v + t * vst + col;
+    if (t + 16 < n) prefetch_row(vt + 16 * vst, 16 * NV);
+    MHA_UNROLL for (int c = 0; c < NV; ++c) {
+      const __m512 x = load_f32(vt + 16 * c, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF));
+      MHA_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
+    }
+  }
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NV; ++c) {
+      float* o = O + r * dv + col + 16 * c;
+      const __mmask16 mk = c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      _mm512_mask_storeu_ps(o, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), acc[r][c]));
+    }
+}
+
+// bf16 V without a per-vector conversion shuffle: 32 bf16 loaded as 16 int32 lanes hold an
+// even column in the low half and an odd one in the high half of each lane, so
+// `x << 16` is the even columns and `x & 0xFFFF0000` the odd ones, as exact fp32 (two cheap
+// ALU ops per 32 values instead of a widening shuffle and a shift per 16). Accumulators are
+// kept split (even, odd) and interleaved back once, at the end of the tile.
+template <int R, int NB>
+void pv_tile_bf16(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t col, int64_t w,
+                  float* O, int64_t dv) {
+  __m512 ae[R][NB], ao[R][NB];
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NB; ++c) ae[r][c] = ao[r][c] = _mm512_setzero_ps();
+  const int64_t wl = w - 32 * (NB - 1);  // columns in the last 32-column block (1..32)
+  const __mmask32 last = wl >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << wl) - 1ull);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 pr[R];
+    MHA_UNROLL for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
+    const bf16* vt = v + t * vst + col;
+    if (t + 16 < n) prefetch_row(vt + 16 * vst, 32 * NB);
+    MHA_UNROLL for (int c = 0; c < NB; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi16(c == NB - 1 ? last : 0xFFFFFFFFu, vt + 32 * c);
+      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+      MHA_UNROLL for (int r = 0; r < R; ++r) {
+        ae[r][c] = _mm512_fmadd_ps(pr[r], xe, ae[r][c]);
+        ao[r][c] = _mm512_fmadd_ps(pr[r], xo, ao[r][c]);
+      }
+    }
+  }
+  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_idx =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  MHA_UNROLL for (int r = 0; r < R; ++r)
+    MHA_UNROLL for (int c = 0; c < NB; ++c) {
+      float* o = O + r * dv + col + 32 * c;
+      const int64_t left = w - 32 * c;  // valid columns from o on (>= 1)
+      const __mmask16 m0 = tail16(left), m1 = left > 16 ? tail16(left - 16) : 0;
+      const __m512 lo = _mm512_permutex2var_ps(ae[r][c], lo_idx, ao[r][c]);  // columns 0..15
+      const __m512 up = _mm512_permutex2var_ps(ae[r][c], hi_idx, ao[r][c]);  // columns 16..31
+      _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), lo));
+      _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), up));
+    }
+}
+
+// Column tiles: 128 columns for up to 2 query rows, 64 for 3-4 (16 accumulators either way).
+template <int R>
+void pv_rows(const float* p, int64_t n, const float* v, int64_t vst, int64_t dv, float* O) {
+  constexpr int64_t kW = R <= 2 ? 128 : 64;
+  for (int64_t col = 0; col < dv; col += kW) {
+    const int64_t w = std::min<int64_t>(kW, dv - col);
+    const int nv = static_cast<int>((w + 15) / 16);
+    const __mmask16 last = tail16(w - 16 * (nv - 1));
+    switch (nv) {
+      case 1: pv_tile<float, R, 1>(p, n, v, vst, col, last, O, dv); break;
+      case 2: pv_tile<float, R, 2>(p, n, v, vst, col, last, O, dv); break;
+      case 3: pv_tile<float, R, 3>(p, n, v, vst, col, last, O, dv); break;
+      case 4: pv_tile<float, R, 4>(p, n, v, vst, col, last, O, dv); break;
+      case 5: pv_tile<float, R, 5>(p, n, v, vst, col, last, O, dv); break;
+      case 6: pv_tile<float, R, 6>(p, n, v, vst, col, last, O, dv); break;
+      case 7: pv_tile<float, R, 7>(p, n, v, vst, col, last, O, dv); break;
+      default: pv_tile<float, R, 8>(p, n, v, vst, col, last, O, dv); break;
+    }
+  }
+}
+
+template <int R>
+void pv_rows(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t dv, float* O) {
+  constexpr int64_t kW = R <= 2 ? 128 : 64;
+  for (int64_t col = 0; col < dv; col += kW) {
+    const int64_t w = std::min<int64_t>(kW, dv - col);
+    switch ((w + 31) / 32) {
+      case 1: pv_tile_bf16<R, 1>(p, n, v, vst, col, w, O, dv); break;
+      case 2: pv_tile_bf16<R, 2>(p, n, v, vst, col, w, O, dv); break;
+      case 3: pv_tile_bf16<R, 3>(p, n, v, vst, col, w, O, dv); break;
+      default: pv_tile_bf16<R, 4>(p, n, v, vst, col, w, O, dv); break;
+    }
+  }
+}
+
+template <typename T>
+void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+  int64_t r = 0;
+  for (; r + 4 <= G; r += 4) pv_rows<4>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 3) pv_rows<3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 2) pv_rows<2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 1) pv_rows<1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+}
+
+using mha_exp2::exp2_avx512;  // 2^x, shared with the flash kernels
+
+std::pair<float, float> softmax_vec(float* s, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 mx = ninf;
+  for (int64_t j = 0; j < n; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail16(n - j), s + j));
+  float m = _mm512_reduce_max_ps(mx);
+  // vmaxps drops NaN; next to a finite score a NaN one still gives a NaN weight (exp2_avx512 keeps
+  // NaN) and sum. Only "every score NaN" would look like "no key": checked there.
+  if (m == kNegInf)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(s[j])) m = s[j];
+  if (m == kNegInf) {
+    std::fill(s, s + n, 0.f);
+    return {m, 0.f};
+  }
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mk = tail16(n - j);
+    const __m512 x = _mm512_maskz_loadu_ps(mk, s + j);
+    // below 2^-125 (relative to the row max) the weight is flushed to an exact 0: -inf
+    // (masked) keys, and no denormal results, which can cost floating-point assists; NaN
+    // (a NaN max) stays NaN
+    const __m512 dx = _mm512_sub_ps(x, vm);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_avx512(dx));
+    _mm512_mask_storeu_ps(s + j, mk, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return {m, _mm512_reduce_add_ps(sum)};
+}
+#endif  // __AVX512F__
+
+template <typename T, bool kVec>
+inline void qk(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
+               float* scores) {
+#ifdef __AVX512F__
+  if constexpr (kVec) return qk_vec(q, G, dk, k, kst, n, scale, scores);
+#endif
+  qk_portable(q, G, dk, k, kst, n, scale, scores);
+}
+
+template <typename T, bool kVec>
+inline void pv(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+#ifdef __AVX512F__
+  if constexpr (kVec) return pv_vec(p, G, n, v, vst, dv, O);
+#endif
+  pv_portable(p, G, n, v, vst, dv, O);
+}
+
+template <bool kVec>
+inline std::pair<float, float> softmax2(float* s, int64_t n) {
+#ifdef __AVX512F__
+  if constexpr (kVec) return softmax_vec(s, n);
+#endif
+  return softmax_portable(s, n);
+}
+
+}  // namespace
