@@ -496,12 +496,15 @@ DIST_CASES = [
     ("n_k", lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), {}),
     ("causal", lambda q, k, v: (q, k, v), {"causal": True}),
     ("scale", lambda q, k, v: (q, k, v), {"scale": 0.5}),
+    ("layout", lambda q, k, v: (q, k, v), {"layout": "zigzag"}),
 ]
 DIST_LOCAL = [  # refused on rank 1 alone
     ("int q", lambda q, k, v: (q.int(), k, v), {}, TypeError),
     ("d_k = 0", lambda q, k, v: (q[..., :0], k[..., :0], v), {}, ValueError),
     ("causal string", lambda q, k, v: (q, k, v), {"causal": "yes"}, TypeError),
     ("scale nan", lambda q, k, v: (q, k, v), {"scale": float("nan")}, ValueError),
+    ("layout unknown", lambda q, k, v: (q, k, v), {"layout": "spiral"}, ValueError),
+    ("window without causal", lambda q, k, v: (q, k, v), {"window": 2}, ValueError),
 ]
 
 
@@ -541,10 +544,10 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
             kw = {"dropout_p": 2.0} if rank == 1 else {}  # refused on rank 1 alone, before any gather
             with pytest.raises(ValueError, match="dropout_p must lie in" if rank == 1 else "refused on"):
                 distributed.context_parallel_attention(*base, **kw)
-        # a ring call with grad on one rank only: refused on both, nothing sent
+        # a ring call with grad on one rank only (its backward would wait for the others
+        # forever): refused on every rank, nothing sent
         q = base[0].clone().requires_grad_(rank == 1)
-        with pytest.raises(RuntimeError if rank == 1 else ValueError,
-                           match="inference-only" if rank == 1 else r"refused on rank\(s\) \[1\]"):
+        with pytest.raises(ValueError, match="requires_grad=True"):
             distributed.ring_attention(q, *base[1:])
         # the group still works, with the same results as before the refusals
         with torch.no_grad():

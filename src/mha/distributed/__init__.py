@@ -1,12 +1,17 @@
 """Attention across processes (seed 001: heads and sequence computed in parallel).
 
-* :mod:`mha.distributed.sequence` — the sequence split over ranks: context parallel
-  (all-gather K/V) and ring attention (K/V shards passed round a ring, merged by log-sum-exp).
+* :mod:`mha.distributed.sequence` — the sequence split over ranks, K/V all-gathered
+  (context parallel); :mod:`mha.distributed.ring` — K/V shards passed round a ring, merged by
+  log-sum-exp, forward and backward; :mod:`mha.distributed.layout` — which rows each rank
+  holds (contiguous or zig-zag), shard / unshard.
 
 Every strategy returns this rank's part of the same numbers as :func:`mha.attention` on the
 whole problem. docs/distributed.md says which strategy suits which problem.
 """
 
-from mha.distributed.sequence import context_parallel_attention, ring_attention
+from mha.distributed.layout import LAYOUTS, positions, shard, unshard, visible_pairs
+from mha.distributed.ring import ring_attention
+from mha.distributed.sequence import context_parallel_attention
 
-__all__ = ["context_parallel_attention", "ring_attention"]
+__all__ = ["context_parallel_attention", "ring_attention", "shard", "unshard", "positions",
+           "visible_pairs", "LAYOUTS"]

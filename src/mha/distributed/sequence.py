@@ -25,12 +25,11 @@ Both work with any ``torch.distributed`` backend that has all-gather / all-reduc
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from mha.checks import FLOAT_DTYPES, check_bool, check_qkv, check_scalar
+from mha.checks import FLOAT_DTYPES, check_bool, check_qkv, check_scalar, check_window
+from mha.distributed.layout import LAYOUTS, check_layout, from_rank_order, positions, visible
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -40,16 +39,17 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
-                  inference: bool = False) -> tuple[int, int]:
+def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0, layout="contiguous",
+                  window=None) -> tuple[int, int]:
     """Valid shards that agree across ranks, checked on every rank before any K/V moves.
 
     Each rank checks its own arguments, then one small all-gather exchanges a description of
     them (valid or not, dtype, shapes of q / k / v, causal, scale): a rank whose arguments are
     refused raises its own error and every other rank raises a ValueError naming it, and ranks
-    that disagree (dtype, B, h, h_kv, lengths, d_k, d_v, causal, scale) all raise the same
-    ValueError listing every rank's view — instead of a mismatched collective aborting the
-    process or waiting forever. Returns (W, r).
+    that disagree (dtype, B, h, h_kv, lengths, d_k, d_v, causal, scale, whether a gradient is
+    needed, layout, window) all raise the same ValueError listing every rank's view — instead
+    of a mismatched collective aborting the process or waiting forever (a backward that runs
+    on some ranks only would). Returns (W, r).
     """
     W, r = _group_info(group)
     error = None
@@ -58,18 +58,18 @@ def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
         causal = check_bool("causal", causal)
         scale = None if scale is None else check_scalar("scale", scale, low=0.0)
         check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-        if inference and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError("ring_attention is inference-only (no backward through the "
-                               "ring); use context_parallel_attention for training, or "
-                               "torch.no_grad()")
+        layout = check_layout(layout)
+        window = None if window is None else check_window(window, causal)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     except (TypeError, ValueError, RuntimeError) as e:  # raised below, after the exchange
         error = e
     if error is None:
         row = [1.0, float(FLOAT_DTYPES.index(q.dtype)), *q.shape, *k.shape, *v.shape,
-               float(causal), -1.0 if scale is None else scale]
+               float(causal), -1.0 if scale is None else scale, float(grad),
+               float(LAYOUTS.index(layout)), 0.0 if window is None else float(window)]
     else:
-        row = [0.0] * 16
-    mine = torch.tensor(row, dtype=torch.float64)  # (16,) exact for sizes < 2^53
+        row = [0.0] * 19
+    mine = torch.tensor(row, dtype=torch.float64)  # (19,) exact for sizes < 2^53
     every = [torch.empty_like(mine) for _ in range(W)]
     dist.all_gather(every, mine, group=group)
     refused = [rank for rank, t in enumerate(every) if t[0] == 0]
@@ -81,7 +81,8 @@ def _check_shards(q, k, v, group, *, causal, scale, dropout_p=0.0,
     if any(not torch.equal(t, every[0]) for t in every[1:]):
         views = "; ".join(f"rank {rank}: {_describe(t)}" for rank, t in enumerate(every))
         raise ValueError(f"q, k, v shards must have the same shapes on every rank, and the "
-                         f"same dtype, causal and scale: {views}")
+                         f"same dtype, causal, scale, requires_grad, layout and window: "
+                         f"{views}")
     return W, r
 
 
@@ -89,9 +90,11 @@ def _describe(row: torch.Tensor) -> str:
     """One rank's exchanged description, in words."""
     vals = [int(x) for x in row[1:14].tolist()]
     scale = float(row[15])
+    window = int(row[18]) or None
     return (f"{str(FLOAT_DTYPES[vals[0]]).replace('torch.', '')} q {tuple(vals[1:5])} "
             f"k {tuple(vals[5:9])} v {tuple(vals[9:13])} causal={bool(row[14])} "
-            f"scale={'default' if scale < 0 else scale}")
+            f"scale={'default' if scale < 0 else scale} requires_grad={bool(row[16])} "
+            f"layout={LAYOUTS[int(row[17])]} window={window}")
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -122,102 +125,37 @@ def _visible_keys(r: int, W: int, n_q: int, n_k: int) -> int:
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                causal: bool = False, scale: float | None = None,
                                dropout_p: float = 0.0, backend: str | None = None,
+                               window: int | None = None, layout: str = "contiguous",
                                group=None) -> torch.Tensor:
     """This rank's rows of attention over the whole sequence, K/V gathered from every rank.
 
     Args:
         q: ``(B, h, n_q, d_k)`` this rank's query shard; k ``(B, h_kv, n_k, d_k)`` and v
             ``(B, h_kv, n_k, d_v)`` its key/value shard (the same shapes on every rank).
-        causal, scale, dropout_p, backend: as in :func:`mha.attention`, for the full sequence.
+        causal, scale, dropout_p, backend, window: as in :func:`mha.attention`, for the full
+            sequence.
+        layout: which rows each rank holds, ``"contiguous"`` or ``"zigzag"`` (balanced causal
+            work; :mod:`mha.distributed.layout`), the same for queries and keys.
         group: the process group (None: the default group).
 
     Returns ``(B, h, n_q, d_v)``, differentiable with respect to q, k and v.
     """
     from mha.functional import attention
 
-    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, dropout_p=dropout_p)
-    k_all = _GatherSeq.apply(k, group)  # (B, h_kv, Tk, d_k)
+    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, dropout_p=dropout_p,
+                         layout=layout, window=window)
+    k_all = _GatherSeq.apply(k, group)  # (B, h_kv, Tk, d_k), shards in rank order
     v_all = _GatherSeq.apply(v, group)  # (B, h_kv, Tk, d_v)
-    if causal:  # keys past what the shard's last query sees are never needed
-        J = _visible_keys(r, W, q.shape[2], k.shape[2])
-        k_all, v_all = k_all[:, :, :J], v_all[:, :, :J]  # (B, h_kv, J, d)
-    return attention(q, k_all, v_all, causal=causal, scale=scale, dropout_p=dropout_p,
+    if layout == "contiguous" and window is None:
+        if causal:  # keys past what the shard's last query sees are never needed
+            J = _visible_keys(r, W, q.shape[2], k.shape[2])
+            k_all, v_all = k_all[:, :, :J], v_all[:, :, :J]  # (B, h_kv, J, d)
+        return attention(q, k_all, v_all, causal=causal, scale=scale, dropout_p=dropout_p,
+                         backend=backend)  # (B, h, n_q, d_v)
+    k_all = from_rank_order(k_all, W, layout=layout)  # (B, h_kv, Tk, d_k), sequence order
+    v_all = from_rank_order(v_all, W, layout=layout)  # (B, h_kv, Tk, d_v)
+    Tq, Tk = W * q.shape[2], W * k.shape[2]
+    allowed = visible(positions(Tq, W, r, layout), torch.arange(Tk), Tq, Tk, causal, window)
+    mask = None if allowed is None else allowed.to(q.device)[None, None]  # (1, 1, n_q, Tk)
+    return attention(q, k_all, v_all, mask=mask, scale=scale, dropout_p=dropout_p,
                      backend=backend)  # (B, h, n_q, d_v)
-
-
-def _partial(q, k, v, allowed, causal: bool, scale: float):
-    """``(out (B, h, n_q, d_v) float32, lse (B, h, n_q) float32)`` of one K/V shard, through
-    dispatch (the first backend that can return the log-sum-exp); lse is -inf for rows that see
-    no key (their out is 0)."""
-    from mha.functional import attention
-
-    mask = None if allowed is None else allowed[None, None]  # (1, 1, n_q, n_k)
-    out, lse = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
-    return out.float(), lse
-
-
-def _merge(acc, part):
-    """Two partial results over disjoint keys, rescaled by their log-sum-exps."""
-    if acc is None:
-        return part
-    (o1, l1), (o2, l2) = acc, part  # (B, h, n_q, d_v), (B, h, n_q)
-    lse = torch.logaddexp(l1, l2)  # (B, h, n_q)
-    safe = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing stay 0
-    w1 = torch.exp(l1 - safe)[..., None]  # (B, h, n_q, 1)
-    w2 = torch.exp(l2 - safe)[..., None]
-    return o1 * w1 + o2 * w2, lse
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   scale: float | None = None, group=None) -> torch.Tensor:
-    """This rank's rows of attention over the whole sequence, the K/V shards passed round a
-    ring and merged by log-sum-exp (never more than two shards in memory). Inference only.
-
-    Args and shapes as in :func:`context_parallel_attention`. Returns ``(B, h, n_q, d_v)``.
-    """
-    W, r = _check_shards(q, k, v, group, causal=causal, scale=scale, inference=True)
-    n_q, n_k = q.shape[2], k.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    nxt, prv = (r + 1) % W, (r - 1) % W
-    ranks = [dist.get_global_rank(group, i) for i in (nxt, prv)] if group is not None else [nxt, prv]
-    kv = (k.contiguous(), v.contiguous())
-    acc = None
-    for step in range(W):
-        src = (r - step) % W  # the rank whose K/V shard we hold now
-        pending = []
-        if step < W - 1:  # pass our current shard on while we attend to it
-            incoming = tuple(torch.empty_like(t) for t in kv)
-            pending = [dist.isend(t, ranks[0], group=group, tag=i) for i, t in enumerate(kv)]
-            pending += [dist.irecv(t, ranks[1], group=group, tag=i)
-                        for i, t in enumerate(incoming)]
-        part = _shard_part(q, kv, causal, r * n_q - src * n_k + W * (n_k - n_q), scale)
-        if part is not None:
-            acc = _merge(acc, part)
-        for work in pending:
-            work.wait()
-        if step < W - 1:
-            kv = incoming
-    if acc is None:  # under causal, no query of this shard sees any key
-        return q.new_zeros(*q.shape[:3], v.shape[3])  # (B, h, n_q, d_v)
-    return acc[0].to(q.dtype)  # (B, h, n_q, d_v)
-
-
-def _shard_part(q, kv, causal: bool, off: int, scale: float):
-    """The partial result of one K/V shard, or None when no query sees any of its keys.
-    Under causal, query ``i`` (of this rank) sees key ``j`` (of the shard) iff ``j <= i + off``
-    — the global bottom-right rule written in shard coordinates."""
-    n_q, n_k = q.shape[2], kv[0].shape[2]
-    if not causal or off >= n_k - 1:
-        return _partial(q, kv[0], kv[1], None, False, scale)  # every key visible
-    if off + n_q - 1 < 0:
-        return None  # a later shard: nothing visible
-    if off == n_k - n_q:
-        return _partial(q, kv[0], kv[1], None, True, scale)  # exactly mha's own causal
-    return _partial(q, kv[0], kv[1], _offset_mask(n_q, n_k, off, q.device), False, scale)
-
-
-def _offset_mask(n_q: int, n_k: int, off: int, device) -> torch.Tensor:
-    """``(n_q, n_k)`` bool: query i may see key j iff ``j <= i + off``."""
-    i = torch.arange(n_q, device=device).unsqueeze(1)  # (n_q, 1)
-    j = torch.arange(n_k, device=device).unsqueeze(0)  # (1, n_k)
-    return j <= i + off  # (n_q, n_k)
