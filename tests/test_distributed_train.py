@@ -1,4 +1,5 @@
-"""Ring attention trains, and the zig-zag layout balances causal work (gloo, this machine).
+"""Ring, context-parallel and Ulysses attention train, and the zig-zag layout balances causal
+work (gloo, this machine).
 
 Shape legend: W ranks, B batch, h / h_kv heads, Tq / Tk full lengths, d_k / d_v dims.
 Each spawn runs every case on W processes; every rank checks its slice of the outputs and of
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 def _shapes(W):
     """(B, h, h_kv, Tq, Tk, d_k, d_v): GQA, d_v != d_k, Tq != Tk; lengths split into 2W chunks."""
-    return [(1, 4, 2, 4 * W, 4 * W, 16, 24), (2, 2, 1, 2 * W, 6 * W, 16, 16)]
+    return [(1, 4, 2, 4 * W, 4 * W, 16, 24), (2, 4, 4, 2 * W, 6 * W, 16, 16)]
 
 
 # (causal, window)
@@ -50,8 +51,11 @@ def _worker(rank: int, W: int, init_file: str) -> None:
                 for layout in D.LAYOUTS:
                     sh = dict(world=W, rank=rank, layout=layout)
                     local = [D.shard(t, **sh).clone().requires_grad_() for t in (q, k, v)]
-                    for name, fn in (("ring", D.ring_attention),
-                                     ("context", D.context_parallel_attention)):
+                    strategies = [("ring", D.ring_attention),
+                                  ("context", D.context_parallel_attention)]
+                    if shape[1] % W == 0 and shape[2] % W == 0:
+                        strategies.append(("ulysses", D.ulysses_attention))
+                    for name, fn in strategies:
                         got_out = fn(*local, causal=causal, window=window, layout=layout)
                         got = torch.autograd.grad((got_out * D.shard(go, **sh)).sum(), local)
                         tag = f"W={W} {shape} causal={causal} window={window} {layout} {name}"
@@ -60,6 +64,9 @@ def _worker(rank: int, W: int, init_file: str) -> None:
                         for n, a, b in zip("qkv", got, want, strict=True):
                             torch.testing.assert_close(a, D.shard(b, **sh), rtol=1e-4, atol=1e-5,
                                                        msg=lambda m, n=n, tag=tag: f"{tag}: d{n} {m}")
+                    if ("ulysses", D.ulysses_attention) not in strategies:  # heads do not split
+                        with pytest.raises(ValueError, match="multiples of the group size"):
+                            D.ulysses_attention(*local, causal=causal, layout=layout)
                     # unshard puts every rank's rows back in sequence order
                     assert torch.equal(D.unshard(D.shard(q, **sh), layout=layout), q)
     finally:
