@@ -85,6 +85,9 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(self.kdim, k_w, **kw)
             self.v_proj = nn.Linear(self.vdim, v_w, **kw)
         self.out_proj = nn.Linear(num_heads * self.v_head_dim, d_model, **kw)  # W_O
+        #: ranks the heads are split over (mha.distributed.tensor_parallel); the head counts
+        #: above are then this rank's
+        self.tensor_parallel = 1
 
     # Widths of the projected Q, K, V (derived, not stored).
     @property
@@ -120,12 +123,27 @@ class MultiHeadAttention(nn.Module):
                 self_attention: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V before the head split: ``(B, Tq, h*d_k)``, ``(B, Tk, h_kv*d_k)``,
         ``(B, Tk, h_kv*d_v)``. Self-attention with the packed weight is one GEMM."""
+        if self.tensor_parallel > 1:
+            return self._project_sharded(query, key, value, self_attention)
         if self.packed and self_attention:
             qkv = linear(query, self.in_proj.weight, self.in_proj.bias)  # one GEMM:
             # (B, T, d_model) -> (B, T, h*d_k + h_kv*d_k + h_kv*d_v)
             return qkv.split((self.q_width, self.k_width, self.v_width), dim=-1)
         (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
         return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
+
+    def _project_sharded(self, query, key, value, self_attention: bool):
+        """Under tensor parallelism: through the nn.Linear modules, whose DTensor hooks
+        (ColwiseParallel) give this rank's heads and all-reduce the input's gradient. The packed
+        weight holds this rank's ``[W^Q_r; W^K_r; W^V_r]``; for cross-attention it is applied
+        to each input and the matching part kept (three GEMMs of the full local width)."""
+        widths = (self.q_width, self.k_width, self.v_width)
+        if not self.packed:
+            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if self_attention:
+            return self.in_proj(query).split(widths, dim=-1)
+        return tuple(self.in_proj(x).split(widths, dim=-1)[i]
+                     for i, x in enumerate((query, key, value)))
 
     def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """``(B, T, heads*d) -> (B, heads, T, d)`` (seed 004, Step 3)."""
@@ -227,8 +245,11 @@ class MultiHeadAttention(nn.Module):
                        "(B, h, Tq, Tk)")
         rec.record("heads", "head_i = A_i V_i", out, "(B, h, Tq, d_v)")
         concat = self.merge_heads(out)  # (B, h, Tq, d_v) -> (B, Tq, h*d_v)
-        y = linear(concat, self.out_proj.weight, self.out_proj.bias)  # (B, Tq, h*d_v) @ W_O
-        # -> (B, Tq, d_model)
+        if self.tensor_parallel > 1:  # RowwiseParallel: partial products, one all-reduce
+            y = self.out_proj(concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
+        else:
+            y = linear(concat, self.out_proj.weight, self.out_proj.bias)  # (B, Tq, h*d_v) @ W_O
+            # -> (B, Tq, d_model)
         rec.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
         rec.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
         return y
