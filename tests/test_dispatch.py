@@ -85,3 +85,28 @@ def test_when_every_capable_backend_defers_the_first_one_runs(monkeypatch):
     first_ok = next(v.backend for v in ex if v.ok)
     assert ex.chosen == first_ok
     assert mha.dispatch.choose(make_call(q, q, q)).name == first_ok
+
+
+
+def test_use_backend_forces_calls_without_a_backend_and_restores():
+    from mha import dispatch
+
+    q = torch.randn(1, 2, 5, 16)
+    capped = dict(softcap=5.0)  # math serves it; sdpa cannot
+    mha.attention(q, q, q, **capped)
+    with mha.use_backend("sdpa"):
+        with pytest.raises(mha.BackendError, match="backend='sdpa'"):
+            mha.attention(q, q, q, **capped)
+        with mha.use_backend("math"):  # nested: the inner choice
+            torch.testing.assert_close(mha.attention(q, q, q, **capped),
+                                       mha.attention(q, q, q, backend="math", **capped))
+        with pytest.raises(mha.BackendError, match="backend='sdpa'"):  # the outer one is back
+            mha.attention(q, q, q, **capped)
+        assert torch.equal(mha.attention(q, q, q, backend="math", **capped),
+                           mha.attention(q, q, q, backend="math", **capped))  # explicit wins
+    assert dispatch._preferred is None
+    with pytest.raises(RuntimeError), mha.use_backend("math"):
+        raise RuntimeError("the block fails")
+    assert dispatch._preferred is None  # restored after an exception too
+    with pytest.raises(ValueError, match="unknown backend 'nope'"), mha.use_backend("nope"):
+        pass

@@ -8,6 +8,7 @@ Public API:
               window, softcap, sinks, bias, alibi_slopes, mask_mod, score_mod)
     alibi_slopes(n_heads)                the ALiBi paper's per-head slopes
     explain(q, k, v, **kwargs)           every backend's verdict, in words
+    use_backend(name)                    a context forcing every call without backend= to one
     mods, block_plan(mask_mod, B, h, Tq, Tk)   mask / score functions of indices, block plans
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
     flash_decode(q, k, v, ...)           a few queries against a long K/V cache (inference)
@@ -21,7 +22,7 @@ from __future__ import annotations
 from mha import io, mods, reference
 from mha.blockplan import BlockPlan, block_plan
 from mha.cache import KVCache
-from mha.dispatch import BackendError
+from mha.dispatch import BackendError, use_backend
 from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
 from mha.module import MultiHeadAttention
@@ -34,4 +35,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
            "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache", "flash_decode",
-           "ScoreSpec", "alibi_slopes", "__version__"]
+           "ScoreSpec", "alibi_slopes", "use_backend", "__version__"]

@@ -8,6 +8,7 @@ its reasons. :func:`explain` returns every backend's verdict in words.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from mha import backends
@@ -61,9 +62,30 @@ def verdicts(call: AttentionCall) -> Explanation:
     return Explanation(Verdict(n, r, n == pick, d) for n, r, d in rows)
 
 
+_preferred: str | None = None  # set by use_backend (a plain global: torch.compile reads it)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, every attention call that does not name a backend is forced to
+    ``name`` (as if it passed ``backend=name``: a call it cannot serve raises
+    :class:`BackendError` with the reasons). For a whole model at once — e.g. exporting a
+    graph (``mha.export``) or comparing backends end to end. Process-wide while the block runs
+    (blocks nest; the outer choice comes back on exit)."""
+    global _preferred
+    backends.get(name)  # an unknown name fails here, with the list of names
+    outer, _preferred = _preferred, name
+    try:
+        yield
+    finally:
+        _preferred = outer
+
+
 def choose(call: AttentionCall, backend: str | None = None) -> Backend:
     """The backend that will serve ``call``: ``backend`` if given and capable, else the first
     capable one. Raises :class:`BackendError` listing the reasons otherwise."""
+    if backend is None:
+        backend = _preferred
     if backend is not None:
         b = backends.get(backend)
         reasons = b.not_supported_reasons(call)

@@ -53,6 +53,12 @@ def causal_mask(Tq: int, Tk: int, *, device: torch.device | str | None = None) -
     ``Tq`` and ``Tk`` are ints >= 0 (a ValueError / TypeError naming them otherwise)."""
     Tq = check_int("Tq", Tq, low=0, what="an int >= 0")
     Tk = check_int("Tk", Tk, low=0, what="an int >= 0")
+    return _causal(Tq, Tk, device)
+
+
+def _causal(Tq, Tk, device) -> torch.Tensor:
+    """:func:`causal_mask` on sizes already known to be valid (symbolic sizes too, when a graph
+    is traced for export)."""
     i = torch.arange(Tq, device=device).unsqueeze(1)  # (Tq, 1)
     j = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
     return j <= i + (Tk - Tq)  # (Tq, Tk)
@@ -110,7 +116,7 @@ class MaskSpec:
             return None
         allowed: torch.Tensor | None = None
         if self.causal:
-            allowed = causal_mask(Tq, Tk, device=device)[None, None]  # (1, 1, Tq, Tk)
+            allowed = _causal(Tq, Tk, device)[None, None]  # (1, 1, Tq, Tk)
         if self.window is not None:
             wm = window_mask(Tq, Tk, self.window, device=device)[None, None]  # (1, 1, Tq, Tk)
             allowed = wm if allowed is None else allowed & wm
@@ -141,9 +147,10 @@ def open_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
 
     Returns ``(allowed', row_has_key)`` where ``row_has_key`` is ``(.., Tq, 1)`` bool, or None
     when every row has a key. A backend softmaxes with ``allowed'`` (finite everywhere, so
-    gradients stay finite) and multiplies its output by ``row_has_key`` to return zeros.
+    gradients stay finite) and multiplies its output by ``row_has_key`` to return zeros. While
+    a graph is traced (torch.compile, export) the data-dependent shortcut is not taken.
     """
     row_has_key = allowed.any(dim=-1, keepdim=True)  # (.., Tq, 1)
-    if bool(row_has_key.all()):
+    if not torch.compiler.is_compiling() and bool(row_has_key.all()):
         return allowed, None
     return allowed | ~row_has_key, row_has_key

@@ -44,6 +44,10 @@ def _forward(call: AttentionCall):
         attn_mask = sc.modify(call.q.new_zeros(1, 1, Tq, Tk), Tq)  # (B|1, h|1, Tq, Tk)
         if allowed is not None:
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None and getattr(torch.compiler, "is_exporting", lambda: False)():
+        # a graph for ONNX (mha.export): ONNX Runtime's Attention operator wants the mask's
+        # query dim in full, not broadcast (a view here; one Expand in the graph)
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-2], Tq, Tk)  # (B|1, h|1, Tq, Tk)
     out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=attn_mask, **kwargs)
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)  # (B|1, h|1, Tq, 1): fully masked rows -> 0

@@ -88,12 +88,14 @@ class TinyDecoder(nn.Module):
             raise ValueError(f"caches: expected one per layer ({len(self.blocks)}), "
                              f"got {len(caches)}")
         B, T = idx.shape
-        if caches is None:
+        if caches is None:  # checked on the shape alone (no data-dependent branch to trace)
+            if T > self.max_len:
+                raise ValueError(f"positions up to {T - 1} exceed max_len={self.max_len}")
             pos = torch.arange(T, device=idx.device).unsqueeze(0)  # (1, T)
         else:
             pos = caches[0].positions(T).to(idx.device)  # (B, T) or (1, T)
-        if T and int(pos.max()) >= self.max_len:
-            raise ValueError(f"positions up to {int(pos.max())} exceed max_len={self.max_len}")
+            if T and int(pos.max()) >= self.max_len:
+                raise ValueError(f"positions up to {int(pos.max())} exceed max_len={self.max_len}")
         x = self.tok(idx) + self.pos(pos)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if caches is None else caches[i], backend=backend)

@@ -1,0 +1,164 @@
+"""ONNX export of models that use mha: a standard graph that ONNX Runtime (or any runtime with
+opset 23) runs without mha.
+
+Shape legend: B batch, h / h_kv heads, Tq / Tk lengths (Tn new tokens, P cached ones), d_k /
+d_v head dims, d_model width.
+
+mha's attention dispatches to native custom ops (``torch.ops.mha.*``) that no runtime knows.
+:func:`onnx` therefore traces the model with every attention call forced to the ``sdpa``
+backend (:func:`mha.use_backend`): ``torch.onnx.export(..., dynamo=True)`` turns
+``scaled_dot_product_attention`` into the ONNX ``Attention`` operator (opset 23) — masks as its
+``attn_mask`` input, GQA as its ``q_num_heads`` / ``kv_num_heads``, ``d_v != d_k`` as is — and
+the projections into ``MatMul`` / ``Gemm``. No translation table for mha's own ops is needed,
+and the graph's numbers are SDPA's formula (the same math as mha's, to rounding). What SDPA
+cannot compute (softcap, sinks) or what has no meaning in a graph (dropout while training,
+``mask_mod`` callables) is refused at export with the reason, before any file is written.
+
+:class:`SelfAttention`, :class:`CrossAttention` and :class:`DecodeStep` wrap a
+:class:`mha.MultiHeadAttention` with named graph inputs: a key-padding mask, and for decoding
+the past K/V in and the present K/V out (the standard ``past_key_values`` layout
+``(B, h_kv, P, d)``), so a runtime can run generation step by step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mha.dispatch import BackendError, use_backend
+from mha.functional import attention
+from mha.trace import recorder
+
+OPSET = 23  # the first opset with the Attention operator
+INSTALL_HINT = "ONNX export needs onnx and onnxscript: pip install 'mha[onnx]'"
+
+
+class SelfAttention(nn.Module):
+    """``module(x, mask=key_padding[:, None, None, :], causal=causal)``: inputs ``x (B, T,
+    d_model)`` and, with ``key_padding``, ``keep (B, T)`` bool (True = a real key)."""
+
+    def __init__(self, module: nn.Module, *, causal: bool = False, key_padding: bool = False):
+        super().__init__()
+        self.module, self.causal, self.key_padding = module, causal, key_padding
+        self.train(module.training)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None if keep is None else keep[:, None, None, :]  # (B, T) -> (B, 1, 1, T)
+        return self.module(x, mask=mask, causal=self.causal)  # (B, T, d_model)
+
+
+class CrossAttention(nn.Module):
+    """Queries from ``x (B, Tq, d_model)``, keys / values from ``memory (B, Tk, kdim)`` (and
+    ``value (B, Tk, vdim)`` when the module's vdim differs), optional ``keep (B, Tk)``."""
+
+    def __init__(self, module: nn.Module, *, key_padding: bool = False):
+        super().__init__()
+        self.module, self.key_padding = module, key_padding
+        self.train(module.training)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, value: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None if keep is None else keep[:, None, None, :]  # (B, Tk) -> (B, 1, 1, Tk)
+        value = memory if value is None else value
+        return self.module(x, memory, value, mask=mask)  # (B, Tq, d_model)
+
+
+class DecodeStep(nn.Module):
+    """One decoding step of self-attention with a K/V cache as graph inputs and outputs:
+    ``(x (B, Tn, d_model), past_k (B, h_kv, P, d_k), past_v (B, h_kv, P, d_v)) -> (y (B, Tn,
+    d_model), present_k (B, h_kv, P + Tn, d_k), present_v (B, h_kv, P + Tn, d_v))``. The new
+    tokens attend causally, bottom-right: token ``t`` of the step sees the P cached keys and new
+    keys ``<= t`` (the decoder's "token t sees 1..t")."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.train(module.training)
+
+    def forward(self, x, past_k, past_v):
+        m = self.module
+        q, k, v = m.project(x, x, x, True)  # (B, Tn, h*d_k), (B, Tn, h_kv*d_k), (B, Tn, h_kv*d_v)
+        q = m.split_heads(q, m.num_heads)  # (B, Tn, h*d_k) -> (B, h, Tn, d_k)
+        k = torch.cat([past_k, m.split_heads(k, m.num_kv_heads)], dim=2)  # (B, h_kv, P+Tn, d_k)
+        v = torch.cat([past_v, m.split_heads(v, m.num_kv_heads)], dim=2)  # (B, h_kv, P+Tn, d_v)
+        out = attention(q, k, v, causal=True)  # (B, h, Tn, d_v)
+        return m._output(out, None, recorder()), k, v  # (B, Tn, d_model), present K/V
+
+
+def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=None,
+         dynamic_shapes=None, opset: int = OPSET) -> Path:
+    """Export ``model(*args)`` to the ONNX file ``path`` and return it.
+
+    ``model`` is any module whose attention goes through mha (``MultiHeadAttention``, a model
+    built from it, or a wrapper above). ``dynamic_shapes`` as in ``torch.export`` (e.g.
+    ``({0: "B", 1: "T"},)``); ``input_names`` / ``output_names`` name the graph's values. The
+    file appears complete or not at all (written aside, then renamed). Raises ValueError with
+    the reason for what cannot be exported (dropout while training, softcap, sinks, ...), and
+    ImportError with the install line when the exporter's packages are missing.
+    """
+    try:
+        import onnxscript  # noqa: F401 — the dynamo exporter needs it
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    _check_exportable(model)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"path: the directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with use_backend("sdpa"), torch.no_grad():
+            try:
+                program = torch.onnx.export(model, args, dynamo=True, opset_version=opset,
+                                            input_names=input_names, output_names=output_names,
+                                            dynamic_shapes=dynamic_shapes, verbose=False)
+            except BackendError as e:
+                raise ValueError(f"cannot export this model to ONNX: {e}") from None
+            except Exception as e:  # the exporter wraps errors raised while tracing
+                cause = _backend_error(e)
+                if cause is not None:
+                    raise ValueError(f"cannot export this model to ONNX: {cause}") from None
+                raise
+        program.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _backend_error(e: BaseException) -> BackendError | None:
+    while e is not None:
+        if isinstance(e, BackendError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _check_exportable(model: nn.Module) -> None:
+    """Refuse, with the reason, what a graph cannot reproduce."""
+    from mha.module import MultiHeadAttention
+
+    for name, m in model.named_modules():
+        if not isinstance(m, MultiHeadAttention):
+            continue
+        where = f"module {name or type(model).__name__}"
+        if m.training and m.dropout > 0:
+            raise ValueError(f"{where} has dropout={m.dropout} and is in training mode: a graph "
+                             f"would drop different weights than the model; call "
+                             f"model.eval() before exporting")
+        if m.tensor_parallel != 1:
+            raise ValueError(f"{where} is split over {m.tensor_parallel} ranks "
+                             f"(mha.distributed.tensor_parallel): export the unsplit module")
+        for variant in ("softcap", "sinks"):
+            if getattr(m, variant, None) is not None:
+                raise ValueError(f"{where} uses {variant}: ONNX's Attention operator (and "
+                                 f"SDPA) have no {variant}, so the graph cannot compute it")
