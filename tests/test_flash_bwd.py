@@ -206,7 +206,7 @@ def test_no_gradients_give_zeros():
     q, k, v, go, gl = _inputs(1, 2, 1, 5, 7, 16, 16, torch.float32, "bhtd", 0)
     out, lse = flash.flash_attention(q, k, v)
     for t in torch.ops.mha.flash_attention_bwd_fused(None, None, q, k, v, out, lse, None, None,
-                                                     False, 0.25):
+                                                     False, 0.25)[:3]:
         assert t.abs().max() == 0
 
 

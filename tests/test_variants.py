@@ -198,10 +198,10 @@ def test_dropout_leaves_the_returned_weights_alone():
     assert out.shape == (2, 2, 4, 8)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "math", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "math", "reference", "flash_cpu"])
 def test_a_masked_pairs_nan_bias_is_never_read(backend):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 4, 16, generator=g) for _ in range(3))
     bias = torch.randn(1, 2, 4, 4, generator=g)
     allowed = torch.ones(4, 4, dtype=torch.bool).tril()
     poisoned = bias.masked_fill(~allowed, float("nan")).requires_grad_(True)
@@ -215,18 +215,21 @@ def test_a_masked_pairs_nan_bias_is_never_read(backend):
 
 
 def test_dispatch_and_explain_give_the_reasons():
-    q, k, v = (torch.randn(1, 2, 3, 32) for _ in range(3))
-    ex = mha.explain(q, k, v, bias=torch.zeros(3, 3))
-    assert ex.chosen == "sdpa"
-    flash = next(x for x in ex if x.backend == "flash_cpu")
-    assert any("bias is not native yet" in r for r in flash.reasons)
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))  # prefill: past the decode kernel
+    for variant in (dict(bias=torch.zeros(40, 40)), dict(softcap=10.0, sinks=torch.zeros(2)),
+                    dict(alibi_slopes=mha.alibi_slopes(2))):
+        ex = mha.explain(q, k, v, **variant)
+        assert ex.chosen == "flash_cpu", variant  # native in the kernel
+    sdpa = next(x for x in ex if x.backend == "sdpa")
     ex = mha.explain(q, k, v, softcap=10.0, sinks=torch.zeros(2))
-    assert ex.chosen == "math"
     sdpa = next(x for x in ex if x.backend == "sdpa")
     assert any(r.startswith("softcap") for r in sdpa.reasons)
     assert any(r.startswith("sinks") for r in sdpa.reasons)
+    ex = mha.explain(q, k, v, softcap=10.0, scale=0.0)  # the kernel's unit is scores / scale
+    flash = next(x for x in ex if x.backend == "flash_cpu")
+    assert any("scale 0" in r for r in flash.reasons) and ex.chosen == "math"
     with pytest.raises(mha.BackendError, match="softcap"):
-        mha.attention(q, k, v, softcap=10.0, backend="flash_cpu")
+        mha.attention(q, k, v, softcap=10.0, backend="sdpa")
     assert set(ORDER) == {x.backend for x in ex}
 
 

@@ -14,13 +14,8 @@ import functools
 
 import torch
 
-from mha.backends.base import (
-    ALL_MASK_KINDS,
-    NATIVE_VARIANT_GAPS,
-    AttentionCall,
-    Backend,
-    Capabilities,
-)
+from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.scores import VARIANT_KINDS
 
 
 def _unavailable() -> str | None:
@@ -54,8 +49,8 @@ def _defers(call: AttentionCall) -> str | None:
     ahead below Tk = 512 (1.1-1.8x at T = 32-256), with a sliding window (2.8x), in decode, and
     in bf16 training (3-8x: SDPA's bf16 backward). So dispatch leaves such calls to sdpa when
     sdpa needs no (Tq, Tk) mask for them."""
-    if call.Tk < PORTABLE_MIN_TK or not _portable(call.dtype):
-        return None
+    if call.Tk < PORTABLE_MIN_TK or not _portable(call.dtype) or call.scores.kinds:
+        return None  # score variants: sdpa would need a (Tq, Tk) float mask or cannot serve
     kinds = call.masks.kinds
     cheap_for_sdpa = kinds in (frozenset(), frozenset({"key_lengths"}), frozenset({"mask"})) or (
         kinds == {"causal"} and call.Tq == call.Tk)
@@ -68,11 +63,19 @@ def _defers(call: AttentionCall) -> str | None:
 def _forward(call: AttentionCall):
     from mha.ops import flash
 
-    m = call.masks
+    m, sc = call.masks, call.scores
     out, lse = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
                                      key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
-                                     window=m.window)
+                                     window=m.window, softcap=sc.softcap, sinks=sc.sinks,
+                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes)
     return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
+
+
+def _extra_reasons(call: AttentionCall) -> list[str]:
+    if call.scale == 0 and call.scores.kinds - {"sinks"}:
+        return ["softcap, bias and ALiBi run in the kernel's unit of scores / scale: scale 0 "
+                "is served by math, reference"]
+    return []
 
 
 BACKEND = Backend(
@@ -82,8 +85,9 @@ BACKEND = Backend(
                       dtypes=frozenset({torch.float32, torch.bfloat16}),
                       min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
                       dropout=False, weights=False, lse=True, grad=True, mask_kinds=ALL_MASK_KINDS,
-                      variants=frozenset(), variant_gaps=NATIVE_VARIANT_GAPS),
+                      variants=VARIANT_KINDS),
     forward=_forward,
     unavailable=_unavailable,
+    extra_reasons=_extra_reasons,
     defers=_defers,
 )

@@ -85,7 +85,8 @@ def kernels() -> dict[str, str]:
     return {"float32": f32, "bfloat16": bf16}
 
 
-def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0):
+def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, sinks=None,
+              bias=None, alibi=None):
     B, h, Tq, _ = q.shape
     torch._check(k.shape[0] == B and v.shape[0] == B, lambda: "q, k, v must share B")
     torch._check(k.shape[3] == q.shape[3], lambda: "k must have d_k like q")
@@ -96,18 +97,42 @@ def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_lengths, mask, causal, scale, window = inputs
+    q, k, v, key_lengths, mask, causal, scale, window, softcap, sinks, bias, alibi = (
+        inputs + (0.0, None, None, None)[len(inputs) - 8:])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask)
-    ctx.causal, ctx.scale, ctx.window = causal, scale, window
+    ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi)
+    ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, key_lengths, mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.mha.flash_attention_bwd(grad_out, grad_lse, q, k, v, out, lse,
-                                                   key_lengths, mask, ctx.causal, ctx.scale,
-                                                   ctx.window)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi = ctx.saved_tensors
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[10]
+    dq, dk, dv, dbias = torch.ops.mha.flash_attention_bwd(
+        grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, ctx.causal, ctx.scale,
+        ctx.window, ctx.softcap, sinks, bias, alibi, ctx.bias_grad)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[9]:
+        dsinks = sink_grad(grad_out, grad_lse, out, lse, sinks)
+    if ctx.bias_grad:  # (B, h, Tq|1, Tk|1) summed over the dims the bias broadcasts on
+        dims = [d for d in (0, 1) if bias.shape[d] == 1]
+        dbias = dbias.sum(dim=dims, keepdim=True) if dims else dbias  # bias's shape
+    else:
+        dbias = None
+    return dq, dk, dv, None, None, None, None, None, None, dsinks, dbias, None
+
+
+def sink_grad(grad_out, grad_lse, out, lse, sinks):
+    """``d loss / d sinks`` ``(h,)``: the sink is one more logit of each row with no value, so
+    its ``dS = P_sink (0 - delta)`` with ``P_sink = exp(sink - lse)`` and
+    ``delta = rowsum(dO O) - dlse`` (the fused backward's delta), summed over batch and rows."""
+    f32 = torch.float32
+    delta = torch.zeros_like(lse, dtype=f32)  # (B, h, Tq)
+    if grad_out is not None:
+        delta = (grad_out.to(f32) * out.to(f32)).sum(-1)  # (B, h, Tq)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(f32)
+    p_sink = torch.exp(sinks.to(f32).view(1, -1, 1) - lse)  # (B, h, Tq)
+    return (-(p_sink * delta)).sum(dim=(0, 2)).to(sinks.dtype)  # (h,)
 
 
 def _allowed_chunk(i0: int, i1: int, j0: int, j1: int, Tq: int, Tk: int, causal: bool,
@@ -149,15 +174,22 @@ def flash_attention_bwd(grad_out: torch.Tensor | None, grad_lse: torch.Tensor | 
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, key_lengths: torch.Tensor | None,
                         mask: torch.Tensor | None, causal: bool, scale: float,
-                        window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention`, in fp32 arithmetic: the fused
-    native kernel ``mha::flash_attention_bwd_fused`` when it builds, else
-    :func:`flash_attention_bwd_torch`. ``window`` 0 means none."""
+                        window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
+                        bias_grad: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv, dbias)`` of :func:`flash_attention`, in fp32 arithmetic: the
+    fused native kernel ``mha::flash_attention_bwd_fused`` when it builds, else
+    :func:`flash_attention_bwd_torch`. ``window`` 0 means none. ``dbias`` (with ``bias_grad``):
+    float32 ``(B, h, Tq|1, Tk|1)``, the bias's gradient before the sum over its broadcast batch
+    and head dims; else an empty tensor."""
     if load_backward() is None:
-        return torch.ops.mha.flash_attention_bwd_fused(grad_out, grad_lse, q, k, v, out, lse,
-                                                       key_lengths, mask, causal, scale, window)
+        return torch.ops.mha.flash_attention_bwd_fused(
+            grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale, window,
+            softcap, sinks, bias, alibi, bias_grad)
     return flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
-                                     causal, scale, window)
+                                     causal, scale, window, softcap, sinks, bias, alibi,
+                                     bias_grad)
 
 
 def _no_double_backward(ctx, *grads):
@@ -172,14 +204,18 @@ flash_attention_bwd.register_autograd(_no_double_backward,
 
 
 def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
-                              causal: bool, scale: float, window: int = 0):
+                              causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
+                              sinks=None, bias=None, alibi=None, bias_grad: bool = False):
     """The backward in PyTorch ops (fallback and test oracle): recomputes
     ``P = exp(S - lse)`` for chunks of query rows, reading only the keys between the chunk's
     first window start and its last causal diagonal (with a window: O(Tq w) work and memory).
     Masked pairs give exactly 0 (``dS`` selected, never ``0 * NaN``); Q and K enter the
     products with ``dS`` with non-finite elements as 0, and a row whose q is not finite or whose
     lse is +inf gets ``lse = NaN`` (P = NaN at every pair it sees, as softmax gives), so every
-    pair such a row sees still carries its NaN (the module's NaN / Inf rule)."""
+    pair such a row sees still carries its NaN (the module's NaN / Inf rule). The score
+    variants (softcap, bias, ALiBi) are applied to each chunk's scores as the forward does;
+    ``dS`` then passes through the softcap's derivative, and the bias gradient is ``dS`` per
+    pair, summed over the bias's broadcast query and key dims."""
     B, h, Tq, d_k = q.shape
     h_kv, Tk, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = h // h_kv
@@ -188,8 +224,10 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
     dq = torch.zeros(B, h, Tq, d_k, dtype=f32)
     dk = torch.zeros(B, h_kv, Tk, d_k, dtype=f32)
     dv = torch.zeros(B, h_kv, Tk, d_v, dtype=f32)
+    db = (torch.zeros(B, h, bias.shape[2], bias.shape[3], dtype=f32) if bias_grad
+          else torch.zeros(0, dtype=f32))  # (B, h, Tq|1, Tk|1)
     if grad_out is None and grad_lse is None:
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db
     d_out = torch.zeros(B, h, Tq, d_v, dtype=f32) if grad_out is None else grad_out.to(f32)
     delta = (d_out * out.to(f32)).sum(-1)  # (B, h, Tq)
     if grad_lse is not None:
@@ -216,6 +254,17 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
         do_c = d_out[:, :, i0:i1].reshape(B, h_kv, g * C, d_v)  # (B, h_kv, g*C, d_v)
         k_c, v_c = kf[:, :, j0:j1], vf[:, :, j0:j1]  # (B, h_kv, n, d_k|d_v)
         s = (q_c @ k_c.transpose(-2, -1)).view(B, h, C, n) * scale  # (B, h, C, n)
+        cap_grad = None
+        if softcap:
+            t = torch.tanh(s / softcap)  # (B, h, C, n)
+            s, cap_grad = softcap * t, 1.0 - t * t
+        if bias is not None:
+            bc = bias if bias.shape[2] == 1 else bias[:, :, i0:i1]  # (B|1, h|1, C|1, Tk|1)
+            s = s + (bc if bc.shape[3] == 1 else bc[..., j0:j1]).to(f32)  # (B, h, C, n)
+        if alibi is not None:
+            dist = (torch.arange(i0, i1)[:, None] + (Tk - Tq)
+                    - torch.arange(j0, j1)[None]).to(f32)  # (C, n)
+            s = s - alibi.to(f32).view(-1, h, 1, 1) * dist  # (B, h, C, n)
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])  # (B, h, C, n)
         allowed = _allowed_chunk(i0, i1, j0, j1, Tq, Tk, causal, window, key_lengths, mask)
         if allowed is not None:
@@ -226,22 +275,35 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
         ds = p * (dp - delta[:, :, i0:i1, None])  # (B, h, C, n)
         if allowed is not None:
             ds = ds.masked_fill(~allowed, 0.0)  # dP may be NaN at a masked pair: dS is 0
+        if bias_grad:  # summed over the bias's broadcast query / key dims
+            part = ds.sum(dim=2, keepdim=True) if bias.shape[2] == 1 else ds
+            part = part.sum(dim=3, keepdim=True) if bias.shape[3] == 1 else part
+            rows_ = slice(None) if bias.shape[2] == 1 else slice(i0, i1)
+            cols = slice(None) if bias.shape[3] == 1 else slice(j0, j1)
+            db[:, :, rows_, cols] += part  # (B, h, C|1, n|1)
+        if cap_grad is not None:  # dS of the scaled raw scores
+            ds = torch.where(ds != 0, ds * cap_grad, ds)  # 0 stays 0 at masked pairs
         ds = ds.view(B, h_kv, g * C, n)  # (B, h, C, n) -> (B, h_kv, g*C, n)
         dq[:, :, i0:i1] = (ds @ k_safe[:, :, j0:j1]).view(B, h, C, d_k) * scale  # (B, h, C, d_k)
         dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ q_c) * scale  # (B, h_kv, n, d_k)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db
 
 
 @flash_attention_bwd.register_fake
 def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-              window=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+              window=0, softcap=0.0, sinks=None, bias=None, alibi=None, bias_grad=False):
+    B, h, Tq, _ = q.shape
+    dbias = (q.new_empty((B, h, bias.shape[2], bias.shape[3]), dtype=torch.float32)
+             if bias_grad else q.new_empty((0,), dtype=torch.float32))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     key_lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                    scale: float | None = None,
-                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None,
+                    alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` on the CPU with the native kernel, and its log-sum-exp.
 
     Internal: the backends and tests call it with arguments ``mha.attention`` has validated
@@ -263,6 +325,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         window: sliding window (use with ``causal``): query ``i`` sees only keys
             ``j > i + Tk - Tq - window``; key blocks left of it are skipped, in the forward
             and in the backward (O(Tq window) work). None: no window.
+        softcap, sinks, bias, alibi_slopes: the score variants of :mod:`mha.scores`, applied
+            in the kernel: ``softcap`` > 0 (scores ``softcap * tanh(s / softcap)``); ``sinks``
+            ``(h,)`` (one logit per head in every denominator, differentiable); ``bias`` float,
+            broadcastable to ``(B, h, Tq, Tk)``, read through its strides (size-1 dims are
+            not expanded; differentiable); ``alibi_slopes`` ``(h,)`` or ``(B, h)``
+            (``-slope (i + Tk - Tq - j)`` computed in the kernel). The log-sum-exp includes
+            the sink (a row with no key then has ``lse = sinks[h]``).
 
     Returns:
         ``out (B, h, Tq, d_v)`` in q's dtype (memory laid out as ``(B, Tq, h, d_v)``) and
@@ -276,8 +345,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if key_lengths is not None:
         key_lengths = torch.as_tensor(key_lengths).to(torch.int64)  # (B,)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    f32 = torch.float32
+    if bias is not None:  # float32, 4-D, size-1 dims kept (no expansion)
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).to(f32)
+    if sinks is not None:
+        sinks = sinks.to(f32).contiguous()  # (h,)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(f32).reshape(-1, q.shape[1]).contiguous()  # (1|B, h)
     # No second validation here: mha.attention's boundary (mha.checks) has validated every
     # argument and the C++ op guards shapes, dtypes and lengths (TORCH_CHECK); a window <= 0
     # is no window there.
     return torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
-                                             int(window or 0))
+                                             int(window or 0), float(softcap or 0.0), sinks,
+                                             bias, alibi_slopes)

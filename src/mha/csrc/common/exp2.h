@@ -1,11 +1,12 @@
 // 2^x in fp32 for every AVX-512 softmax: the flash forward (fp32 softmax, small path, alpha),
 // the fused backward, which recomputes P with it (one polynomial, so the backward's P is the
 // forward's P; the forward's one-pass softmax evaluates it through exp2_ftz_avx512, without the
-// clamp), and the decode kernel. Header-only; include after <immintrin.h>.
+// clamp), and the decode kernel; and the same polynomial in plain float arithmetic
+// (exp2_scalar) for the score variants' tanh on any target. Header-only.
 #pragma once
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
 
 namespace mha_exp2 {
 
@@ -16,6 +17,34 @@ constexpr float kExp2C1 = 6.9314718055994531e-01f, kExp2C2 = 2.4022650695910071e
                 kExp2C3 = 5.5504108664821580e-02f, kExp2C4 = 9.6181291076284772e-03f,
                 kExp2C5 = 1.3333558146428441e-03f, kExp2C6 = 1.5403530393381606e-04f,
                 kExp2C7 = 1.5252733804059841e-05f;
+
+// 2^x for x <= 0 in plain float arithmetic (the same polynomial; loops calling it vectorize
+// on any target): x clamped at -126 (2^-126, the smallest normal float), NaN gives NaN.
+inline float exp2_scalar(float x) {
+  x = x < -126.f ? -126.f : x;  // NaN stays NaN
+  const float n = __builtin_floorf(x + 0.5f);
+  const float f = x - n;  // [-1/2, 1/2]
+  float y = kExp2C7;
+  y = y * f + kExp2C6;
+  y = y * f + kExp2C5;
+  y = y * f + kExp2C4;
+  y = y * f + kExp2C3;
+  y = y * f + kExp2C2;
+  y = y * f + kExp2C1;
+  y = y * f + 1.f;
+  const int32_t e = (n == n ? int32_t(n) : 0) + 127;  // 2^n by its exponent bits
+  const uint32_t bits = uint32_t(e) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+}  // namespace mha_exp2
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace mha_exp2 {
 
 // 2^f for f in [-1/2, 1/2] (Horner).
 __attribute__((always_inline)) inline __m512 exp2_poly(__m512 f) {

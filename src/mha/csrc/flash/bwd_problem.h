@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/constants.h"
+#include "common/score_mods.h"
 #include "common/tensor_access.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,6 +62,9 @@ struct Problem {
   int64_t window;           // > 0: sliding window (the left edge); 0: none
   T *dq, *dkey, *dval;      // contiguous outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
   float* dq_part;           // (S, B, h, Tq, d_k) partial dQ when splits > 1, else null
+  mha_common::ScoreMods mods;  // softcap, sinks, bias, ALiBi (common/score_mods.h)
+  float* dbias = nullptr;   // (B, h, Tq|1, Tk|1) fp32 bias gradient, or null; dbs: its strides,
+  int64_t dbs[4] = {0, 0, 0, 0};  // 0 on the bias's broadcast query / key dims
 
   // Keys j < start are left of query row i's window (0 without a window), as in the forward.
   int64_t key_start(int64_t i) const {

@@ -27,6 +27,10 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
     const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hi * P.ms[1] + i * P.ms[2] + j0 * P.ms[3]
                               : nullptr;
     const float l2 = lse2[i], dl = delta[i];
+    float dcap[kBc];  // the softcap's derivative per key (score variants)
+    const bool capped = P.mods.softcap > 0.f;
+    if (P.mods.on_scores())
+      P.mods.apply_row(sr, kn, b, hi, i, j0, P.Tq, P.Tk, P.scale, capped ? dcap : nullptr);
     for (int64_t c0 = 0; c0 < ncols; c0 += kLanes) {
       const int64_t nvis = std::clamp<int64_t>(lim - c0, 0, kLanes);
       uint32_t bits = nvis == kLanes ? 0xFFFFu : (1u << nvis) - 1;  // lane l visible
@@ -52,6 +56,15 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
       }
 #endif
     }
+    if (P.dbias) {  // d bias = dS per pair (0 at masked pairs), summed where the bias broadcasts
+      float* db = P.dbias + b * P.dbs[0] + hi * P.dbs[1] + i * P.dbs[2] + j0 * P.dbs[3];
+      if (P.dbs[3] == 1)
+        for (int64_t n = 0; n < kn; ++n) db[n] += dr[n];
+      else
+        for (int64_t n = 0; n < kn; ++n) db[n * P.dbs[3]] += dr[n];
+    }
+    if (capped)  // dS of the scaled raw scores; 0 stays 0 (a masked pair's derivative may be NaN)
+      for (int64_t n = 0; n < kn; ++n) dr[n] = dr[n] != 0.f ? dr[n] * dcap[n] : 0.f;
   }
 }
 

@@ -165,7 +165,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& key_lengths,
                                                 const std::optional<at::Tensor>& mask,
                                                 bool causal, double scale,
-                                                const std::string& kernel, int64_t window) {
+                                                const std::string& kernel, int64_t window,
+                                                const mha_common::ScoreMods& mods = {}) {
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention");
   const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
@@ -213,9 +214,15 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.scale = float(scale);
     P.causal = causal;
     P.window = window > 0 && window < Tk ? window : 0;  // w >= Tk hides no key: no window
-    const std::string& kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
+    P.mods = mods;
+    std::string kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
+    // The score variants run in the register-tile key loop (key_block): the AMX key loops and
+    // the small path hand such calls to the AVX-512 tiles.
+    if (mods.any() && kernel == "auto" && kn == "amx") kn = "avx512f";
+    TORCH_CHECK(!mods.any() || (kn != "amx" && kn != "small"), "flash_attention: kernel '", kn,
+                "' does not apply the score variants (softcap, sinks, bias, ALiBi)");
 #if defined(MHA_FLASH_SMALL)
-    if (kernel == "small" || (kernel == "auto" && small_path_applies(P, kn))) {
+    if (kernel == "small" || (kernel == "auto" && !mods.any() && small_path_applies(P, kn))) {
       TORCH_CHECK(small_path_applies(P), "flash_attention: the small path serves Tk <= ",
                   kSmallMaxKeys, " and head dims <= ", kSmallMaxDim, ", got Tk=", Tk);
       return run_small(P);
@@ -244,11 +251,19 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+// Score variants (common/score_mods.h): softcap 0 = none; sinks (h,), bias 4-D broadcastable
+// to (B, h, Tq, Tk), alibi slopes (1|B, h), all float32.
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
-    bool causal, double scale, int64_t window) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window);
+    bool causal, double scale, int64_t window, double softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& alibi) {
+  const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0),
+                                                q.size(1), q.size(2), k.size(2), "flash_attention");
+  TORCH_CHECK(!mods.on_scores() || scale != 0.0,
+              "flash_attention: softcap, bias and ALiBi need scale != 0");
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window, mods);
 }
 
 // The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16", "amx", or
@@ -256,8 +271,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
-    bool causal, double scale, std::string kernel, int64_t window) {
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window);
+    bool causal, double scale, std::string kernel, int64_t window, double softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& alibi) {
+  const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0),
+                                                q.size(1), q.size(2), k.size(2), "flash_attention");
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window, mods);
 }
 
 // The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
@@ -308,9 +327,11 @@ at::Tensor flash_exp2_ftz(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
-        "bool causal, float scale, int window=0) -> (Tensor, Tensor)");
+        "bool causal, float scale, int window=0, float softcap=0., Tensor? sinks=None, "
+        "Tensor? bias=None, Tensor? alibi=None) -> (Tensor, Tensor)");
   m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-        "Tensor? mask, bool causal, float scale, str kernel, int window=0) -> (Tensor, Tensor)");
+        "Tensor? mask, bool causal, float scale, str kernel, int window=0, float softcap=0., "
+        "Tensor? sinks=None, Tensor? bias=None, Tensor? alibi=None) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
   m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);

@@ -80,12 +80,14 @@ bool use_bf16_products(const std::string& math) {
 #endif
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
+// dbias: the bias gradient (B, h, Tq|1, Tk|1) in fp32 when bias_grad, else an empty tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& mask, bool causal, double scale, const std::string& math,
-    int64_t window) {
+    int64_t window, const mha_common::ScoreMods& mods = {},
+    const std::optional<at::Tensor>& bias = std::nullopt, bool bias_grad = false) {
   TORCH_CHECK(math == "auto" || math == "bf16" || math == "fp32",
               "flash_attention_bwd: math must be 'auto', 'bf16' or 'fp32', got '", math, "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
@@ -112,7 +114,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
   };
   at::Tensor dq = make({B, h, Tq, dk}), dkey = make({B, hkv, Tk, dk}),
              dval = make({B, hkv, Tk, dv});
-  if (nothing) return {dq, dkey, dval};
+  TORCH_CHECK(!bias_grad || bias.has_value(), "flash_attention_bwd: bias_grad needs a bias");
+  TORCH_CHECK(!mods.on_scores() || scale != 0.0,
+              "flash_attention_bwd: softcap, bias and ALiBi need scale != 0");
+  // accumulated pair by pair (a unit owns its (b, heads) rows and its key blocks)
+  at::Tensor dbias = bias_grad ? at::zeros({B, h, bias->size(2), bias->size(3)},
+                                           q.options().dtype(at::kFloat))
+                               : at::empty({0}, q.options().dtype(at::kFloat));
+  if (nothing) return {dq, dkey, dval, dbias};
   // out and grad_out in q's dtype (a copy only if they differ), lse and grad_lse in fp32
   const at::Tensor of = out.to(dt), lf = lse.to(f32);
   at::Tensor gof, glf, kl, m;
@@ -140,7 +149,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     m = *mask;
   }
   const int64_t groups = B * hkv, nblocks = (Tk + kBc - 1) / kBc;
-  const int64_t splits = std::max<int64_t>(1, std::min(nblocks, (kMinUnits + groups - 1) / groups));
+  // a bias shared by every key (Tk dim 1) is accumulated by one unit per row: no split
+  const bool shared_key_bias = bias_grad && bias->size(3) == 1;
+  const int64_t splits = shared_key_bias ? 1 : std::max<int64_t>(
+      1, std::min(nblocks, (kMinUnits + groups - 1) / groups));
   at::Tensor part;
   if (splits > 1) part = at::empty({splits, B, h, Tq, dk}, q.options().dtype(f32));
 
@@ -168,6 +180,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
     P.splits = splits;
     P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
     P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
+    P.mods = mods;
+    if (bias_grad) {
+      P.dbias = dbias.data_ptr<float>();
+      fill_strides(dbias, P.dbs, 4, true);
+    }
     // bf16 products pay for their packing from one whole block each way on (measured: at
     // 32 x 8 x 20 x 64 they were ~15 % slower than fp32, at 4 x 8 x 512 x 64 ~30 % faster)
     const bool big = Tq >= kBr && Tk >= kBc;
@@ -195,16 +212,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
   };
   if (dt == at::kFloat) run(float{});
   else run(at::BFloat16{});
-  return {dq, dkey, dval};
+  return {dq, dkey, dval, dbias};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
+// Score variants as in the forward (softcap 0 = none; sinks, bias, alibi float32); the sinks'
+// gradient is computed from lse and delta in mha.ops.flash.sink_grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t window) {
+    const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t window,
+    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& alibi, bool bias_grad) {
+  const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0), q.size(1),
+                                                q.size(2), k.size(2), "flash_attention_bwd");
   return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-                       "auto", window);
+                       "auto", window, mods, bias, bias_grad);
 }
 
 // The backward with the products' arithmetic named ("auto", "bf16", "fp32"), for tests.
@@ -214,8 +237,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& mask, bool causal, double scale, std::string math,
     int64_t window) {
-  return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-                       math, window);
+  auto [dq, dkey, dval, unused] = backward_impl(grad_out, grad_lse, q, k, v, out, lse,
+                                                key_lengths, mask, causal, scale, math, window);
+  return {dq, dkey, dval};
 }
 
 // Which arithmetic the backward's products use for bf16 inputs of at least one 64-row query
@@ -228,7 +252,8 @@ std::string flash_attention_bwd_bf16_math() { return use_bf16_products("auto") ?
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_bwd_fused(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
         "Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, bool causal, "
-        "float scale, int window=0) -> (Tensor, Tensor, Tensor)");
+        "float scale, int window=0, float softcap=0., Tensor? sinks=None, Tensor? bias=None, "
+        "Tensor? alibi=None, bool bias_grad=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("_flash_attention_bwd_fused_math(Tensor? grad_out, Tensor? grad_lse, Tensor q, "
         "Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, "
         "bool causal, float scale, str math, int window=0) -> (Tensor, Tensor, Tensor)");

@@ -9,10 +9,12 @@ namespace {
 
 template <class K, typename T, class Parts>
 void Worker<K, T, Parts>::zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i1) const {
+  // no key: zeros; the log-sum-exp is the sink's logit (the only term left), else -inf
+  const float lse = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;
   for (int64_t i = i0; i < i1; ++i) {
     T* orow = P.out + b * P.os[0] + hq * P.os[1] + i * P.os[2];
     for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(0);
-    P.lse[(b * P.h + hq) * P.Tq + i] = kNegInf;
+    P.lse[(b * P.h + hq) * P.Tq + i] = lse;
   }
 }
 
@@ -38,6 +40,7 @@ template <class K, typename T, class Parts>
 void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, int64_t kbeg,
                  const packed_t* kt, const packed_t* vp) {
   const int rows = int(i1 - i0);
+  hq_ = hq;
   const int64_t kend = P.key_limit(b, i1 - 1);
   const int64_t jlo = P.key_start(i0) / Nb * Nb;  // the block's first key block (>= kbeg)
   if (kend <= jlo) return zero_rows(b, hq, i0, i1);
@@ -85,11 +88,18 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
     // l == 0: the row saw no key (zeros, lse -inf). l NaN (a NaN or +inf score reached the
     // row): inv and lse are NaN, so is the whole row. Never both: a row that saw a key has
     // a P of 1 at its max.
-    const float l = K::row_sum(lsum + r * kLanes);
-    const float inv = l != 0.f ? 1.f / l : 0.f;
+    float l = K::row_sum(lsum + r * kLanes), mr = m[r], inv = l != 0.f ? 1.f / l : 0.f;
+    if (P.mods.sinks && l != 0.f) {  // the sink joins the denominator: l 2^m + 2^sink
+      const float sk = P.mods.sink_log2(hq), mn = std::max(mr, sk);  // NaN m: stays NaN
+      const float shrink = std::exp2(mr - mn);
+      l = l * shrink + std::exp2(sk - mn);
+      inv = shrink / l;
+      mr = mn;
+    }
     T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
     store_row(o + r * dvp, inv, orow);
-    P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l != 0.f ? (m[r] + std::log2(l)) * kLn2 : kNegInf;
+    const float none = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;  // no key: the sink alone
+    P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l != 0.f ? (mr + std::log2(l)) * kLn2 : none;
   }
 }
 
@@ -245,6 +255,9 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
       default: for_row_tiles<rows_for(4)>(rows, QkTile<K, 4>{q, kc, dkp, Nb, int(dkp), sc, Nb}); break;
     }
   }
+  if (P.mods.on_scores())  // softcap, bias, ALiBi on the block's scores (common/score_mods.h)
+    for (int r = 0; r < rows; ++r)
+      P.mods.apply_row(s + r * Nb, jn, b, hq_, i0 + r, j0, P.Tq, P.Tk, P.scale);
   softmax_group<NV>(b, i0, rows, j0, mrow0, s, p, m, alpha, lsum, bits);
   // exact pass: the tiles where every row sees every key of the block, else pv_exact
   if (exact && !(mrow0 == nullptr && j0 >= P.key_start(i0 + rows - 1) &&

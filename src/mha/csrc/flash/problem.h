@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common/constants.h"
+#include "common/score_mods.h"
 #include "common/tensor_access.h"
 #include "flash/flash_attn_kernels.h"
 
@@ -44,6 +45,7 @@ struct Problem {
   float scale;
   bool causal;
   int64_t window;  // > 0: sliding window (the left edge); <= 0: none
+  mha_common::ScoreMods mods;  // softcap, sinks, bias, ALiBi (common/score_mods.h)
 
   // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
   int64_t key_limit(int64_t b, int64_t i) const {

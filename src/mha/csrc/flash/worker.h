@@ -16,6 +16,7 @@ struct Worker {
   const Problem<T>& P;
   int64_t Nb, dkp, dvp, g;
   Scratch<K>& sc;
+  int64_t hq_ = 0;  // the query head of the block in flight (the score variants read it)
 
   Worker(const Problem<T>& p, Scratch<K>& scratch) : P(p), sc(scratch) {
     Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), K::kKeyAlign));
