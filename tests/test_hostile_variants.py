@@ -96,8 +96,9 @@ def test_a_forced_backend_that_cannot_serve_a_variant_says_which():
     with pytest.raises(mha.BackendError, match="alibi is not native yet"):
         mha.attention(q, k, v, alibi_slopes=mha.alibi_slopes(H), backend="flash_decode")
     q16, k16, v16 = (torch.randn(1, H, 4, 16) for _ in range(3))
-    with pytest.raises(mha.BackendError, match="scale 0"):
-        mha.attention(q16, k16, v16, softcap=5.0, scale=0.0, backend="flash_cpu")
+    with pytest.raises(mha.BackendError, match="head dim 8 < 16"):
+        mha.attention(q, k, v, softcap=5.0, backend="flash_cpu")
+    assert mha.explain(q16, k16, v16, softcap=5.0, scale=0.0).chosen == "flash_cpu"
 
 
 def test_a_refused_call_leaves_the_inputs_unchanged():

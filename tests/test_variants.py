@@ -225,9 +225,6 @@ def test_dispatch_and_explain_give_the_reasons():
     sdpa = next(x for x in ex if x.backend == "sdpa")
     assert any(r.startswith("softcap") for r in sdpa.reasons)
     assert any(r.startswith("sinks") for r in sdpa.reasons)
-    ex = mha.explain(q, k, v, softcap=10.0, scale=0.0)  # the kernel's unit is scores / scale
-    flash = next(x for x in ex if x.backend == "flash_cpu")
-    assert any("scale 0" in r for r in flash.reasons) and ex.chosen == "math"
     with pytest.raises(mha.BackendError, match="softcap"):
         mha.attention(q, k, v, softcap=10.0, backend="sdpa")
     assert set(ORDER) == {x.backend for x in ex}

@@ -71,13 +71,6 @@ def _forward(call: AttentionCall):
     return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
 
 
-def _extra_reasons(call: AttentionCall) -> list[str]:
-    if call.scale == 0 and call.scores.kinds - {"sinks"}:
-        return ["softcap, bias and ALiBi run in the kernel's unit of scores / scale: scale 0 "
-                "is served by math, reference"]
-    return []
-
-
 BACKEND = Backend(
     name="flash_cpu",
     summary="native flash-attention kernel for the CPU (AVX-512 / AVX512_BF16), O(T d) memory",
@@ -88,6 +81,5 @@ BACKEND = Backend(
                       variants=VARIANT_KINDS),
     forward=_forward,
     unavailable=_unavailable,
-    extra_reasons=_extra_reasons,
     defers=_defers,
 )

@@ -92,7 +92,7 @@ def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, 
     torch._check(k.shape[3] == q.shape[3], lambda: "k must have d_k like q")
     torch._check(h % k.shape[1] == 0, lambda: "h_kv must divide h")
     out = q.new_empty((B, Tq, h, v.shape[3])).permute(0, 2, 1, 3)  # (B, h, Tq, d_v)
-    lse = q.new_empty((B, h, Tq), dtype=torch.float32)  # (B, h, Tq)
+    lse = q.new_empty((B, h, Tq), dtype=torch.float64)  # (B, h, Tq), see flash_attention
     return out, lse
 
 
@@ -355,6 +355,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     # No second validation here: mha.attention's boundary (mha.checks) has validated every
     # argument and the C++ op guards shapes, dtypes and lengths (TORCH_CHECK); a window <= 0
     # is no window there.
-    return torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
-                                             int(window or 0), float(softcap or 0.0), sinks,
-                                             bias, alibi_slopes)
+    # The op's lse is float64: the backward recomputes P from it, and at scores in the hundreds
+    # (T5's unscaled logits) an fp32 lse would put ~1e-4 relative error into every P.
+    out, lse = torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
+                                                 int(window or 0), float(softcap or 0.0), sinks,
+                                                 bias, alibi_slopes)
+    return out, lse.float()  # (B, h, Tq, d_v), (B, h, Tq)

@@ -9,6 +9,7 @@ namespace mha_common {
 
 constexpr int kLanes = 16;  // fp32 lanes of one 512-bit vector
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr double kLog2eD = 1.4426950408889634, kLn2d = 0.6931471805599453;
 constexpr float kInf = std::numeric_limits<float>::infinity(), kNegInf = -kInf;
 
 // x rounded up to a multiple of m (x >= 0, m > 0).

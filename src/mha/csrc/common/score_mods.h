@@ -4,9 +4,10 @@
 //   x = x + bias[b, hq, i, j]                  bias read through its strides (0 on broadcast dims)
 //   x = x - slope[b, hq] * (i + Tk - Tq - j)   ALiBi, aligned bottom-right like causal
 // and a sink logit per head that joins the softmax denominator with no value (applied where
-// each kernel finishes a row). The kernels keep their softmax unchanged: a row's modified scores
-// are written back divided by scale, in the unit of the raw dot products the softmax multiplies
-// by scale (so the variants need scale != 0; mha.ops.flash routes scale 0 elsewhere).
+// each kernel finishes a row). A row's modified scores x replace its raw dot products, and the
+// kernel's softmax then multiplies by log2 e instead of scale * log2 e (score_scale below): no
+// division and multiplication by scale, whose rounding at scores of ~100 (ALiBi at long
+// distances) would be ~1e-5 in each P.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,15 +22,19 @@
 
 namespace mha_common {
 
-// tanh in plain float arithmetic (vectorizes; within a few ulp of 1 in absolute error):
-// an odd Taylor polynomial below |y| = 1/8, else (1 - e) / (1 + e) with e = exp(-2 |y|).
+// tanh in plain float arithmetic (vectorizes; within ~2 ulp): an odd Taylor polynomial below
+// |y| = 1/4, else (1 - e) / (1 + e) with e = exp(-2 |y|) (e <= 0.61 there, so 1 - e loses at
+// most a bit to cancellation).
 inline float tanh_fast(float y) {
   const float a = std::fabs(y), y2 = y * y;
   const float e = mha_exp2::exp2_scalar(-2.f * kLog2e * a);
   const float big = std::copysign((1.f - e) / (1.f + e), y);
-  // y - y^3/3 + 2y^5/15 - 17y^7/315 (the next term, 62 y^9 / 2835, is < 3e-10 at 1/8)
-  const float small = y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315))));
-  return a < 0.125f ? small : big;  // NaN: big (NaN)
+  // y - y^3/3 + 2y^5/15 - 17y^7/315 + 62y^9/2835 - 1382y^11/155925 (the next term is < 1e-10
+  // relative at 1/4)
+  const float small =
+      y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315 +
+                                                           y2 * (62.f / 2835 + y2 * (-1382.f / 155925))))));
+  return a < 0.25f ? small : big;  // NaN: big (NaN)
 }
 
 struct ScoreMods {
@@ -43,12 +48,12 @@ struct ScoreMods {
   bool on_scores() const { return softcap > 0.f || bias != nullptr || alibi != nullptr; }
   bool any() const { return on_scores() || sinks != nullptr; }
 
-  // Row i's raw dot products s[0, n) against keys j0 + (0 .. n) become the modified scores
-  // divided by scale. dcap (when softcap is on and dcap is not null) receives the softcap's
-  // derivative 1 - tanh^2 per key, for the backward.
+  // Row i's raw dot products s[0, n) against keys j0 + (0 .. n) become the modified scores x.
+  // dcap (when softcap is on and dcap is not null) receives the softcap's derivative
+  // 1 - tanh^2 per key, for the backward.
   void apply_row(float* s, int64_t n, int64_t b, int64_t hq, int64_t i, int64_t j0, int64_t Tq,
                  int64_t Tk, float scale, float* dcap = nullptr) const {
-    const float inv = 1.f / scale, cap = softcap, icap = softcap > 0.f ? 1.f / softcap : 0.f;
+    const float cap = softcap, icap = softcap > 0.f ? 1.f / softcap : 0.f;
     if (cap > 0.f) {
       for (int64_t c = 0; c < n; ++c) {
         const float t = tanh_fast(s[c] * scale * icap);
@@ -70,8 +75,11 @@ struct ScoreMods {
       const float d0 = float(i + Tk - Tq - j0);  // the distance of key j0; exact below 2^24
       for (int64_t c = 0; c < n; ++c) s[c] -= slope * (d0 - float(c));
     }
-    for (int64_t c = 0; c < n; ++c) s[c] *= inv;
   }
+
+  // What the softmax multiplies a stored score by (before log2 e): scale for raw dot products,
+  // 1 for scores apply_row has modified.
+  float score_scale(float scale) const { return on_scores() ? 1.f : scale; }
 
   // The sink of head hq in the unit of a kernel's running max (log2 of the scaled scores).
   float sink_log2(int64_t hq) const { return sinks[hq] * kLog2e; }

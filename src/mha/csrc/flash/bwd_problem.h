@@ -52,7 +52,8 @@ using mha_exp2::exp2_avx512;
 template <typename T>
 struct Problem {
   const T *q, *k, *v, *out, *go;  // go may be null (no gradient of out)
-  const float *lse, *glse;         // glse may be null (no gradient of lse)
+  const double* lse;              // float64 (the forward's)
+  const float* glse;              // may be null (no gradient of lse)
   int64_t qs[4], ks[4], vs[4], os[4], gos[4], ls[3], gls[3], ms[4];
   const bool* mask = nullptr;           // ms is 0 on broadcast dims
   const int64_t* key_lengths = nullptr;
@@ -74,7 +75,8 @@ struct Problem {
 
 // Scratch of one unit, sized once per unit.
 struct Scratch {
-  std::vector<float> q, dout, lse2, delta, dq;  // the group's rows: (g, Tq, d_kp | d_vp | 1)
+  std::vector<float> q, dout, lse2, lse2lo, delta, dq;  // the group's rows: (g, Tq, d_kp|d_vp|1);
+                                                        // lse2 + lse2lo: lse log2 e, hi + lo
   std::vector<float> kt, vt, kr, dk, dv;        // one key block: K^T (d_k, Bc), V^T (d_v, Bc),
                                                 // K (Bc, d_kp), dK (Bc, d_kp), dV (Bc, d_vp)
   std::vector<float> s, dp;                     // (Br, Bc): S then P, dP then dS

@@ -13,9 +13,9 @@ namespace {
 // and P on exit, dp holds dP (or garbage when there is no grad_out) and dS on exit.
 template <typename T>
 void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_t rows, int64_t j0,
-                  int64_t kn, const float* lse2, const float* delta, bool has_go, float* s,
-                  float* dp) {
-  const float c = P.scale * kLog2e;
+                  int64_t kn, const float* lse2, const float* lse2lo, const float* delta,
+                  bool has_go, float* s, float* dp) {
+  const float c = P.mods.score_scale(P.scale) * kLog2e;
   const int64_t ncols = round_up(kn, kLanes);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
@@ -26,7 +26,7 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
     float* dr = dp + r * kBc;
     const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hi * P.ms[1] + i * P.ms[2] + j0 * P.ms[3]
                               : nullptr;
-    const float l2 = lse2[i], dl = delta[i];
+    const float l2 = lse2[i], l2lo = lse2lo[i], dl = delta[i];
     float dcap[kBc];  // the softcap's derivative per key (score variants)
     const bool capped = P.mods.softcap > 0.f;
     if (P.mods.on_scores())
@@ -41,15 +41,16 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
           if (!mrow[(c0 + l) * P.ms[3]]) bits &= ~(1u << l);
 #if defined(__AVX512F__)
       const __mmask16 m = __mmask16(bits);
-      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sr + c0), _mm512_set1_ps(c),
-                                       _mm512_set1_ps(l2));
+      const __m512 x = _mm512_sub_ps(  // s c - (l2 + l2lo): the product unrounded (FMA)
+          _mm512_fmsub_ps(_mm512_loadu_ps(sr + c0), _mm512_set1_ps(c), _mm512_set1_ps(l2)),
+          _mm512_set1_ps(l2lo));
       const __m512 p = _mm512_maskz_mov_ps(m, exp2_avx512(x));
       const __m512 d = has_go ? _mm512_loadu_ps(dr + c0) : _mm512_setzero_ps();
       _mm512_storeu_ps(sr + c0, p);  // masked lanes: exactly 0, whatever S or dP hold there
       _mm512_storeu_ps(dr + c0, _mm512_maskz_mul_ps(m, p, _mm512_sub_ps(d, _mm512_set1_ps(dl))));
 #else
       for (int l = 0; l < kLanes; ++l) {
-        const float p = ((bits >> l) & 1) ? std::exp2(sr[c0 + l] * c - l2) : 0.f;
+        const float p = ((bits >> l) & 1) ? std::exp2(std::fma(sr[c0 + l], c, -l2) - l2lo) : 0.f;
         const float d = has_go ? dr[c0 + l] : 0.f;
         sr[c0 + l] = p;
         dr[c0 + l] = ((bits >> l) & 1) ? p * (d - dl) : 0.f;
@@ -123,8 +124,10 @@ void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t 
       }
       if (P.glse) dsum -= P.glse[b * P.gls[0] + hi * P.gls[1] + t * P.gls[2]];
       w.delta[row] = dsum;
-      const float l = P.lse[b * P.ls[0] + hi * P.ls[1] + t * P.ls[2]];
-      w.lse2[row] = l == -kInf ? kInf : finite && l != kInf ? l * kLog2e : std::nanf("");
+      const double l = P.lse[b * P.ls[0] + hi * P.ls[1] + t * P.ls[2]];
+      const double l2 = l * mha_common::kLog2eD;
+      w.lse2[row] = l == -kInf ? kInf : finite && l != kInf ? float(l2) : std::nanf("");
+      w.lse2lo[row] = std::isfinite(l2) ? float(l2 - double(float(l2))) : 0.f;  // the rest
     }
   }
 }

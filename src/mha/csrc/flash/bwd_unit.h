@@ -41,6 +41,7 @@ void prepare_unit(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, const
   w.q.resize(g * P.Tq * W.dkp);
   w.dout.resize(g * P.Tq * W.dvp);
   w.lse2.resize(g * P.Tq);
+  w.lse2lo.resize(g * P.Tq);
   w.delta.resize(g * P.Tq);
   w.dq.assign(g * P.Tq * W.dkp, 0.f);
   w.kt.resize(P.dk * kBc);
@@ -129,7 +130,8 @@ void block_products_f32(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
   if (has_go)  // dP = dO_i V_j^T: (rows, d_v) x (d_v, Bc)
     gemm(rows, ncols, P.dv, oi, dvp, 1, w.vt.data(), kBc, w.dp.data(), kBc, false);
   softmax_grad(P, b, hi, i0, rows, k.j0, kn, w.lse2.data() + hh * P.Tq,
-               w.delta.data() + hh * P.Tq, has_go, w.s.data(), w.dp.data());
+               w.lse2lo.data() + hh * P.Tq, w.delta.data() + hh * P.Tq, has_go, w.s.data(),
+               w.dp.data());
   if (has_go)  // dV_j += P^T dO_i: (kn, rows) x (rows, d_vp)
     gemm(kn, dvp, rows, w.s.data(), 1, kBc, oi, dvp, w.dv.data(), dvp, true);
   // dK_j += dS^T Q_i: (kn, rows) x (rows, d_kp)
@@ -157,7 +159,8 @@ void block_products_bf16(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh
   if (has_go)
     gemm(rows, ncols, dv2 / 2, obi, dv2, 0, w.vtp.data(), kBc, w.dp.data(), kBc, false);
   softmax_grad(P, b, hi, i0, rows, k.j0, kn, w.lse2.data() + hh * P.Tq,
-               w.delta.data() + hh * P.Tq, has_go, w.s.data(), w.dp.data());
+               w.lse2lo.data() + hh * P.Tq, w.delta.data() + hh * P.Tq, has_go, w.s.data(),
+               w.dp.data());
   const int64_t rp = round_up(rows, 2);
   for (int64_t r = 0; r < rp; r += 2) {  // P, dS as pairs of rows; dS as bf16 rows
     const bool two = r + 1 < rows;

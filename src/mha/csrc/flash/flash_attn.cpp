@@ -3,7 +3,10 @@
 // Shape legend: B batch, h query heads, h_kv key/value heads (g = h / h_kv query heads share
 // one K/V head), Tq/Tk query/key lengths, d_k/d_v head dims. q (B, h, Tq, d_k),
 // k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v), any strides; out (B, h, Tq, d_v) with the memory
-// layout of (B, Tq, h, d_v); lse (B, h, Tq) fp32 natural-log log-sum-exp (-inf: no key).
+// layout of (B, Tq, h, d_v); lse (B, h, Tq) natural-log log-sum-exp (-inf: no key) in float64:
+// the backward recomputes P = 2^(s c - lse log2 e), and where scores reach hundreds (T5's
+// unscaled logits) an fp32 lse would put ~1e-4 relative error into every recomputed P (and
+// into dS through delta's cancellation); mha.ops.flash returns it to callers as float32.
 //
 // Masks (True = may attend, all combined with AND): causal aligned bottom-right (query i sees
 // keys j <= i + Tk - Tq), key_lengths (B,) (keys j >= key_lengths[b] are padding), and a bool
@@ -172,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
   TORCH_CHECK(dk >= 1 && dv >= 1, "flash_attention: head dims must be >= 1");
   at::Tensor out = at::empty({B, Tq, h, dv}, q.options()).permute({0, 2, 1, 3});
-  at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kDouble));
   if (B == 0 || h == 0 || Tq == 0) return {out, lse};
   at::Tensor kl, m;
   if (key_lengths.has_value()) {
@@ -198,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.k = k.data_ptr<T>();
     P.v = v.data_ptr<T>();
     P.out = out.data_ptr<T>();
-    P.lse = lse.data_ptr<float>();
+    P.lse = lse.data_ptr<double>();
     fill_strides(q, P.qs, 4, false);
     fill_strides(k, P.ks, 4, false);
     fill_strides(v, P.vs, 4, false);
@@ -261,8 +264,6 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
     const std::optional<at::Tensor>& alibi) {
   const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0),
                                                 q.size(1), q.size(2), k.size(2), "flash_attention");
-  TORCH_CHECK(!mods.on_scores() || scale != 0.0,
-              "flash_attention: softcap, bias and ALiBi need scale != 0");
   return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window, mods);
 }
 

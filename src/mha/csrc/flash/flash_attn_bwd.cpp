@@ -115,15 +115,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
   at::Tensor dq = make({B, h, Tq, dk}), dkey = make({B, hkv, Tk, dk}),
              dval = make({B, hkv, Tk, dv});
   TORCH_CHECK(!bias_grad || bias.has_value(), "flash_attention_bwd: bias_grad needs a bias");
-  TORCH_CHECK(!mods.on_scores() || scale != 0.0,
-              "flash_attention_bwd: softcap, bias and ALiBi need scale != 0");
   // accumulated pair by pair (a unit owns its (b, heads) rows and its key blocks)
   at::Tensor dbias = bias_grad ? at::zeros({B, h, bias->size(2), bias->size(3)},
                                            q.options().dtype(at::kFloat))
                                : at::empty({0}, q.options().dtype(at::kFloat));
   if (nothing) return {dq, dkey, dval, dbias};
-  // out and grad_out in q's dtype (a copy only if they differ), lse and grad_lse in fp32
-  const at::Tensor of = out.to(dt), lf = lse.to(f32);
+  // out and grad_out in q's dtype (a copy only if they differ), lse in float64 (the forward's:
+  // P is recomputed from it as hi + lo parts), grad_lse in fp32
+  const at::Tensor of = out.to(dt), lf = lse.to(at::kDouble);
   at::Tensor gof, glf, kl, m;
   if (grad_out.has_value()) gof = grad_out->to(dt);
   if (grad_lse.has_value()) glf = grad_lse->to(f32);
@@ -160,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     using T = decltype(tag);
     Problem<T> P;
     P.q = q.data_ptr<T>(), P.k = k.data_ptr<T>(), P.v = v.data_ptr<T>();
-    P.out = of.data_ptr<T>(), P.lse = lf.data_ptr<float>();
+    P.out = of.data_ptr<T>(), P.lse = lf.data_ptr<double>();
     fill_strides(q, P.qs, 4, false);
     fill_strides(k, P.ks, 4, false);
     fill_strides(v, P.vs, 4, false);

@@ -94,7 +94,9 @@ struct PortableF32 {
     m = mnew;
     float sum = lsum[0] * alpha;
     for (int n = 0; n < NV * kLanes; ++n) {
-      p[n] = std::exp2(x[n] - mnew);
+      // s c - m with the product unrounded (one FMA), as the backward recomputes P: the max
+      // is only a reference point, so P stays consistent where s c is in the hundreds
+      p[n] = x[n] == kNegInf ? 0.f : std::exp2(std::fma(s[n], c, -mnew));
       sum += p[n];
     }
     lsum[0] = sum;
@@ -178,6 +180,7 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
   const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(c);
   __m512 x[RS][NV], mx[RS];
   float mnew[RS];
+  __mmask16 keep[RS][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < RS; ++r) {
     mx[r] = neg;
@@ -185,6 +188,7 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
     for (int v = 0; v < NV; ++v) {
       __mmask16 k = lanes_below(nvalid[r] - v * kLanes);
       if (bits) k &= bits[r * bstride + v];
+      keep[r][v] = k;
       x[r][v] = _mm512_mask_mul_ps(neg, k, _mm512_loadu_ps(s + r * lds + v * kLanes), cv);
       mx[r] = _mm512_max_ps(mx[r], x[r][v]);
     }
@@ -215,7 +219,9 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum + r * kLanes), _mm512_set1_ps(alpha[r]));
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const __m512 e = exp2_avx512(_mm512_sub_ps(x[r][v], mv));
+      // s c - m with the product unrounded (one FMA), as the backward recomputes P
+      const __m512 e = exp2_avx512(_mm512_mask_blend_ps(
+          keep[r][v], neg, _mm512_fmsub_ps(_mm512_loadu_ps(s + r * lds + v * kLanes), cv, mv)));
       sum = _mm512_add_ps(sum, e);
       if constexpr (Bf16Out) {
 #if defined(__AVX512BF16__)

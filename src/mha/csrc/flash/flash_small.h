@@ -238,7 +238,7 @@ struct SmallWorker {
     const int nkeys = int(P.key_limit(b, i0 + nq - 1));  // the chunk's last row sees the most
     T* orows[kSmallCols];
     for (int r = 0; r < nq; ++r) orows[r] = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
-    float* lse = P.lse + (b * P.h + hq) * P.Tq + i0;
+    double* lse = P.lse + (b * P.h + hq) * P.Tq + i0;
     if (nkeys == 0) {
       for (int r = 0; r < nq; ++r) {
         std::fill(orows[r], orows[r] + P.dv, T(0));
@@ -327,7 +327,7 @@ struct SmallWorker {
   // In place over st: scores -> P^T = 2^(t - m) per query column (t = s * scale * log2 e,
   // -inf where masked); inv = 1 / sum (0 for rows that see no key) and the log-sum-exp.
   void softmax(int64_t b, int64_t hq, int64_t i0, int nq, int nkeys, float* st, float* inv,
-               float* lse) {
+               double* lse) {
     const __m512 neg = _mm512_set1_ps(kNegInf), cv = _mm512_set1_ps(P.scale * kLog2e);
     const int nvq = (nq + kLanes - 1) / kLanes;
     const uint16_t* bits = P.mask ? mask_bits_t(b, hq, i0, nq, nkeys, nvq) : nullptr;
@@ -383,7 +383,8 @@ struct SmallWorker {
       _mm512_store_ps(lv, l);
       _mm512_store_ps(mv, m);
       for (int r = 0; r < kLanes && vq * kLanes + r < nq; ++r)
-        lse[vq * kLanes + r] = lv[r] != 0.f ? (mv[r] + std::log2(lv[r])) * kLn2 : kNegInf;
+        lse[vq * kLanes + r] =
+            lv[r] != 0.f ? (double(mv[r]) + std::log2(double(lv[r]))) * kLn2d : kNegInf;
     }
   }
 

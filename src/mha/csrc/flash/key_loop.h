@@ -10,7 +10,7 @@ namespace {
 template <class K, typename T, class Parts>
 void Worker<K, T, Parts>::zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i1) const {
   // no key: zeros; the log-sum-exp is the sink's logit (the only term left), else -inf
-  const float lse = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;
+  const double lse = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;
   for (int64_t i = i0; i < i1; ++i) {
     T* orow = P.out + b * P.os[0] + hq * P.os[1] + i * P.os[2];
     for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(0);
@@ -98,8 +98,9 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
     }
     T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
     store_row(o + r * dvp, inv, orow);
-    const float none = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;  // no key: the sink alone
-    P.lse[(b * P.h + hq) * P.Tq + i0 + r] = l != 0.f ? (mr + std::log2(l)) * kLn2 : none;
+    const double none = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;  // no key: the sink alone
+    P.lse[(b * P.h + hq) * P.Tq + i0 + r] =
+        l != 0.f ? (double(mr) + std::log2(double(l))) * kLn2d : none;
   }
 }
 
@@ -215,7 +216,7 @@ void Worker<K, T, Parts>::softmax_group(int64_t b, int64_t ia, int rg, int64_t j
   // some row's window starts inside this block (rows further down start further right)
   const bool left = j0 < P.key_start(ia + rg - 1);
   const bool unmasked = mrow0 == nullptr && !left && j0 + W <= P.key_limit(b, ia);
-  const float c = P.scale * kLog2e;
+  const float c = P.mods.score_scale(P.scale) * kLog2e;
   constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
   for (int r0 = 0; r0 < rg; r0 += RS) {
     const int rs = std::min(RS, rg - r0);

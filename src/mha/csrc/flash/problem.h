@@ -23,6 +23,7 @@ constexpr int64_t kMaxKeysPerBlock = 128;
 constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
 using mha_common::fill_strides;
 using mha_common::kLn2;
+using mha_common::kLn2d;
 using mha_common::kLog2e;
 using mha_common::round_up;
 
@@ -37,7 +38,7 @@ template <typename T>
 struct Problem {
   const T *q, *k, *v;
   T* out;
-  float* lse;
+  double* lse;  // natural log, in double: the backward recomputes P from it (see flash_attn.cpp)
   int64_t qs[4], ks[4], vs[4], os[4], ms[4];  // strides; ms is 0 on broadcast mask dims
   const bool* mask;                            // or nullptr
   const int64_t* key_lengths;                  // (B,) or nullptr
