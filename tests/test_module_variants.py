@@ -353,6 +353,19 @@ def test_alibi_slopes_stay_float32_and_exact(dtype):
     assert m.sinks.dtype == dtype and m.in_proj.weight.dtype == dtype
 
 
+def test_meta_init_then_to_empty_rebuilds_the_slopes():
+    """Meta-device construction + to_empty + load_state_dict (the low-memory loading
+    pattern): the slopes, absent from the state dict, are rebuilt, not left uninitialised."""
+    src = make(alibi=True, sinks=True)
+    m = mha.MultiHeadAttention(D_MODEL, 4, num_kv_heads=2, head_dim=8, v_head_dim=6,
+                               alibi=True, sinks=True, device="meta")
+    m.to_empty(device="cpu")
+    m.load_state_dict(src.state_dict())
+    assert torch.equal(m.alibi_slopes, mha.alibi_slopes(4))
+    x = torch.randn(2, 5, D_MODEL)
+    assert torch.equal(m(x, causal=True), src(x, causal=True))
+
+
 def test_repr_shows_the_options():
     text = repr(make(softcap=30.0, sinks=True, alibi=True))
     assert "softcap=30.0" in text and "sinks=True" in text and "alibi=True" in text

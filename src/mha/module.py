@@ -70,7 +70,8 @@ class MultiHeadAttention(nn.Module):
     None, ``sinks`` / ``alibi`` bools).
 
     Parameters: ``in_proj`` (packed ``[W^Q; W^K; W^V]``, when kdim == vdim == d_model) or
-    ``q_proj``/``k_proj``/``v_proj``; and ``out_proj`` (W_O). Like ``nn.Linear``, weights are
+    ``q_proj``/``k_proj``/``v_proj``; ``out_proj`` (W_O); and ``sinks`` ``(h,)`` with
+    ``sinks=True``. Like ``nn.Linear``, weights are
     stored ``(out_features, in_features)``; the seeds' ``W`` of ``X W`` is their transpose.
     """
 
@@ -144,13 +145,14 @@ class MultiHeadAttention(nn.Module):
                 + (", alibi=True" if self.alibi_slopes is not None else ""))
 
     def _apply(self, fn, recurse=True):
-        """``.to()``, ``.half()``, ``.cuda()`` ...: as nn.Module, but the ALiBi slopes stay
-        float32 (they are derived: rebuilt exactly on the new device, never rounded to
-        bfloat16 / float16 — BLOOM also computes its slopes in float32)."""
+        """``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` ...: as nn.Module, but the ALiBi
+        slopes are derived, so they are rebuilt on the new device: exact float32 (never
+        rounded to bfloat16 / float16 — BLOOM also computes its slopes in float32) and never
+        left uninitialised by ``to_empty`` (they are not in the state dict to reload)."""
         super()._apply(fn, recurse)
         slopes = self.alibi_slopes
-        if slopes is not None and slopes.dtype != torch.float32:
-            self.alibi_slopes = alibi_slopes(slopes.shape[0]).to(slopes.device)
+        if slopes is not None:
+            self.alibi_slopes = alibi_slopes(slopes.shape[0]).to(slopes.device)  # (h,) float32
         return self
 
     # ----------------------------------------------------------------------------- projections
