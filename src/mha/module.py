@@ -4,6 +4,12 @@ Shape legend: B batch, Tq/Tk query/key lengths, d_model model width, h query hea
 h_kv key/value heads (h_kv divides h), d_k query/key head dim, d_v value head dim,
 kdim/vdim the widths of the key/value inputs (d_model unless cross-attending other widths).
 
+Score variants (:mod:`mha.scores`) are options of the module: ``softcap`` (a float), ``sinks``
+(a learned ``(h,)`` parameter) and ``alibi`` (fixed ``(h,)`` slopes, derived from h); a score
+``bias`` and the index functions ``mask_mod`` / ``score_mod`` (:mod:`mha.mods`) are per call.
+Every mode (plain, cached, packed) passes them to :func:`mha.attention` /
+:func:`mha.varlen_attention`; the cached mode keeps them aligned to the cache positions.
+
 The fast path projects Q, K and V with one GEMM (packed weight) for self-attention, splits the
 heads, calls :func:`mha.attention`, merges the heads and applies W_O. The seed-000 view — one
 independent ``W_i^Q, W_i^K, W_i^V`` of shape ``(d_model, d_k)`` per head — is available through
@@ -12,20 +18,26 @@ independent ``W_i^Q, W_i^K, W_i^V`` of shape ``(d_model, d_k)`` per head — is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from mha import interop, trace
 from mha.checks import (
+    check_bias,
     check_bool,
     check_float_dtype,
     check_int,
     check_same,
     check_scalar,
+    check_softcap,
     check_tensor,
 )
 from mha.functional import attention
 from mha.linear import linear
+from mha.mods import check_mod
+from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
 
@@ -42,20 +54,32 @@ class MultiHeadAttention(nn.Module):
         kdim, vdim: widths of the key and value inputs. Default d_model.
         bias: biases on the four projections.
         dropout: dropout on the attention weights while training.
+        softcap: None (off) or a finite float > 0: scores become ``softcap * tanh(s / softcap)``
+            (Gemma 2).
+        sinks: a learned attention-sink logit per query head (gpt-oss): the parameter
+            ``sinks`` ``(h,)``, initialised to zeros, in each row's softmax denominator.
+        alibi: ALiBi (BLOOM, MPT): the buffer ``alibi_slopes`` ``(h,)`` float32 of
+            :func:`mha.alibi_slopes`; scores lose ``slope * (query position - key position)``
+            (self-attention and decoding; cross-attention aligns the last query with the
+            last key, as :func:`mha.attention`). Derived from h, so not in the state dict,
+            and kept float32 under ``.to(dtype)``.
 
     Sizes are positive ints, ``bias`` a bool, ``dropout`` a number in [0, 1), ``dtype`` None or
     floating (numpy scalars of those kinds are accepted); anything else is refused before a
-    parameter exists, with an error naming the argument.
+    parameter exists, with an error naming the argument (``softcap`` a finite number > 0 or
+    None, ``sinks`` / ``alibi`` bools).
 
     Parameters: ``in_proj`` (packed ``[W^Q; W^K; W^V]``, when kdim == vdim == d_model) or
-    ``q_proj``/``k_proj``/``v_proj``; and ``out_proj`` (W_O). Like ``nn.Linear``, weights are
+    ``q_proj``/``k_proj``/``v_proj``; ``out_proj`` (W_O); and ``sinks`` ``(h,)`` with
+    ``sinks=True``. Like ``nn.Linear``, weights are
     stored ``(out_features, in_features)``; the seeds' ``W`` of ``X W`` is their transpose.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, v_head_dim: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, device=None, dtype=None) -> None:
+                 dropout: float = 0.0, softcap: float | None = None, sinks: bool = False,
+                 alibi: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         d_model, num_heads = _positive("d_model", d_model), _positive("num_heads", num_heads)
         if head_dim is None and d_model % num_heads != 0:
@@ -71,6 +95,8 @@ class MultiHeadAttention(nn.Module):
         vdim = _positive("vdim", d_model if vdim is None else vdim)
         bias = check_bool("bias", bias)
         dropout = check_scalar("dropout", dropout, low=0.0, high=1.0, high_open=True)
+        softcap = None if softcap is None else check_softcap(softcap)
+        sinks, alibi = check_bool("sinks", sinks), check_bool("alibi", alibi)
         dtype = check_float_dtype("dtype", dtype)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim, self.v_head_dim, self.kdim, self.vdim = head_dim, v_head_dim, kdim, vdim
@@ -85,6 +111,13 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(self.kdim, k_w, **kw)
             self.v_proj = nn.Linear(self.vdim, v_w, **kw)
         self.out_proj = nn.Linear(num_heads * self.v_head_dim, d_model, **kw)  # W_O
+        self.softcap = softcap
+        # one sink logit per query head (gpt-oss initialises them to zeros too)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) \
+            if sinks else None  # (h,)
+        # derived from h (not saved): persistent=False keeps it out of the state dict
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi
+                             else None, persistent=False)  # (h,) float32
         #: ranks the heads are split over (mha.distributed.tensor_parallel); the head counts
         #: above are then this rank's
         self.tensor_parallel = 1
@@ -106,7 +139,21 @@ class MultiHeadAttention(nn.Module):
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"v_head_dim={self.v_head_dim}, kdim={self.kdim}, vdim={self.vdim}, "
-                f"dropout={self.dropout}")
+                f"dropout={self.dropout}"
+                + (f", softcap={self.softcap}" if self.softcap is not None else "")
+                + (", sinks=True" if self.sinks is not None else "")
+                + (", alibi=True" if self.alibi_slopes is not None else ""))
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` ...: as nn.Module, but the ALiBi
+        slopes are derived, so they are rebuilt on the new device: exact float32 (never
+        rounded to bfloat16 / float16 — BLOOM also computes its slopes in float32) and never
+        left uninitialised by ``to_empty`` (they are not in the state dict to reload)."""
+        super()._apply(fn, recurse)
+        slopes = self.alibi_slopes
+        if slopes is not None:
+            self.alibi_slopes = alibi_slopes(slopes.shape[0]).to(slopes.device)  # (h,) float32
+        return self
 
     # ----------------------------------------------------------------------------- projections
     def projection_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
@@ -159,41 +206,71 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
                 key_lengths=None, need_weights: bool = False, backend: str | None = None,
-                cache=None, cu_seqlens=None, window: int | None = None):
+                cache=None, cu_seqlens=None, window: int | None = None, bias=None,
+                mask_mod=None, score_mod=None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
         to query (self-attention). ``mask``/``causal``/``key_lengths``/``window`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
         ``(output, weights (B, h, Tq, Tk))`` when ``need_weights``.
+
+        Per-call score variants, as in :func:`mha.attention` (the module's own ``softcap``,
+        ``sinks`` and ALiBi slopes are added to every call): ``bias`` a float score bias
+        broadcastable to ``(B, h, Tq, Tk)`` (not the projections' biases); ``mask_mod``
+        ``(b, h, q_idx, kv_idx) -> bool`` and ``score_mod`` ``(score, b, h, q_idx, kv_idx)
+        -> score`` (:mod:`mha.mods`).
 
         ``cache`` (a :class:`mha.KVCache` from :meth:`new_cache`): incremental decoding. Only
         the new tokens ``query (B, Tn, d_model)`` are projected; their K/V are appended to the
         cache in place, and they attend causally (bottom-right per row) to everything cached.
         Prefill (Tn = prompt length) and single-token steps are the same call. Self-attention
         only; the cache supplies the masking, so ``mask``/``key_lengths`` must be None.
+        Variants follow the cache positions, so that decoding step by step gives what one
+        call over the whole sequence gives: ALiBi's distance is query position minus key
+        position in each row (also for rows of different lengths), and ``mask_mod`` /
+        ``score_mod`` receive as ``q_idx`` the query's position in its cache row and as
+        ``kv_idx`` the key's (positions count from the start of the storage, left padding
+        included). ``bias`` is ``(B, h, Tn, Tk)``-broadcastable, Tk the longest row after the
+        append.
 
         ``cu_seqlens`` ``(S + 1,)``: packed sequences (see :func:`mha.varlen_attention`). The
         query is ``(1, N, d_model)``, S sequences end to end, and each token attends only within
         its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
-        cache or weights."""
+        cache, weights, mask_mod or score_mod; ``bias`` is the per-sequence list of
+        :func:`mha.varlen_attention`."""
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
-                     need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens)
+                     need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens,
+                     mask_mod=mask_mod, score_mod=score_mod)
         self_attention = key is None and value is None
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
+        variants = self._variants(bias, mask_mod, score_mod)
         rec = trace.recorder()  # does nothing unless a trace is being recorded
         q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         dropout_p = self.dropout if self.training else 0.0
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
-            out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend)
+            out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend,
+                                                variants)
         elif cache is not None:
-            out, weights = self._forward_cached(q, k, v, cache, dropout_p, want_weights, backend)
+            out, weights = self._forward_cached(q, k, v, cache, dropout_p, want_weights, backend,
+                                                variants)
         else:
             out, weights = self._forward_plain(q, k, v, mask, causal, key_lengths, window,
-                                               dropout_p, want_weights, backend)
+                                               dropout_p, want_weights, backend, variants)
         y = self._output(out, weights, rec)  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
+
+    def _variants(self, bias, mask_mod, score_mod) -> dict:
+        """The score variants of one call: the module's (softcap, sinks, ALiBi slopes) and the
+        call's (bias, mask_mod, score_mod), as keyword arguments of :func:`mha.attention`."""
+        if self.tensor_parallel > 1 and (self.sinks is not None or self.alibi_slopes is not None):
+            raise ValueError("sinks / alibi under tensor parallelism are not supported yet: "
+                             "each rank would need its own heads' slice of the (h,) sinks "
+                             "and slopes")
+        return dict(softcap=self.softcap, sinks=self.sinks, alibi_slopes=self.alibi_slopes,
+                    bias=bias, mask_mod=check_mod("mask_mod", mask_mod),
+                    score_mod=check_mod("score_mod", score_mod))
 
     def _project_heads(self, query, key, value, self_attention: bool, rec):
         """Project and split the heads: ``(B, h, Tq, d_k)``, ``(B, h_kv, Tk, d_k)``,
@@ -215,27 +292,29 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def _forward_plain(self, q, k, v, mask, causal, key_lengths, window, dropout_p,
-                       want_weights, backend):
+                       want_weights, backend, variants):
         """One call of :func:`mha.attention`: ``(out (B, h, Tq, d_v), weights or None)``."""
         result = attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths,
                            dropout_p=dropout_p, return_weights=want_weights, backend=backend,
-                           window=window)
+                           window=window, **variants)
         return result if want_weights else (result, None)
 
-    def _forward_cached(self, q, k, v, cache, dropout_p, want_weights, backend):
+    def _forward_cached(self, q, k, v, cache, dropout_p, want_weights, backend, variants):
         """Append the new K/V to ``cache`` in place (undone if attention raises) and attend
         over everything cached: ``(out (B, h, Tn, d_v), weights (B, h, Tn, Tk) or None)``."""
         with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
+            variants = _at_cache_positions(variants, masks, q.shape[2], k_all.shape[2])
             result = attention(q, k_all, v_all, dropout_p=dropout_p,
-                               return_weights=want_weights, backend=backend, **masks)
+                               return_weights=want_weights, backend=backend, **masks, **variants)
         return result if want_weights else (result, None)
 
-    def _forward_packed(self, q, k, v, cu_seqlens, causal, dropout_p, backend):
+    def _forward_packed(self, q, k, v, cu_seqlens, causal, dropout_p, backend, variants):
         """The batch of one holds S sequences end to end: ``(out (1, h, N, d_v), None)``
         (packed sequences return no weights)."""
+        variants = {n: t for n, t in variants.items() if n not in ("mask_mod", "score_mod")}
         out = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # (h, N, d) -> (N, h, d)
                                v[0].transpose(0, 1), cu_seqlens, causal=causal,
-                               dropout_p=dropout_p, backend=backend)  # (N, h, d_v)
+                               dropout_p=dropout_p, backend=backend, **variants)  # (N, h, d_v)
         return out.transpose(0, 1).unsqueeze(0), None  # (N, h, d_v) -> (1, h, N, d_v)
 
     def _output(self, out, weights, rec) -> torch.Tensor:
@@ -359,17 +438,84 @@ class MultiHeadAttention(nn.Module):
         return interop.from_torch(module, cls)
 
     def to_torch(self) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function."""
+        """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function.
+        Refused (ValueError) for a module with score variants, which torch's module has not."""
+        on = [n for n, x in (("softcap", self.softcap), ("sinks", self.sinks),
+                             ("alibi", self.alibi_slopes)) if x is not None]
+        if on:
+            raise ValueError(f"to_torch: torch.nn.MultiheadAttention has no {', '.join(on)}; "
+                             f"this module would compute a different function without them")
         return interop.to_torch(self)
 
 
 def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, cache,
-                 cu_seqlens) -> None:
+                 cu_seqlens, mask_mod, score_mod) -> None:
     """The arguments that choose the mode (cache, packed, plain) agree with one another."""
     if cache is not None:
         _check_cache_call(key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
         _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window)
+        if mask_mod is not None or score_mod is not None:
+            raise ValueError("cu_seqlens: mask_mod and score_mod are not supported for packed "
+                             "sequences (the offsets define the masking); call without "
+                             "cu_seqlens=, e.g. with mha.mods.document(cu_seqlens=...)")
+
+
+@dataclass(frozen=True)
+class _MaskAtPositions:
+    """A ``mask_mod`` called with each query's cache position: ``q_idx + shifts[b]``.
+    Hashable by ``(mask_mod, shifts)``, so block plans are cached per step shape."""
+
+    fn: object
+    shifts: tuple[int, ...]  # (B,) or (1,): position of query row 0 in each cache row
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, _shifted(q_idx, b, self.shifts), kv_idx)
+
+
+@dataclass(frozen=True)
+class _ScoreAtPositions:
+    """A ``score_mod`` called with each query's cache position (as :class:`_MaskAtPositions`)."""
+
+    fn: object
+    shifts: tuple[int, ...]
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, _shifted(q_idx, b, self.shifts), kv_idx)
+
+
+def _shifted(q_idx: torch.Tensor, b: torch.Tensor, shifts: tuple[int, ...]) -> torch.Tensor:
+    """``q_idx (1, 1, rows, 1) + shifts[b]``: ``(1|B, 1, rows, 1)`` positions."""
+    if len(shifts) == 1:
+        return q_idx + shifts[0]
+    return q_idx + torch.tensor(shifts, device=q_idx.device)[b]  # (B|1, 1, 1, 1) + (1, 1, rows, 1)
+
+
+def _at_cache_positions(variants: dict, masks: dict, Tn: int, Tk: int) -> dict:
+    """The variants of a cached call, aligned to the cache positions of each row.
+
+    Row ``b`` holds ``L[b]`` keys (``masks["key_lengths"]``, or Tk for all) and its ``Tn`` new
+    queries sit at positions ``L[b] - Tn + i``. :func:`mha.attention` aligns ALiBi and the
+    built-in mods to the bottom right of the ``(Tn, Tk)`` problem, i.e. as if every row held
+    ``Tk`` keys; index functions therefore get ``q_idx`` shifted to the row's positions, and
+    ALiBi's distance, short by ``Tk - L[b]`` in a shorter row, gets a ``(B, h, 1, 1)`` bias
+    ``slope * (Tk - L[b])`` back — needed only with sinks: without one a per-row constant
+    cancels in the softmax."""
+    lengths = masks.get("key_lengths")  # (B,) or None: every row holds Tk keys
+    shifts = (Tk - Tn,) if lengths is None else tuple((lengths - Tn).tolist())
+    out = dict(variants)
+    if variants["mask_mod"] is not None:
+        out["mask_mod"] = _MaskAtPositions(variants["mask_mod"], shifts)
+    if variants["score_mod"] is not None:
+        out["score_mod"] = _ScoreAtPositions(variants["score_mod"], shifts)
+    slopes = variants["alibi_slopes"]
+    if slopes is not None and variants["sinks"] is not None and lengths is not None:
+        short = (Tk - lengths).to(slopes.dtype)  # (B,)
+        fix = (slopes.view(1, -1) * short.view(-1, 1)).view(len(short), -1, 1, 1)  # (B, h, 1, 1)
+        bias = variants["bias"]
+        out["bias"] = fix if bias is None else fix + check_bias(  # (B, h, Tn|1, Tk|1)
+            bias, len(short), slopes.shape[0], Tn, Tk, slopes.device)
+    return out
 
 
 def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache,

@@ -22,11 +22,21 @@ Two exact ways to run it, chosen per call by a cost model (or forced with ``stra
 * ``"loop"`` — one call per sequence on strided views of the packed tensors (no copy in);
   compute is exactly ``sum_s n_q[s] * n_k[s]``, plus one call's overhead per sequence.
 
+Score variants: ``softcap``, ``sinks`` and ``alibi_slopes`` as in :func:`mha.attention` (ALiBi
+measured within each sequence), and ``bias`` **one tensor per sequence**: ``bias[s]``
+broadcastable to ``(h, n_q[s], n_k[s])`` — the block of sequence ``s`` on the diagonal of the
+packed ``(h, N_q, N_k)`` score matrix, the only block that is ever read (a packed
+``(h, N_q, N_k)`` tensor would be mostly never-read memory, quadratic in the total). A
+``(h, 1, 1)`` or ``(1, 1, n_k[s])`` bias stays that small in the loop strategy; the pad strategy
+copies the biases into one ``(S, h|1, max_q|1, max_k|1)`` tensor.
+
 Both are differentiable and give the same values (tested against each other and against the
 float64 per-head loop, one sequence at a time).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -55,7 +65,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
                      backend: str | None = None, strategy: str = "auto",
                      softcap: float | None = None, sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None,
+                     bias: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Attention within each of several packed sequences.
 
     Args:
@@ -69,8 +80,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         softcap: as in :func:`mha.attention`.
         sinks: ``(h,)``, as in :func:`mha.attention` (one sink per head, every sequence).
         alibi_slopes: ``(h,)``; the distance is each sequence's own ``r + n_k[s] - n_q[s] - c``
-            (query ``r``, key ``c`` within sequence ``s``). A score bias has no packed layout
-            here: pass padded tensors to :func:`mha.attention` for that.
+            (query ``r``, key ``c`` within sequence ``s``).
+        bias: a list (or tuple) of S float tensors, ``bias[s]`` broadcastable to
+            ``(h, n_q[s], n_k[s])`` (e.g. ``(h, 1, 1)``, ``(1, n_q[s], n_k[s])``): added to the
+            scores of sequence ``s`` after the softcap, as :func:`mha.attention`'s bias.
+            Differentiable; each gradient comes back in its own shape.
 
     Returns:
         ``(N_q, h, d_v)``. A query whose sequence has no visible key gets zeros.
@@ -99,16 +113,67 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sinks=None if sinks is None else check_sinks(sinks, h, q.device),
         alibi_slopes=None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, 1, h,
                                                                           q.device)[0])
+    biases = None if bias is None else _check_bias_list(bias, n_q, n_k, h, q.device)
     kwargs = dict(causal=causal, scale=scale, dropout_p=dropout_p, backend=backend, **variants)
     if strategy == "auto":
-        strategy = _choose(n_q, n_k, q.shape[1] * (q.shape[2] + v.shape[2]))
+        strategy = _choose(n_q, n_k, q.shape[1] * (q.shape[2] + v.shape[2]),
+                           0 if biases is None else _numel(_padded_bias_shape(biases, n_q, n_k)))
     if strategy == "loop" or not n_q:
-        return _loop(q, k, v, n_q, n_k, attention, kwargs)
-    return _pad(q, k, v, n_q, n_k, attention, kwargs)
+        return _loop(q, k, v, n_q, n_k, attention, kwargs, biases)
+    return _pad(q, k, v, n_q, n_k, attention, kwargs, biases)
 
 
-def _choose(n_q: list[int], n_k: list[int], width: int) -> str:
-    """The strategy with the lower modelled time; ``width`` = h * (d_k + d_v)."""
+def _check_bias_list(bias, n_q: list[int], n_k: list[int], h: int,
+                     device: torch.device) -> list[torch.Tensor]:
+    """One float tensor per sequence, ``bias[s]`` broadcastable to ``(h, n_q[s], n_k[s])``;
+    returned as 3-D views ``(h|1, n_q[s]|1, n_k[s]|1)``."""
+    S = len(n_q)
+    if isinstance(bias, (torch.Tensor, str, bytes)) or not isinstance(bias, Sequence):
+        got = f"a tensor of shape {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) \
+            else type(bias).__name__
+        raise TypeError(f"bias must be a list of S={S} tensors, bias[s] broadcastable to "
+                        f"(h, n_q[s], n_k[s]) (one block per packed sequence), got {got}")
+    if len(bias) != S:
+        raise ValueError(f"bias must hold one tensor per sequence (S={S}), got {len(bias)}")
+    out = []
+    for s, (b, a, c) in enumerate(zip(bias, n_q, n_k, strict=True)):
+        want = (h, a, c)
+        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point or b.dtype not in \
+                (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            got = b.dtype if isinstance(b, torch.Tensor) else type(b).__name__
+            raise TypeError(f"bias[{s}] must be a floating tensor broadcastable to "
+                            f"(h, n_q[s], n_k[s]) = {want}, got {got}")
+        if b.layout != torch.strided:
+            raise TypeError(f"bias[{s}] must be a dense (strided) tensor, got layout {b.layout}")
+        if b.device != device:
+            raise ValueError(f"bias[{s}] must be on {device} like q, got {b.device}")
+        v3 = b.reshape((1,) * (3 - b.dim()) + tuple(b.shape)) if b.dim() <= 3 else None
+        if v3 is None or any(g not in (1, n) for g, n in zip(v3.shape, want, strict=True)):
+            raise ValueError(f"bias[{s}] of shape {tuple(b.shape)} is not broadcastable to "
+                             f"(h, n_q[s], n_k[s]) = {want}")
+        out.append(v3)  # (h|1, n_q[s]|1, n_k[s]|1)
+    return out
+
+
+def _padded_bias_shape(biases: list[torch.Tensor], n_q: list[int], n_k: list[int]):
+    """``(S, h|1, max_q|1, max_k|1)``: a dim is 1 when every bias broadcasts along it (has
+    size 1 there)."""
+    ones = [all(b.shape[i] == 1 for b in biases) for i in range(3)]
+    h = max((b.shape[0] for b in biases), default=1)
+    big = (h, max(n_q, default=0), max(n_k, default=0))
+    return (len(biases), *(1 if one else m for one, m in zip(ones, big, strict=True)))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _choose(n_q: list[int], n_k: list[int], width: int, bias_padded: int = 0) -> str:
+    """The strategy with the lower modelled time; ``width`` = h * (d_k + d_v);
+    ``bias_padded`` the elements of the padded bias the pad strategy would build."""
     S = len(n_q)
     if S <= 1:
         return "loop"  # a single sequence: a view, no padding, one call
@@ -118,14 +183,17 @@ def _choose(n_q: list[int], n_k: list[int], width: int) -> str:
     t_pad = 2 * width * padded * _SECONDS_PER_FLOP + _SECONDS_PER_CALL
     if min(n_q) < max(n_q) or min(n_k) < max(n_k):  # padding: copies in and out
         t_pad += S * (max(n_q) + max(n_k)) * width * _SECONDS_PER_COPIED
+    t_pad += bias_padded * _SECONDS_PER_COPIED
     return "pad" if t_pad <= t_loop else "loop"
 
 
-def _loop(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
+def _loop(q, k, v, n_q, n_k, attention, kwargs, biases=None) -> torch.Tensor:
     """One :func:`mha.attention` call per sequence, on views of the packed tensors."""
     outs = []
     iq = ik = 0
-    for a, b in zip(n_q, n_k, strict=True):
+    for s, (a, b) in enumerate(zip(n_q, n_k, strict=True)):
+        if biases is not None:
+            kwargs = {**kwargs, "bias": biases[s].unsqueeze(0)}  # (1, h|1, a|1, b|1)
         qs = q[iq:iq + a].transpose(0, 1).unsqueeze(0)  # (a, h, d_k) -> (1, h, a, d_k)
         ks = k[ik:ik + b].transpose(0, 1).unsqueeze(0)  # (b, h_kv, d_k) -> (1, h_kv, b, d_k)
         vs = v[ik:ik + b].transpose(0, 1).unsqueeze(0)  # (b, h_kv, d_v) -> (1, h_kv, b, d_v)
@@ -162,7 +230,31 @@ def _split(x: torch.Tensor, S: int) -> torch.Tensor:
     return x.view(S, x.shape[0] // S, *x.shape[1:]).transpose(1, 2)  # (S, heads, n, d)
 
 
-def _pad(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
+def _pad_bias(biases: list[torch.Tensor], n_q: list[int], n_k: list[int],
+              front: bool) -> torch.Tensor:
+    """The per-sequence biases in the padded layout ``(S, h|1, max_q|1, max_k|1)``: sequence
+    ``s`` at the rows/columns its queries/keys take (the last ones when ``front``), zeros
+    elsewhere (padding: never read). Differentiable (a copy into a new tensor)."""
+    shape = _padded_bias_shape(biases, n_q, n_k)
+    dtype = biases[0].dtype
+    for b in biases[1:]:
+        dtype = torch.promote_types(dtype, b.dtype)
+    buf = biases[0].new_zeros(shape, dtype=dtype)  # (S, h|1, max_q|1, max_k|1)
+    along_q, along_k = (all(b.shape[i] == 1 for b in biases) for i in (1, 2))  # broadcast dims
+    for s, (b, a, c) in enumerate(zip(biases, n_q, n_k, strict=True)):
+        rows = slice(None) if along_q else _span(a, shape[2], front)
+        cols = slice(None) if along_k else _span(c, shape[3], front)
+        block = buf[s, :, rows, cols]  # (h|1, a|1, c|1)
+        block.copy_(b.expand(block.shape))
+    return buf
+
+
+def _span(n: int, width: int, front: bool) -> slice:
+    """The positions of a length-``n`` sequence in a padded dim of ``width``."""
+    return slice(width - n, width) if front else slice(0, n)
+
+
+def _pad(q, k, v, n_q, n_k, attention, kwargs, biases=None) -> torch.Tensor:
     """One batched call over padded ``(S, h, max, d)`` tensors.
 
     Padding goes after each sequence (keys past ``key_lengths`` are skipped by the kernel)
@@ -171,12 +263,15 @@ def _pad(q, k, v, n_q, n_k, attention, kwargs) -> torch.Tensor:
     the padding in front.
     """
     S, max_q, max_k = len(n_q), max(n_q), max(n_k)
+    front = (kwargs["causal"] and n_q != n_k) or kwargs["alibi_slopes"] is not None
+    if biases is not None:
+        kwargs = {**kwargs, "bias": _pad_bias(biases, n_q, n_k, front)}  # (S, h|1, max_q|1,
+        # max_k|1)
     if min(n_q) == max_q and min(n_k) == max_k:  # equal lengths: no padding, only views
         out = attention(_split(q, S), _split(k, S), _split(v, S), **kwargs)  # (S, h, n_q, d_v)
         return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3])  # (N_q, h, d_v)
-    # right-aligned when the bottom-right diagonal matters: causal with n_q != n_k, or ALiBi
-    # (its distance i + Tk - Tq - j must be each sequence's own, not the padded problem's)
-    front = (kwargs["causal"] and n_q != n_k) or kwargs["alibi_slopes"] is not None
+    # right-aligned (front above) when the bottom-right diagonal matters: causal with
+    # n_q != n_k, or ALiBi (its distance i + Tk - Tq - j must be each sequence's own)
     rows_q = _rows(n_q, max_q, front, q.device)  # (N_q,)
     rows_k = _rows(n_k, max_k, front, q.device)  # (N_k,)
     lengths = torch.tensor(n_k, dtype=torch.int64, device=q.device)  # (S,)
