@@ -422,3 +422,32 @@ def test_to_torch_refuses_variants():
             mha.MultiHeadAttention(D_MODEL, 4, **options).to_torch()
         assert all(name in str(e.value) for name in options)
     assert isinstance(mha.MultiHeadAttention(D_MODEL, 4).to_torch(), torch.nn.MultiheadAttention)
+
+
+def test_save_and_load_keep_the_variant_options(tmp_path):
+    from mha import io
+
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(32, 4, softcap=20.0, sinks=True, alibi=True)
+    with torch.no_grad():
+        m.sinks.normal_()
+    io.save(m, tmp_path / "m.safetensors")
+    back = io.load(tmp_path / "m.safetensors")
+    assert (back.softcap, back.sinks is not None, back.alibi_slopes is not None) == (20.0, True, True)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(back(x, causal=True), m(x, causal=True))
+
+
+def test_a_file_with_a_bad_softcap_is_refused_by_name(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from mha import io
+
+    m = mha.MultiHeadAttention(32, 4)
+    cfg = {**io.config(m), "softcap": -1.0}
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "m.st"),
+              metadata={"mha.MultiHeadAttention": json.dumps(cfg)})
+    with pytest.raises(ValueError, match="softcap"):
+        io.load(tmp_path / "m.st")

@@ -21,6 +21,9 @@ from mha.module import MultiHeadAttention
 _CONFIG_KEY = "mha.MultiHeadAttention"
 _SIZE_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "kdim", "vdim")
 _FIELDS = (*_SIZE_FIELDS, "bias", "dropout")
+#: Score-variant options, written by save and optional when read (files written before them
+#: hold none): their values when absent.
+_OPTIONAL = {"softcap": None, "sinks": False, "alibi": False}
 #: safetensors dtype codes of the floating dtypes a module may be saved in.
 _FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
                 "F16": torch.float16}
@@ -30,7 +33,8 @@ def config(m: MultiHeadAttention) -> dict:
     """The constructor arguments that rebuild ``m`` (derived from the module, not stored)."""
     return dict(d_model=m.d_model, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                 head_dim=m.head_dim, v_head_dim=m.v_head_dim, kdim=m.kdim, vdim=m.vdim,
-                bias=m.out_proj.bias is not None, dropout=m.dropout)
+                bias=m.out_proj.bias is not None, dropout=m.dropout, softcap=m.softcap,
+                sinks=m.sinks is not None, alibi=m.alibi_slopes is not None)
 
 
 def save(m: MultiHeadAttention, path: str | Path) -> None:
@@ -80,10 +84,13 @@ def _parse_config(path, meta: dict, header: dict) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' must be a JSON object of the fields "
                          f"{list(_FIELDS)}, got {type(cfg).__name__}")
-    missing, unknown = sorted(set(_FIELDS) - set(cfg)), sorted(set(cfg) - set(_FIELDS))
+    missing = sorted(set(_FIELDS) - set(cfg))
+    unknown = sorted(set(cfg) - set(_FIELDS) - set(_OPTIONAL))
     if missing or unknown:
         raise ValueError(f"{path}: metadata '{_CONFIG_KEY}' must hold exactly the fields "
-                         f"{list(_FIELDS)}; missing {missing}, unknown {unknown}")
+                         f"{list(_FIELDS)} (and optionally {list(_OPTIONAL)}); missing "
+                         f"{missing}, unknown {unknown}")
+    cfg = {**_OPTIONAL, **cfg}
     largest = max((max(shape) for shape, _ in header.values() if math.prod(shape) > 0), default=0)
     for name in _SIZE_FIELDS:
         value = cfg[name]
@@ -100,6 +107,14 @@ def _parse_config(path, meta: dict, header: dict) -> dict:
     if type(dropout) not in (int, float) or not 0.0 <= dropout < 1.0:  # NaN fails the range
         raise ValueError(f"{path}: metadata field 'dropout' must be a number in [0, 1), got "
                          f"{json.dumps(dropout)[:40]}")
+    softcap = cfg["softcap"]
+    if softcap is not None and (type(softcap) not in (int, float) or not 0.0 < softcap < math.inf):
+        raise ValueError(f"{path}: metadata field 'softcap' must be null or a positive finite "
+                         f"number, got {json.dumps(softcap)[:40]}")
+    for name in ("sinks", "alibi"):
+        if type(cfg[name]) is not bool:
+            raise ValueError(f"{path}: metadata field '{name}' must be a JSON bool (true or "
+                             f"false), got {json.dumps(cfg[name])[:40]}")
     return cfg
 
 
