@@ -80,12 +80,12 @@ def _paths():
 def _backward(path, go, q, k, v, out, lse, spec: MaskSpec):
     args = (go, None, q, k, v, out, lse, spec.key_lengths, spec.mask, spec.causal, SCALE)
     if path == "fused":
-        return torch.ops.mha.flash_attention_bwd_fused(*args, spec.window or 0)
+        return torch.ops.mha.flash_attention_bwd_fused(*args, spec.window or 0)[:3]
     if path == "torch":
         chunk = flash._CHUNK_ELEMENTS
         flash._CHUNK_ELEMENTS = 4000  # a few rows per chunk
         try:
-            return flash.flash_attention_bwd_torch(*args, spec.window or 0)
+            return flash.flash_attention_bwd_torch(*args, spec.window or 0)[:3]
         finally:
             flash._CHUNK_ELEMENTS = chunk
     return torch.ops.mha._flash_attention_bwd_fused_math(*args, path, spec.window or 0)
