@@ -208,6 +208,17 @@ def test_a_broadcast_bias_is_read_in_place_and_equals_its_dense_copy():
         assert torch.equal(o, outs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+def test_a_broadcast_bias_is_converted_without_being_expanded(dtype):
+    row = torch.randn(1, 6, 1, 700).to(dtype)  # (1, h, 1, Tk)
+    expanded = row.expand(2, 6, 4, 700)  # (B, h, Tq, Tk), stride 0 on B and Tq
+    got = decode._fp32(expanded)
+    assert got.dtype == torch.float32 and got.shape == expanded.shape
+    assert got.stride(0) == 0 and got.stride(2) == 0
+    assert got.untyped_storage().nbytes() == row.numel() * 4  # only the stored elements
+    assert torch.equal(got, expanded.float())
+
+
 @NEEDS_KERNEL
 def test_a_nan_bias_on_masked_pairs_never_reaches_the_output():
     g = torch.Generator().manual_seed(0)

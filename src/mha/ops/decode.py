@@ -174,9 +174,16 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A variant tensor as the kernel reads it: float32, same shape and strides when it
-    already is (a broadcast bias stays un-expanded; only its stored elements are converted)."""
-    return t if t is None or t.dtype == torch.float32 else t.to(torch.float32)
+    """A variant tensor as the kernel reads it: float32. Broadcast dims (stride 0, e.g. an
+    ``expand``ed bias) are narrowed to one element before the conversion and expanded back
+    after it (a view), so only the stored elements are converted, never the broadcast."""
+    if t is None or t.dtype == torch.float32:
+        return t
+    small = t
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            small = small.narrow(d, 0, 1)  # (.., 1, ..) on that dim
+    return small.to(torch.float32).expand(t.shape)  # stride 0 again where it was
 
 
 def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable: bool = False,
