@@ -215,3 +215,16 @@ def test_the_int8_entry_point_names_a_bad_scale(kw, error, name):
     with torch.no_grad(), pytest.raises(TypeError, match="k must be an int8"):
         decode.flash_decode(q, k.float(), k, k_scale=torch.ones(1, 2, 8),
                             v_scale=torch.ones(1, 2, 8))
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_opcheck_with_int8_kv(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 32, generator=g).to(dtype)
+    kq, ks = decode.quantize_int8(torch.randn(2, 2, 70, 32, generator=g))
+    vq, vs = decode.quantize_int8(torch.randn(2, 2, 70, 16, generator=g))
+    args = (q, kq, vq, torch.tensor([70, 33]), None, 1 / math.sqrt(32), True, None, None, None,
+            None, ks, vs)
+    for op in (torch.ops.mha.flash_decode.default, torch.ops.mha.flash_decode_portable.default):
+        torch.library.opcheck(op, args)
