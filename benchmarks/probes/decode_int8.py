@@ -8,7 +8,8 @@ Run (under the timing lock, see docs/kernel.md):
 Each K/V is a full :class:`mha.KVCache` (int8: ``kv_dtype="int8"``, fp32 queries, the step
 through ``KVCache.attend``, i.e. the kernel's int8 path; bf16 / fp32: ``mha.ops.decode
 .flash_decode`` on the cache views). Prints ms per step, the bytes of K/V (and scales) a step
-reads, and GB/s = bytes / time.
+reads, and GB/s = bytes / time. ``--clock cpu``: CPU seconds per step instead (all threads;
+the GB/s column is then bytes per CPU second), for an oversubscribed machine.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 import mha
 from _timing import interleaved
+from decode_variants import _cpu_interleaved
 from mha.ops.decode import flash_decode
 
 B, H, TQ, D = 1, 32, 1, 128
@@ -45,9 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--Tk", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     a = ap.parse_args()
     torch.manual_seed(0)
-    print(f"(B, h, Tq, d) = ({B}, {H}, {TQ}, {D}), {torch.get_num_threads()} threads")
+    print(f"(B, h, Tq, d) = ({B}, {H}, {TQ}, {D}), {torch.get_num_threads()} threads, {a.clock} clock")
     print(f"{'Tk':>6} {'K/V':>5} {'ms':>9} {'MB read':>8} {'GB/s':>6} {'x fp32':>7}")
     for Tk in a.Tk:
         k, v = (torch.randn(B, H, Tk, D) for _ in range(2))  # (B, h, Tk, d)
@@ -65,7 +68,8 @@ def main() -> None:
         qb = q.bfloat16()
 
         fns = {name: _step(name, c, q, qb) for name, c in caches.items()}
-        t = interleaved(fns, a.rounds, min_time=0.2)
+        t = (_cpu_interleaved(fns, a.rounds, calls=1) if a.clock == "cpu"
+             else interleaved(fns, a.rounds, min_time=0.2))
         for name, sec in t.items():
             print(f"{Tk:>6} {name:>5} {sec * 1e3:9.2f} {nbytes[name] / 1e6:8.1f} "
                   f"{nbytes[name] / sec / 1e9:6.2f} {t['fp32'] / sec:7.2f}")
