@@ -12,6 +12,10 @@ Both serve :meth:`mha.MultiHeadAttention.forward` through the same small protoco
     with cache.appending(k_new, v_new) as (k_all, v_all, masks):
         out = mha.attention(q, k_all, v_all, **masks)
 
+:class:`KVCache` can store K/V as int8 (``kv_dtype="int8"``): quantized on append, read by the
+decode kernel through :meth:`KVCache.attend` without being dequantized in memory (the error
+bound is in the class docstring).
+
 Per-row alignment (the choice documented in docs/decoding.md): mha's ``causal`` is bottom-right
 w.r.t. the tensor lengths (Tq, Tk), which is right only when every row holds Tk keys. When rows
 differ (ragged lengths, left padding) the cache passes ``key_lengths`` (keys past a row's end
@@ -27,6 +31,18 @@ import contextlib
 import torch
 
 from mha.checks import check_float_dtype, check_int, check_int_tensor, check_tensor
+
+KV_DTYPES = ("int8",)  #: storage formats besides the compute dtype (kv_dtype=None)
+
+
+def _check_kv_dtype(kv_dtype) -> str | None:
+    """None (K/V stored in the cache's dtype) or "int8" (also accepted: torch.int8)."""
+    if kv_dtype is None:
+        return None
+    if kv_dtype is torch.int8 or (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES):
+        return "int8"
+    raise ValueError(f"kv_dtype must be None (K/V stored in dtype) or 'int8' (symmetric, one "
+                     f"float32 scale per token and K/V head), got {kv_dtype!r}")
 
 
 def _as_rows(name: str, n, B: int, device: torch.device) -> torch.Tensor:
@@ -49,9 +65,11 @@ class KVCache:
         starts: ``(B,)`` int64, the first real position of each row (0 unless left padding
             was declared with :meth:`mark_left_padding`); earlier positions are never attended.
 
+        k_scale, v_scale: ``(B, h_kv, T_max)`` float32 with ``kv_dtype="int8"`` (else None).
+
     Updated in place, and nothing else: :meth:`append` (and the module call, which uses it)
-    writes ``k[b, :, lengths[b]:lengths[b]+Tn]``, ``v[b, :, lengths[b]:lengths[b]+Tn]`` and
-    adds Tn to ``lengths``; :meth:`reorder` (beam search) copies whole rows into other rows;
+    writes ``k[b, :, lengths[b]:lengths[b]+Tn]``, ``v[b, :, lengths[b]:lengths[b]+Tn]`` (and
+    the same positions of the scales) and adds Tn to ``lengths``; :meth:`reorder` (beam search) copies whole rows into other rows;
     :meth:`truncate`, :meth:`reset` and :meth:`mark_left_padding` change only ``lengths`` /
     ``starts`` (speculative-decoding rollback is a truncate). The storage is never
     reallocated, so ``k.data_ptr()`` is fixed for the cache's life. Everything else (capacity, the views
@@ -59,20 +77,49 @@ class KVCache:
 
     An append that does not fit raises ValueError naming the capacity and changes nothing.
     Decoding is inference: appending K/V that require grad raises (use ``torch.no_grad()``).
+
+    **int8 storage** (``kv_dtype="int8"``; ``dtype`` stays the dtype of what is appended and of
+    the queries): each appended K and V row (one token, one K/V head, ``d`` values) is stored
+    as int8 with a float32 scale ``s = absmax / 127``, rounded to nearest
+    (:func:`mha.ops.decode.quantize_int8`), so each element is off by at most
+    ``s / 2 = absmax / 254``; a row with a NaN or an Inf is refused (the cache unchanged). K/V
+    take 1 byte per element plus 8 bytes per token and head, against 4 (fp32) or 2 (bf16).
+    :meth:`attend` decodes (Tq <= 16) with the int8 rows and their scales straight from the
+    storage; :meth:`keys` / :meth:`values` (and so the module call) return dequantized copies.
+
+    Error bound against the same cache in full precision, for query row ``q`` with scale
+    ``sigma`` over the keys ``J`` it sees: every score moves by at most
+    ``eps = sigma * ||q||_1 * max_{j in J} absmax(k_j) / 254``; so each softmax weight (a sink
+    included, its logit does not move) changes by a factor within ``[e^(-2 eps), e^(2 eps)]``
+    and, writing ``out - out_fp = sum_j p^_j (v^_j - v_j) + sum_j (p^_j - p_j) v_j``, every
+    output column ``c`` obeys::
+
+        |out_int8[c] - out_fp[c]| <= max_{j in J} absmax(v_j) / 254
+                                     + (e^(2 eps) - 1) * max_{j in J} |v_j[c]|
+
+    plus the float32 rounding of either computation. It holds with every score variant:
+    softcap is 1-Lipschitz (tanh), bias and ALiBi do not depend on K.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, kv_dtype: str | None = None) -> None:
         sizes = dict(batch_size=batch_size, num_kv_heads=num_kv_heads, max_len=max_len,
                      head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
         B, h_kv, T_max, d_k, d_v = (check_int(name, val, low=1, what="a positive int")
                                     for name, val in sizes.items())
         kw = dict(dtype=check_float_dtype("dtype", dtype), device=device)
+        self.kv_dtype = _check_kv_dtype(kv_dtype)
+        store = dict(kw, dtype=torch.int8) if self.kv_dtype == "int8" else kw
         # zeros, not empty: positions past a row's end are inside the (B, h_kv, Tk, d) views
         # that masked backends multiply by zero weights, and 0 * NaN garbage would be NaN.
-        self.k = torch.zeros(B, h_kv, T_max, d_k, **kw)  # (B, h_kv, T_max, d_k)
-        self.v = torch.zeros(B, h_kv, T_max, d_v, **kw)  # (B, h_kv, T_max, d_v)
+        self.k = torch.zeros(B, h_kv, T_max, d_k, **store)  # (B, h_kv, T_max, d_k)
+        self.v = torch.zeros(B, h_kv, T_max, d_v, **store)  # (B, h_kv, T_max, d_v)
+        self._dtype = torch.zeros(0, **kw).dtype  # what is appended and attended (not stored)
+        self.k_scale = self.v_scale = None
+        if self.kv_dtype == "int8":
+            self.k_scale = torch.zeros(B, h_kv, T_max, dtype=torch.float32, device=self.k.device)
+            self.v_scale = torch.zeros(B, h_kv, T_max, dtype=torch.float32, device=self.k.device)
         self.lengths = torch.zeros(B, dtype=torch.int64, device=self.k.device)
         self.starts = torch.zeros(B, dtype=torch.int64, device=self.k.device)
 
@@ -88,7 +135,9 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k.dtype
+        """The dtype of the K/V appended and of the queries (the storage is int8 with
+        ``kv_dtype="int8"``)."""
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
@@ -101,16 +150,44 @@ class KVCache:
 
     def __repr__(self) -> str:
         B, h_kv, T, d_k = self.k.shape
+        stored = "" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}"
         return (f"KVCache(B={B}, h_kv={h_kv}, T_max={T}, d_k={d_k}, d_v={self.v.shape[3]}, "
-                f"{str(self.dtype).replace('torch.', '')}, lengths={self.lengths.tolist()})")
+                f"{str(self.dtype).replace('torch.', '')}{stored}, lengths={self.lengths.tolist()})")
 
     def keys(self) -> torch.Tensor:
-        """``(B, h_kv, Tk, d_k)``: a view of the storage (no copy)."""
-        return self.k[:, :, : self.max_length]
+        """``(B, h_kv, Tk, d_k)``: a view of the storage (no copy); int8: dequantized copy."""
+        return self._read(self.k, self.k_scale)
 
     def values(self) -> torch.Tensor:
-        """``(B, h_kv, Tk, d_v)``: a view of the storage (no copy)."""
-        return self.v[:, :, : self.max_length]
+        """``(B, h_kv, Tk, d_v)``: a view of the storage (no copy); int8: dequantized copy."""
+        return self._read(self.v, self.v_scale)
+
+    def _read(self, store: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        Tk = self.max_length
+        if scale is None:
+            return store[:, :, :Tk]  # (B, h_kv, Tk, d)
+        deq = store[:, :, :Tk].float() * scale[:, :, :Tk, None]  # (B, h_kv, Tk, d) * (.., 1)
+        return deq.to(self.dtype)
+
+    def attend(self, q: torch.Tensor, **variants) -> torch.Tensor:
+        """``(B, h, Tq, d_v)``: ``q (B, h, Tq, d_k)``, the queries of the last ``Tq`` cached
+        tokens (append their K/V first), attending everything cached with the cache's masks
+        (:meth:`masks`); ``variants`` are the score variants of :func:`mha.attention`
+        (softcap, sinks, bias, alibi_slopes).
+
+        With ``kv_dtype="int8"`` and Tq <= 16 this is the decode kernel reading the int8 rows
+        and their scales in place (dequantized in its loops, nothing materialized); otherwise
+        :func:`mha.attention` over :meth:`keys` / :meth:`values`."""
+        from mha.functional import attention
+        from mha.ops import decode
+
+        masks = self.masks(q.shape[2])
+        if self.kv_dtype == "int8" and q.shape[2] <= decode.MAX_TQ and not decode.unavailable():
+            Tk = self.max_length
+            return decode.flash_decode(q, self.k[:, :, :Tk], self.v[:, :, :Tk],
+                                       k_scale=self.k_scale[:, :, :Tk],
+                                       v_scale=self.v_scale[:, :, :Tk], **masks, **variants)
+        return attention(q, self.keys(), self.values(), **masks, **variants)
 
     def positions(self, Tn: int) -> torch.Tensor:
         """``(B, Tn)`` int64: the positions (counted from each row's start) that the next
@@ -151,15 +228,27 @@ class KVCache:
                              "max_len), or truncate/reset it)")
         if Tn == 0:
             return
+        pairs = [(self.k, k_new), (self.v, v_new)]
+        if self.kv_dtype == "int8":
+            from mha.ops.decode import quantize_int8
+
+            for name, t in (("k_new", k_new), ("v_new", v_new)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} holds NaN or Inf, which int8 K/V storage cannot "
+                                     "hold; the cache is unchanged")
+            kq, ks = quantize_int8(k_new)  # (B, h_kv, Tn, d_k) int8, (B, h_kv, Tn) float32
+            vq, vs = quantize_int8(v_new)  # (B, h_kv, Tn, d_v) int8, (B, h_kv, Tn) float32
+            pairs = [(self.k, kq), (self.v, vq), (self.k_scale, ks), (self.v_scale, vs)]
         L0 = int(self.lengths[0])
         if bool((self.lengths == L0).all()):
-            self.k[:, :, L0:L0 + Tn].copy_(k_new)  # (B, h_kv, Tn, d_k) into the storage
-            self.v[:, :, L0:L0 + Tn].copy_(v_new)  # (B, h_kv, Tn, d_v)
+            for store, new in pairs:
+                store[:, :, L0:L0 + Tn].copy_(new)  # (B, h_kv, Tn[, d]) into the storage
         else:  # ragged rows: one scatter per tensor, still only the new tokens are written
-            pos = self.lengths.view(-1, 1, 1, 1) + torch.arange(Tn, device=self.device).view(
-                1, 1, -1, 1)  # (B, 1, Tn, 1)
-            self.k.scatter_(2, pos.expand_as(k_new), k_new)  # (B, h_kv, Tn, d_k)
-            self.v.scatter_(2, pos.expand_as(v_new), v_new)  # (B, h_kv, Tn, d_v)
+            at = self.lengths.view(-1, 1, 1) + torch.arange(Tn, device=self.device).view(
+                1, 1, -1)  # (B, 1, Tn)
+            for store, new in pairs:
+                pos = at if new.dim() == 3 else at.unsqueeze(-1)  # (B, 1, Tn[, 1])
+                store.scatter_(2, pos.expand_as(new), new)  # (B, h_kv, Tn[, d])
         self.lengths += Tn
 
     @contextlib.contextmanager
@@ -217,11 +306,11 @@ class KVCache:
         src = index[rows]  # (n,) source row of each changed row
         Tk = int(self.lengths[src].max())
         # gather first (copies: a source row may itself be overwritten), then write
-        k_rows = self.k[src, :, :Tk]  # (n, h_kv, Tk, d_k)
-        v_rows = self.v[src, :, :Tk]  # (n, h_kv, Tk, d_v)
+        stores = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        gathered = [t[src, :, :Tk] for t in stores]  # (n, h_kv, Tk[, d]) each
         lengths, starts = self.lengths[index], self.starts[index]  # (B,)
-        self.k[:, :, :Tk].index_copy_(0, rows, k_rows)
-        self.v[:, :, :Tk].index_copy_(0, rows, v_rows)
+        for t, got in zip(stores, gathered, strict=True):
+            t[:, :, :Tk].index_copy_(0, rows, got)
         self.lengths.copy_(lengths)
         self.starts.copy_(starts)
 

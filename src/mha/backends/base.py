@@ -19,12 +19,6 @@ from mha.scores import NO_SCORES, ScoreSpec
 
 BASIC_MASK_KINDS = frozenset({"causal", "key_lengths", "mask"})
 ALL_MASK_KINDS = BASIC_MASK_KINDS | {"window"}
-#: Why the native kernels reject each score variant (they read the scores in registers; the
-#: variants come with their next layout change). Dispatch then falls back to sdpa / math.
-NATIVE_VARIANT_GAPS = (("softcap", "is not native yet (served by math, reference)"),
-                       ("sinks", "are not native yet (served by math, reference)"),
-                       ("bias", "is not native yet (served by sdpa, math, reference)"),
-                       ("alibi", "is not native yet (served by sdpa, math, reference)"))
 MOD_MASK_KINDS = ALL_MASK_KINDS | {"mask_mod"}  # mask functions of indices (mha.mods)
 
 

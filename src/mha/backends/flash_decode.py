@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from mha.backends.base import NATIVE_VARIANT_GAPS, AttentionCall, Backend, Capabilities
+from mha.backends.base import AttentionCall, Backend, Capabilities
 from mha.ops import decode
 
 
 def _forward(call: AttentionCall):
-    m = call.masks
+    m, sc = call.masks, call.scores
     out = decode.call_op(call.q, call.k, call.v, key_lengths=m.key_lengths, mask=m.mask,
-                         causal=m.causal, scale=call.scale)
+                         causal=m.causal, scale=call.scale, softcap=sc.softcap, sinks=sc.sinks,
+                         bias=sc.bias, alibi_slopes=sc.alibi_slopes)
     return out, None  # (B, h, Tq, d_v)
 
 
@@ -37,7 +38,8 @@ BACKEND = Backend(
         dtypes=frozenset({torch.float32, torch.bfloat16}),
         mask_kinds=frozenset({"causal", "key_lengths", "mask"}),
         gqa=True, different_v_dim=True, dropout=False, weights=False, grad=False,
-        variants=frozenset(), variant_gaps=NATIVE_VARIANT_GAPS,
+        # softcap, bias, ALiBi on the kernel's fp32 score blocks; the sink in its final merge
+        variants=frozenset({"softcap", "sinks", "bias", "alibi"}),
     ),
     forward=_forward,
     unavailable=decode.unavailable,

@@ -23,7 +23,15 @@ import math
 
 import torch
 
-from mha.checks import check_key_lengths, check_mask, check_qkv
+from mha.checks import (
+    check_alibi_slopes,
+    check_bias,
+    check_key_lengths,
+    check_mask,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+)
 from mha.ops import build
 
 EXTENSION = "mha_decode"
@@ -45,7 +53,8 @@ def unavailable() -> str | None:
         instead="backend flash_decode disabled, falling back to other backends")
 
 
-def _fake(q, k, v, key_lengths, mask, scale, causal):
+def _fake(q, k, v, key_lengths, mask, scale, causal, softcap=None, sinks=None, bias=None,
+          alibi_slopes=None, k_scale=None, v_scale=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "flash_decode: q, k, v must be 4-D")
     torch._check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
@@ -58,7 +67,8 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
                  mask: torch.Tensor | None = None, causal: bool = False,
                  scale: float | None = None, portable: bool = False,
                  softcap: float | None = None, sinks=None, bias=None,
-                 alibi_slopes=None) -> torch.Tensor:
+                 alibi_slopes=None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for a few queries against a long cache, on the CPU.
 
     Args:
@@ -75,9 +85,18 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
 
         scale: None means ``1 / sqrt(d_k)``.
         portable: run the portable C++ loops instead of the AVX-512 path (for tests).
-        softcap, sinks, bias, alibi_slopes: the score variants of :func:`mha.attention`. The
-            native kernel serves none of them yet: with any of them the call runs on the
-            Python path (``mha.attention``'s dispatch, i.e. sdpa or math), same result contract.
+        softcap: a float > 0: scores become ``softcap * tanh(s / softcap)``.
+        sinks: ``(h,)`` float, one sink logit per query head (its ``exp`` joins each row's
+            softmax denominator; it has no value).
+        bias: float, broadcastable to ``(B, h, Tq, Tk)``; read in place through its strides
+            (a broadcast dim is never expanded); converted to float32 first if it is not.
+        alibi_slopes: ``(h,)`` or ``(B, h)`` float: scores lose ``slope * (i + Tk - Tq - j)``.
+            The variants are those of :func:`mha.attention`, in the order of
+            :mod:`mha.scores`, all computed inside the kernel in fp32.
+        k_scale, v_scale: int8 K/V (both or neither): k and v are int8 (symmetric, e.g. from
+            :func:`quantize_int8`) and these their float32 scales ``(B, h_kv, Tk)``, one per
+            token and K/V head (``k = k_scale[..., None] * k_int8``); may be strided views.
+            Dequantized inside the kernel's loops (nothing is materialized).
 
     Returns ``(B, h, Tq, d_v)`` in q's dtype. Rows with no visible key are zeros. NaN / Inf:
     a row depends on its query and the keys it may attend only, as IEEE arithmetic of the
@@ -85,7 +104,11 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
     NaN in a visible value row: that column NaN); rows of keys it may not attend never reach it.
     Deterministic: the key splits are fixed-size, independent of the thread count.
     """
-    check_qkv(q, k, v)
+    if k_scale is not None or v_scale is not None:
+        _check_int8_kv(q, k, v, k_scale, v_scale)
+        check_qkv(q, _like(k, q.dtype), _like(v, q.dtype))  # the shapes, in the seeds' words
+    else:
+        check_qkv(q, k, v)
     if q.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"flash_decode: q, k, v must be float32 or bfloat16, got {q.dtype}")
     if q.device.type != "cpu":
@@ -93,22 +116,81 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("flash_decode is inference-only (no backward pass); call it under "
                            "torch.no_grad() or use mha.attention for training")
-    if any(x is not None for x in (softcap, sinks, bias, alibi_slopes)):
-        from mha.functional import attention  # validates every argument
-
-        return attention(q, k, v, key_lengths=key_lengths, mask=mask, causal=causal,
-                         scale=scale, softcap=softcap, sinks=sinks, bias=bias,
-                         alibi_slopes=alibi_slopes)
     B, h, Tq, d_k = q.shape
     Tk = k.shape[2]
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
-    return call_op(q, k, v, key_lengths=kl, mask=m, causal=causal, scale=scale, portable=portable)
+    if softcap is not None:
+        softcap = check_softcap(softcap)
+    if sinks is not None:
+        sinks = check_sinks(sinks, h, q.device)
+    if bias is not None:
+        bias = check_bias(bias, B, h, Tq, Tk, q.device)  # a 4-D view, never expanded
+    if alibi_slopes is not None:
+        alibi_slopes = check_alibi_slopes(alibi_slopes, B, h, q.device)  # (1|B, h)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, bias)):
+        raise RuntimeError("flash_decode is inference-only (no backward pass): sinks / bias "
+                           "require grad; call it under torch.no_grad() or use mha.attention")
+    return call_op(q, k, v, key_lengths=kl, mask=m, causal=causal, scale=scale, portable=portable,
+                   softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
+                   k_scale=k_scale, v_scale=v_scale)
 
 
-def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable: bool = False):
-    """The op itself, on arguments already validated (used by the backend adapter)."""
+def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in of ``t``'s shape in ``dtype`` (one element, broadcast; no memory)."""
+    return torch.zeros((), dtype=dtype, device=t.device).expand(t.shape)
+
+
+def _check_int8_kv(q, k, v, k_scale, v_scale) -> None:
+    """int8 K/V: k, v int8 tensors, and both scales float32 ``(B, h_kv, Tk)``."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"flash_decode: with k_scale / v_scale, {name} must be an int8 "
+                            f"tensor (B, h_kv, Tk, d), got {got}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        want = (k.shape[0], k.shape[1], k.shape[2]) if k.dim() == 4 else "(B, h_kv, Tk)"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_decode: {name} must be a float32 tensor (B, h_kv, Tk) = "
+                            f"{want} (int8 K/V needs both scales), got {type(t).__name__}")
+        if t.dtype != torch.float32 or t.device != q.device:
+            raise TypeError(f"flash_decode: {name} must be float32 on {q.device}, got {t.dtype} "
+                            f"on {t.device}")
+        if k.dim() != 4 or tuple(t.shape) != want:
+            raise ValueError(f"flash_decode: {name} must have shape (B, h_kv, Tk) = {want}, got "
+                             f"{tuple(t.shape)}")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of the last dim: ``x (..., d)`` float -> ``(x_int8 (..., d),
+    scale (...) float32)`` with ``scale = absmax / 127`` and ``x_int8 = round(x / scale)``, so
+    ``|x - scale * x_int8| <= scale / 2 = absmax / 254`` per element (a zero row: scale 0)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0  # (...)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # (...)
+    xq = torch.round(xf / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)  # (..., d)
+    return xq, scale
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A variant tensor as the kernel reads it: float32. Broadcast dims (stride 0, e.g. an
+    ``expand``ed bias) are narrowed to one element before the conversion and expanded back
+    after it (a view), so only the stored elements are converted, never the broadcast."""
+    if t is None or t.dtype == torch.float32:
+        return t
+    small = t
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            small = small.narrow(d, 0, 1)  # (.., 1, ..) on that dim
+    return small.to(torch.float32).expand(t.shape)  # stride 0 again where it was
+
+
+def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable: bool = False,
+            softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
+            k_scale=None, v_scale=None):
+    """The op itself, on arguments already validated (used by the backend adapter): bias a
+    4-D view broadcastable to ``(B, h, Tq, Tk)``, alibi_slopes ``(1|B, h)``, sinks ``(h,)``."""
     reason = unavailable()
     if reason:
         raise RuntimeError(reason)
@@ -116,4 +198,5 @@ def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable:
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     op = torch.ops.mha.flash_decode_portable if portable else torch.ops.mha.flash_decode
-    return op(q, k, v, key_lengths, mask, scale, causal)
+    return op(q, k, v, key_lengths, mask, scale, causal, softcap, _fp32(sinks), _fp32(bias),
+              _fp32(alibi_slopes), k_scale, v_scale)

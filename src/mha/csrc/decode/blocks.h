@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #ifdef __AVX512F__
@@ -20,9 +21,9 @@ namespace {
 
 // ------------------------------------------------------------------ portable building blocks
 
-// scores[r * kChunk + t] = (q_r . k_t) * scale for r < G, t < n.
-template <typename T>
-void qk_portable(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n,
+// scores[r * kChunk + t] = (q_r . k_t) * scale for r < G, t < n (K in q's dtype, or int8).
+template <typename T, typename KV>
+void qk_portable(const T* q, int64_t G, int64_t dk, const KV* k, int64_t kst, int64_t n,
                  float scale, float* scores) {
   for (int64_t r = 0; r < G; ++r)
     for (int64_t t = 0; t < n; ++t) {
@@ -314,19 +315,21 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
 }
 #endif  // __AVX512F__
 
-template <typename T, bool kVec>
-inline void qk(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t n, float scale,
-               float* scores) {
+// int8 K/V (KV = int8_t) runs the portable loops on every target.
+template <typename T, bool kVec, typename KV>
+inline void qk(const T* q, int64_t G, int64_t dk, const KV* k, int64_t kst, int64_t n,
+               float scale, float* scores) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return qk_vec(q, G, dk, k, kst, n, scale, scores);
+  if constexpr (kVec && std::is_same_v<T, KV>) return qk_vec(q, G, dk, k, kst, n, scale, scores);
 #endif
   qk_portable(q, G, dk, k, kst, n, scale, scores);
 }
 
-template <typename T, bool kVec>
-inline void pv(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+template <typename KV, bool kVec>
+inline void pv(const float* p, int64_t G, int64_t n, const KV* v, int64_t vst, int64_t dv,
+               float* O) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return pv_vec(p, G, n, v, vst, dv, O);
+  if constexpr (kVec && !std::is_same_v<KV, int8_t>) return pv_vec(p, G, n, v, vst, dv, O);
 #endif
   pv_portable(p, G, n, v, vst, dv, O);
 }

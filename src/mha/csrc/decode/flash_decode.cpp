@@ -23,6 +23,16 @@
 //   mask         bool, 4-D, broadcastable to (B, h, Tq, Tk) (size-1 dims are broadcast)
 // Query rows that may attend no key return zeros.
 //
+// int8 K/V (optional): k, v int8 with fp32 scales (B, h_kv, Tk), one per token and K/V head
+// (k = k_scale * k_int8). Dequantized in the loops, never stored: q . k_int8 is scaled by
+// k_scale per key before the variants, and each weight p_j by v_scale_j before p . v. These
+// run the portable loops on every target (bf16 / fp32 K/V keep the AVX-512 / AMX paths).
+//
+// Score variants (optional; decode/variants.h, the order of mha/scores.py): softcap, bias
+// (fp32, read through its broadcast strides) and ALiBi (-slope * (i + Tk - Tq - j)) change each
+// row of a split's score block before the masks; a sink (h,) adds exp(sink) to each row's
+// denominator once, in merge_group. A row with no visible key returns zeros, sink or not.
+//
 // NaN and Inf (the rule of flash_attn.cpp): a row's output depends only on q and the keys it
 // may attend, as IEEE arithmetic of softmax(q k^T scale) v makes it: a NaN score (NaN in q, or
 // NaN / Inf in a visible K row) makes the row's max, every weight and the whole output row NaN
@@ -69,6 +79,7 @@
 #endif
 #include "decode/blocks.h"
 #include "decode/problem.h"
+#include "decode/variants.h"
 
 namespace {
 
@@ -117,7 +128,14 @@ void pv_exact(const Problem& P, int64_t b, int64_t kvh, int64_t r, int64_t j0, i
   }
 }
 
-template <typename T, bool kVec>
+// Row-wise products with a per-key fp32 scale (int8 K/V): s[r * kChunk + t] *= sc[t * stride].
+inline void scale_keys(float* s, int64_t G, int64_t n, const float* sc, int64_t stride) {
+  for (int64_t r = 0; r < G; ++r)
+    for (int64_t t = 0; t < n; ++t) s[r * kChunk + t] *= sc[t * stride];
+}
+
+// T: q's (and the output's) dtype; KV: K/V's, T or int8 (dequantized here, never stored).
+template <typename T, bool kVec, typename KV>
 void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, Scratch& w,
                 float* O, float* m, float* l) {
   float* scores = w.scores.data();
@@ -127,22 +145,25 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   std::fill(l, l + G, 0.f);
   if (n <= 0) return;
   const T* q = static_cast<const T*>(P.q) + (b * P.h + kvh * P.g) * P.Tq * P.dk;  // (G, d_k)
-  const T* k = static_cast<const T*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
-  const T* v = static_cast<const T*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
+  const KV* k = static_cast<const KV*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
+  const KV* v = static_cast<const KV*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
   // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units
   int64_t done = 0;  // keys scored on AMX tiles (whole steps of 32), the rest below
 #ifdef MHA_DECODE_AMX
-  if constexpr (kVec && std::is_same_v<T, bf16>)
+  if constexpr (kVec && std::is_same_v<T, bf16> && std::is_same_v<KV, bf16>)
     if (P.amx)
-      done = mha_decode_amx::qk_amx(q, G, P.dk, k, P.kst, n, P.scale_log2, scores, kChunk,
+      done = mha_decode_amx::qk_amx(q, G, P.dk, k, P.kst, n, P.qk_scale, scores, kChunk,
                                     w.qpack.data(), w.tmp.data());
 #endif
   if (done < n)
-    qk<T, kVec>(q, G, P.dk, k + done * P.kst, P.kst, n - done, P.scale_log2, scores + done);
+    qk<T, kVec, KV>(q, G, P.dk, k + done * P.kst, P.kst, n - done, P.qk_scale, scores + done);
+  if constexpr (std::is_same_v<KV, int8_t>)  // s = scale * k_scale_j * (q . k_int8_j)
+    scale_keys(scores, G, n, P.ksc + b * P.kscb + kvh * P.ksch + j0 * P.kscs, P.kscs);
   bool any = false;
-  for (int64_t r = 0; r < G; ++r) {  // masks -> -inf; then max, 2^(s - max), sum per row
+  for (int64_t r = 0; r < G; ++r) {  // variants; masks -> -inf; then max, 2^(s - max), sum
     float* s = scores + r * kChunk;
     const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
+    if (P.variants) apply_variants(P, b, head, i, j0, n, s);  // now in base 2
     if (P.causal) {
       const int64_t last = i + P.Tk - P.Tq;  // query i sees keys j <= last
       for (int64_t j = std::max(j0, last + 1); j < j1; ++j) s[j - j0] = kNegInf;
@@ -157,7 +178,9 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   }
   // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v)
   if (!any) return;
-  pv<T, kVec>(scores, G, n, v, P.vst, P.dv, O);
+  if constexpr (std::is_same_v<KV, int8_t>)  // p_j v_j = (p_j v_scale_j) v_int8_j
+    scale_keys(scores, G, n, P.vsc + b * P.vscb + kvh * P.vsch + j0 * P.vscs, P.vscs);
+  pv<KV, kVec>(scores, G, n, v, P.vst, P.dv, O);
   for (int64_t r = 0; r < G; ++r)  // a NaN l: the whole row is NaN anyway
     if (!std::isnan(l[r]) && !mha_finite::all_finite(O + r * P.dv, P.dv))
       pv_exact(P, b, kvh, r, j0, j1, scores + r * kChunk, v, O + r * P.dv);
@@ -170,7 +193,8 @@ struct Partials {
 };
 
 // Merge the S partials of group bh (in split order) into out rows (head = kvh * g + r / Tq,
-// i = r % Tq), which are contiguous: out + (bh * G + r) * d_v.
+// i = r % Tq), which are contiguous: out + (bh * G + r) * d_v. A sink adds 2^(sink - M) to the
+// denominator here, once per row (never per split), and only to a row that sees a key.
 template <typename T>
 void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc, T* out) {
   for (int64_t r = 0; r < P.G; ++r) {
@@ -181,7 +205,12 @@ void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc,
     }
     std::fill(acc, acc + P.dv, 0.f);
     float Ls = 0.f;
-    for (int64_t s = 0; Mx != kNegInf && s < P.S; ++s) {
+    if (P.sinks && Mx != kNegInf) {  // the sink's logit, base 2; the max over keys and sink
+      const float sink = P.sinks[(bh % P.h_kv) * P.g + r / P.Tq] * kLog2e;
+      if (!std::isnan(Mx)) Mx = std::isnan(sink) ? sink : std::max(Mx, sink);
+      Ls = std::exp2(sink - Mx);
+    }
+    for (int64_t s = 0; Mx != kNegInf && s < P.S; ++s) {  // Mx: -inf only without keys
       const int64_t at = (bh * P.S + s) * P.G + r;
       if (part.L[at] == 0.f) continue;
       const float w = std::exp2(part.M[at] - Mx);
@@ -230,10 +259,17 @@ int64_t split_length(int64_t groups, int64_t Tk) {
   return c;
 }
 
-template <typename T, bool kVec>
+// The op's optional score-variant arguments, as it receives them (checked by check_inputs).
+struct VariantArgs {
+  c10::optional<double> softcap;
+  c10::optional<at::Tensor> sinks, bias, alibi_slopes;  // fp32: (h,), 4-D broadcast, (1|B, h)
+  c10::optional<at::Tensor> k_scale, v_scale;  // int8 K/V: fp32 (B, h_kv, Tk) each
+};
+
+template <typename T, bool kVec, typename KV = T>
 at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
-               double scale, bool causal) {
+               double scale, bool causal, const VariantArgs& va) {
   const at::Tensor q = q_in.contiguous();  // (B, h, Tq, d_k): small
   Problem P{};
   P.B = q.size(0), P.h = q.size(1), P.Tq = q.size(2), P.dk = q.size(3);
@@ -256,10 +292,35 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   }
   P.causal = causal;
 #ifdef MHA_DECODE_AMX
-  P.amx = kVec && std::is_same_v<T, bf16> && mha_decode_amx::amx_fits(P.G, P.dk) &&
+  P.amx = kVec && std::is_same_v<T, bf16> && std::is_same_v<KV, bf16> &&
+          mha_decode_amx::amx_fits(P.G, P.dk) &&
           mha_decode_amx::amx_permitted();
 #endif
-  P.scale_log2 = static_cast<float>(scale) * kLog2e;
+  // score variants: the small tensors made contiguous, the bias read in place (strides)
+  at::Tensor sinks, alibi;
+  if (va.softcap.has_value()) P.softcap = static_cast<float>(*va.softcap);
+  if (va.sinks.has_value()) {
+    sinks = va.sinks->contiguous();
+    P.sinks = sinks.data_ptr<float>();
+  }
+  if (va.bias.has_value()) {
+    const at::Tensor& bt = *va.bias;
+    P.bias = bt.data_ptr<float>();
+    auto st = [&](int d) { return bt.size(d) == 1 ? int64_t{0} : bt.stride(d); };
+    P.bsb = st(0), P.bsh = st(1), P.bsq = st(2), P.bsk = st(3);
+  }
+  if (va.alibi_slopes.has_value()) {
+    alibi = va.alibi_slopes->contiguous();  // (1|B, h)
+    P.alibi = alibi.data_ptr<float>();
+    P.asb = alibi.size(0) == 1 ? 0 : P.h;
+  }
+  if (va.k_scale.has_value()) {  // int8 K/V: (B, h_kv, Tk) scales, read through their strides
+    P.ksc = va.k_scale->data_ptr<float>(), P.vsc = va.v_scale->data_ptr<float>();
+    P.kscb = va.k_scale->stride(0), P.ksch = va.k_scale->stride(1), P.kscs = va.k_scale->stride(2);
+    P.vscb = va.v_scale->stride(0), P.vsch = va.v_scale->stride(1), P.vscs = va.v_scale->stride(2);
+  }
+  P.variants = P.softcap > 0.f || P.bias || P.alibi;
+  P.qk_scale = static_cast<float>(scale) * (P.variants ? 1.f : kLog2e);
 
   // partials in one buffer: O (B, h_kv, S, G, d_v), then M and L (B, h_kv, S, G) each
   const int64_t rows = P.B * P.h_kv * P.S * P.G;
@@ -278,14 +339,14 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   const int64_t groups = P.B * P.h_kv, items = groups * P.S;
   std::vector<std::atomic<int64_t>> remaining(groups);
   for (auto& r : remaining) r.store(P.S, std::memory_order_relaxed);
-  const int64_t bytes = P.B * P.h_kv * P.Tk * (P.dk + P.dv) * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes = P.B * P.h_kv * P.Tk * (P.dk + P.dv) * static_cast<int64_t>(sizeof(KV));
   const int threads = bytes < (int64_t{1} << 18) ? 1
                       : static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
   auto work = [&](Scratch& w, int64_t it) {
     const int64_t s = it % P.S, bh = it / P.S, b = bh / P.h_kv, kvh = bh % P.h_kv;
     const int64_t len = P.klen ? std::min(P.klen[b], P.Tk) : P.Tk;
     const int64_t j0 = s * P.C, j1 = std::min(j0 + P.C, len);
-    split_item<T, kVec>(P, b, kvh, j0, j1, w, part.O + it * P.G * P.dv,
+    split_item<T, kVec, KV>(P, b, kvh, j0, j1, w, part.O + it * P.G * P.dv,
                         part.M + it * P.G, part.L + it * P.G);
     if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
       merge_group(P, part, bh, w.acc.data(), outp);
@@ -299,9 +360,6 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   }
   std::vector<Range> ranges(threads);
   for (int t = 0; t < threads; ++t) ranges[t].set(items * t / threads, items * (t + 1) / threads);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -323,13 +381,25 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& key_lengths,
-                  const c10::optional<at::Tensor>& mask) {
+                  const c10::optional<at::Tensor>& mask, const VariantArgs& va) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "flash_decode: q, k, v must be CPU tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "flash_decode: q (B, h, Tq, d_k), k (B, h_kv, Tk, d_k), v (B, h_kv, Tk, d_v) must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "flash_decode: q, k, v must share one dtype");
+  TORCH_CHECK(va.k_scale.has_value() == va.v_scale.has_value(),
+              "flash_decode: k_scale and v_scale come together (int8 K/V)");
+  if (va.k_scale.has_value()) {
+    TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar,
+                "flash_decode: with k_scale / v_scale, k and v must be int8");
+    for (const at::Tensor* t : {&*va.k_scale, &*va.v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 3 &&
+                      t->size(0) == k.size(0) && t->size(1) == k.size(1) && t->size(2) == k.size(2),
+                  "flash_decode: k_scale / v_scale must be float32 (B, h_kv, Tk), got ",
+                  t->scalar_type(), " ", t->sizes());
+  } else {
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                "flash_decode: q, k, v must share one dtype");
+  }
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) &&
                   v.size(1) == k.size(1) && v.size(2) == k.size(2),
               "flash_decode: shapes disagree: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
@@ -349,18 +419,55 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       TORCH_CHECK(mask->size(d) == 1 || mask->size(d) == want[d],
                   "flash_decode: mask ", mask->sizes(), " is not broadcastable to (B, h, Tq, Tk)");
   }
+  // the variants (validated in Python; these guard memory)
+  if (va.softcap.has_value())
+    TORCH_CHECK(*va.softcap > 0 && std::isfinite(*va.softcap),
+                "flash_decode: softcap must be a finite number > 0, got ", *va.softcap);
+  auto fp32_cpu = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "flash_decode: ", name,
+                " must be a float32 CPU tensor, got ", t.scalar_type());
+  };
+  if (va.sinks.has_value()) {
+    fp32_cpu(*va.sinks, "sinks");
+    TORCH_CHECK(va.sinks->dim() == 1 && va.sinks->size(0) == q.size(1),
+                "flash_decode: sinks must be (h,) = (", q.size(1), "), got ", va.sinks->sizes());
+  }
+  if (va.bias.has_value()) {
+    fp32_cpu(*va.bias, "bias");
+    TORCH_CHECK(va.bias->dim() == 4, "flash_decode: bias must be 4-D, got ", va.bias->sizes());
+    const int64_t want[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+    for (int d = 0; d < 4; ++d)
+      TORCH_CHECK(va.bias->size(d) == 1 || va.bias->size(d) == want[d],
+                  "flash_decode: bias ", va.bias->sizes(), " is not broadcastable to (B, h, Tq, Tk)");
+  }
+  if (va.alibi_slopes.has_value()) {
+    const at::Tensor& a = *va.alibi_slopes;
+    fp32_cpu(a, "alibi_slopes");
+    TORCH_CHECK(a.dim() == 2 && (a.size(0) == 1 || a.size(0) == q.size(0)) &&
+                    a.size(1) == q.size(1),
+                "flash_decode: alibi_slopes must be (1|B, h), got ", a.sizes());
+  }
 }
 
 template <bool kVec>
 at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& key_lengths,
-                             const c10::optional<at::Tensor>& mask, double scale, bool causal) {
-  check_inputs(q, k, v, key_lengths, mask);
+                             const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                             c10::optional<double> softcap, const c10::optional<at::Tensor>& sinks,
+                             const c10::optional<at::Tensor>& bias,
+                             const c10::optional<at::Tensor>& alibi_slopes,
+                             const c10::optional<at::Tensor>& k_scale,
+                             const c10::optional<at::Tensor>& v_scale) {
+  const VariantArgs va{softcap, sinks, bias, alibi_slopes, k_scale, v_scale};
+  check_inputs(q, k, v, key_lengths, mask, va);
+  const bool int8 = k_scale.has_value();
   switch (q.scalar_type()) {
     case at::kFloat:
-      return run<float, kVec>(q, k, v, key_lengths, mask, scale, causal);
+      return int8 ? run<float, kVec, int8_t>(q, k, v, key_lengths, mask, scale, causal, va)
+                  : run<float, kVec>(q, k, v, key_lengths, mask, scale, causal, va);
     case at::kBFloat16:
-      return run<bf16, kVec>(q, k, v, key_lengths, mask, scale, causal);
+      return int8 ? run<bf16, kVec, int8_t>(q, k, v, key_lengths, mask, scale, causal, va)
+                  : run<bf16, kVec>(q, k, v, key_lengths, mask, scale, causal, va);
     default:
       TORCH_CHECK(false, "flash_decode: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
   }
@@ -372,9 +479,16 @@ template <bool kVec>
 at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const c10::optional<at::Tensor>& key_lengths,
                                  const c10::optional<at::Tensor>& mask, double scale,
-                                 bool causal) {
+                                 bool causal, c10::optional<double> softcap,
+                                 const c10::optional<at::Tensor>& sinks,
+                                 const c10::optional<at::Tensor>& bias,
+                                 const c10::optional<at::Tensor>& alibi_slopes,
+                                 const c10::optional<at::Tensor>& k_scale,
+                                 const c10::optional<at::Tensor>& v_scale) {
+  auto grad = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); };
   TORCH_CHECK(!at::GradMode::is_enabled() ||
-                  !(q.requires_grad() || k.requires_grad() || v.requires_grad()),
+                  !(q.requires_grad() || k.requires_grad() || v.requires_grad() || grad(sinks) ||
+                    grad(bias)),
               "mha::flash_decode has no backward pass (an inference kernel for decoding): call "
               "it under torch.no_grad(), or use mha.attention, which picks a backend with one");
   at::AutoDispatchBelowADInplaceOrView guard;
@@ -382,17 +496,27 @@ at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const
                        .findSchemaOrThrow(kVec ? "mha::flash_decode" : "mha::flash_decode_portable", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const c10::optional<at::Tensor>&,
-                                         const c10::optional<at::Tensor>&, double, bool)>();
-  return op.call(q, k, v, key_lengths, mask, scale, causal);
+                                         const c10::optional<at::Tensor>&, double, bool,
+                                         c10::optional<double>, const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&)>();
+  return op.call(q, k, v, key_lengths, mask, scale, causal, softcap, sinks, bias, alibi_slopes,
+                 k_scale, v_scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
+  // the score variants (decode/variants.h) are optional, after the masks; then the scales of
+  // int8 K/V (k, v int8 with fp32 (B, h_kv, Tk) scales, dequantized in the loops)
   m.def("flash_decode(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
-        "float scale, bool causal) -> Tensor");
+        "float scale, bool causal, float? softcap=None, Tensor? sinks=None, Tensor? bias=None, "
+        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("flash_decode_portable(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
-        "float scale, bool causal) -> Tensor");
+        "float scale, bool causal, float? softcap=None, Tensor? sinks=None, Tensor? bias=None, "
+        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {

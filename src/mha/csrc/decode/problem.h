@@ -17,19 +17,34 @@ using mha_common::kNegInf;
 using mha_common::widen;
 
 using bf16 = c10::BFloat16;
+inline float widen(int8_t x) { return static_cast<float>(x); }  // int8 K/V (times its scale)
 
 struct Problem {
   int64_t B, h, h_kv, g, Tq, Tk, dk, dv, G, C, S;
   const void* q;  // contiguous (B, h, Tq, d_k)
-  const void* k;  // (B, h_kv, Tk, d_k), last dim contiguous
-  const void* v;  // (B, h_kv, Tk, d_v), last dim contiguous
+  const void* k;  // (B, h_kv, Tk, d_k), last dim contiguous; q's dtype, or int8 with k_scale
+  const void* v;  // (B, h_kv, Tk, d_v), last dim contiguous; q's dtype, or int8 with v_scale
   int64_t ksb, ksh, kst, vsb, vsh, vst;
   const int64_t* klen;  // (B,) or nullptr
   const bool* mask;     // broadcast strides below, or nullptr
   int64_t msb, msh, msq, msk;
   bool causal;
   bool amx;  // bf16 q.k on AMX tiles (see qk_amx)
-  float scale_log2;  // scale * log2(e): scores are kept in base 2
+  // The q.k paths leave qk_scale * (q . k) in the score block: scale * log2(e) (base 2, the
+  // softmax's units) without variants; scale with them (decode/variants.h goes to base 2).
+  float qk_scale;
+  // Score variants (decode/variants.h), each optional.
+  bool variants;        // softcap, bias or alibi present: apply_variants runs on every row
+  float softcap;        // > 0, or 0: off
+  const float* sinks;   // (h,) fp32, or nullptr
+  const float* bias;    // fp32, broadcast strides below (0 on size-1 dims), or nullptr
+  int64_t bsb, bsh, bsq, bsk;
+  const float* alibi;   // (1|B, h) fp32 contiguous, or nullptr
+  int64_t asb;          // h, or 0 for (1, h)
+  // int8 K/V (symmetric, one fp32 scale per token and K/V head): k = k_scale * k_int8
+  const float* ksc;     // (B, h_kv, Tk) fp32 strided, or nullptr (K/V in q's dtype)
+  const float* vsc;
+  int64_t kscb, ksch, kscs, vscb, vsch, vscs;
 };
 
 }  // namespace

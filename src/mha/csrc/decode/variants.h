@@ -1,0 +1,44 @@
+// The score variants of the decode kernel (mha/scores.py's order), applied to one row of a
+// split's fp32 score block between q.k and the masks. One helper for every q.k path (portable,
+// AVX-512, AMX): they all leave scale * (q . k) in the block, this turns it into base 2.
+//
+//   s  = scale * (q_i . k_j)                      (from qk / qk_amx: P.qk_scale = scale)
+//   s  = softcap * tanh(s / softcap)              softcap
+//   s  = s + bias[b, head, i, j]                  bias, read through its strides (0: broadcast)
+//   s  = s - slope[b, head] * (i + Tk - Tq - j)   ALiBi, the distance computed here
+//   s2 = s * log2(e)                              the kernel's softmax is in base 2
+//
+// The sink is not a score of any key: merge_group adds 2^(sink * log2(e) - M) to each row's
+// denominator once, after the splits are combined.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "decode/problem.h"
+
+namespace {
+
+// s[t] for keys j0 + t, t < n, of query row i of head `head` in batch row b.
+inline void apply_variants(const Problem& P, int64_t b, int64_t head, int64_t i, int64_t j0,
+                           int64_t n, float* s) {
+  if (P.softcap > 0.f) {
+    const float cap = P.softcap, inv = 1.f / P.softcap;
+    for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
+  }
+  if (P.bias) {
+    const float* br = P.bias + b * P.bsb + head * P.bsh + i * P.bsq + j0 * P.bsk;
+    if (P.bsk == 1)
+      for (int64_t t = 0; t < n; ++t) s[t] += br[t];
+    else
+      for (int64_t t = 0; t < n; ++t) s[t] += br[t * P.bsk];
+  }
+  if (P.alibi) {  // - slope * (i + Tk - Tq - j): the distance is exact in fp32 below 2^24
+    const float slope = P.alibi[b * P.asb + head];
+    const float d0 = static_cast<float>(i + P.Tk - P.Tq - j0);
+    for (int64_t t = 0; t < n; ++t) s[t] -= slope * (d0 - static_cast<float>(t));
+  }
+  for (int64_t t = 0; t < n; ++t) s[t] *= kLog2e;
+}
+
+}  // namespace
