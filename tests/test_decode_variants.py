@@ -258,9 +258,8 @@ def test_explain_names_flash_decode_for_a_decode_step_with_variants(names):
     q, k, v, _ = _problem((1, 4, 2, 1, 50, 32, 32), torch.float32, "none")
     variants = _variants(names, 1, 4, 1, 50, torch.float32, torch.Generator().manual_seed(0))
     ex = mha.explain(q, k, v, **variants)
-    assert ex.chosen == "flash_decode", str(ex)
-    flash_cpu = next(x for x in ex if x.backend == "flash_cpu")
-    assert any("not native yet" in r for r in flash_cpu.reasons)
+    assert ex.chosen == "flash_decode", str(ex)  # first in dispatch; flash_cpu could serve it too
+    assert next(x for x in ex if x.backend == "flash_cpu").ok
 
 
 @NEEDS_KERNEL

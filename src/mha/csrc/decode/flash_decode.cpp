@@ -205,8 +205,8 @@ void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc,
     }
     std::fill(acc, acc + P.dv, 0.f);
     float Ls = 0.f;
-    if (P.sinks && Mx != kNegInf) {  // the sink's logit, base 2; the max over keys and sink
-      const float sink = P.sinks[(bh % P.h_kv) * P.g + r / P.Tq] * kLog2e;
+    if (P.mods.sinks && Mx != kNegInf) {  // the sink's logit, base 2; the max over keys and sink
+      const float sink = P.mods.sink_log2((bh % P.h_kv) * P.g + r / P.Tq);
       if (!std::isnan(Mx)) Mx = std::isnan(sink) ? sink : std::max(Mx, sink);
       Ls = std::exp2(sink - Mx);
     }
@@ -298,28 +298,26 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
 #endif
   // score variants: the small tensors made contiguous, the bias read in place (strides)
   at::Tensor sinks, alibi;
-  if (va.softcap.has_value()) P.softcap = static_cast<float>(*va.softcap);
+  if (va.softcap.has_value()) P.mods.softcap = static_cast<float>(*va.softcap);
   if (va.sinks.has_value()) {
     sinks = va.sinks->contiguous();
-    P.sinks = sinks.data_ptr<float>();
+    P.mods.sinks = sinks.data_ptr<float>();
   }
   if (va.bias.has_value()) {
-    const at::Tensor& bt = *va.bias;
-    P.bias = bt.data_ptr<float>();
-    auto st = [&](int d) { return bt.size(d) == 1 ? int64_t{0} : bt.stride(d); };
-    P.bsb = st(0), P.bsh = st(1), P.bsq = st(2), P.bsk = st(3);
+    P.mods.bias = va.bias->data_ptr<float>();
+    mha_common::fill_strides(*va.bias, P.mods.bs, 4, true);
   }
   if (va.alibi_slopes.has_value()) {
     alibi = va.alibi_slopes->contiguous();  // (1|B, h)
-    P.alibi = alibi.data_ptr<float>();
-    P.asb = alibi.size(0) == 1 ? 0 : P.h;
+    P.mods.alibi = alibi.data_ptr<float>();
+    P.mods.as0 = alibi.size(0) == 1 ? 0 : P.h;
   }
   if (va.k_scale.has_value()) {  // int8 K/V: (B, h_kv, Tk) scales, read through their strides
     P.ksc = va.k_scale->data_ptr<float>(), P.vsc = va.v_scale->data_ptr<float>();
     P.kscb = va.k_scale->stride(0), P.ksch = va.k_scale->stride(1), P.kscs = va.k_scale->stride(2);
     P.vscb = va.v_scale->stride(0), P.vsch = va.v_scale->stride(1), P.vscs = va.v_scale->stride(2);
   }
-  P.variants = P.softcap > 0.f || P.bias || P.alibi;
+  P.variants = P.mods.on_scores();
   P.qk_scale = static_cast<float>(scale) * (P.variants ? 1.f : kLog2e);
 
   // partials in one buffer: O (B, h_kv, S, G, d_v), then M and L (B, h_kv, S, G) each

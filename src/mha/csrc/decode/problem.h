@@ -2,6 +2,7 @@
 // split size; the algorithm is described in decode/flash_decode.cpp.
 #pragma once
 
+#include "common/score_mods.h"
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -34,13 +35,8 @@ struct Problem {
   // softmax's units) without variants; scale with them (decode/variants.h goes to base 2).
   float qk_scale;
   // Score variants (decode/variants.h), each optional.
-  bool variants;        // softcap, bias or alibi present: apply_variants runs on every row
-  float softcap;        // > 0, or 0: off
-  const float* sinks;   // (h,) fp32, or nullptr
-  const float* bias;    // fp32, broadcast strides below (0 on size-1 dims), or nullptr
-  int64_t bsb, bsh, bsq, bsk;
-  const float* alibi;   // (1|B, h) fp32 contiguous, or nullptr
-  int64_t asb;          // h, or 0 for (1, h)
+  bool variants;                // softcap, bias or alibi present: apply_variants runs on every row
+  mha_common::ScoreMods mods;   // the flash kernel's (common/score_mods.h)
   // int8 K/V (symmetric, one fp32 scale per token and K/V head): k = k_scale * k_int8
   const float* ksc;     // (B, h_kv, Tk) fp32 strided, or nullptr (K/V in q's dtype)
   const float* vsc;

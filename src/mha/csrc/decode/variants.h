@@ -20,24 +20,11 @@
 namespace {
 
 // s[t] for keys j0 + t, t < n, of query row i of head `head` in batch row b.
+// The arithmetic is the flash kernel's (mha_common::ScoreMods::apply_row, with the scale
+// already applied by q.k).
 inline void apply_variants(const Problem& P, int64_t b, int64_t head, int64_t i, int64_t j0,
                            int64_t n, float* s) {
-  if (P.softcap > 0.f) {
-    const float cap = P.softcap, inv = 1.f / P.softcap;
-    for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
-  }
-  if (P.bias) {
-    const float* br = P.bias + b * P.bsb + head * P.bsh + i * P.bsq + j0 * P.bsk;
-    if (P.bsk == 1)
-      for (int64_t t = 0; t < n; ++t) s[t] += br[t];
-    else
-      for (int64_t t = 0; t < n; ++t) s[t] += br[t * P.bsk];
-  }
-  if (P.alibi) {  // - slope * (i + Tk - Tq - j): the distance is exact in fp32 below 2^24
-    const float slope = P.alibi[b * P.asb + head];
-    const float d0 = static_cast<float>(i + P.Tk - P.Tq - j0);
-    for (int64_t t = 0; t < n; ++t) s[t] -= slope * (d0 - static_cast<float>(t));
-  }
+  P.mods.apply_row(s, n, b, head, i, j0, P.Tq, P.Tk, 1.f);
   for (int64_t t = 0; t < n; ++t) s[t] *= kLog2e;
 }
 
