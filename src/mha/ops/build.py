@@ -59,7 +59,11 @@ except ImportError:  # not a POSIX system: builds stay atomic, concurrent ones m
     fcntl = None
 
 CSRC = Path(__file__).parent.parent / "csrc"  # src/mha/csrc
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
+# -fno-trapping-math: the kernels never trap on floating-point exceptions, and without it GCC
+# will not turn the selects of the score variants' tanh / exp2 (common/score_mods.h) into
+# vector blends (it keeps a possibly trapping float->int conversion under a branch). NaN and
+# Inf arithmetic is unchanged (no -ffast-math).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
 _FIX = "set MHA_BUILD_DIR to a writable directory"
 _lock = threading.Lock()

@@ -18,12 +18,15 @@ constexpr float kExp2C1 = 6.9314718055994531e-01f, kExp2C2 = 2.4022650695910071e
                 kExp2C5 = 1.3333558146428441e-03f, kExp2C6 = 1.5403530393381606e-04f,
                 kExp2C7 = 1.5252733804059841e-05f;
 
-// 2^x for x <= 0 in plain float arithmetic (the same polynomial; loops calling it vectorize
-// on any target): x clamped at -126 (2^-126, the smallest normal float), NaN gives NaN.
+// 2^x for x <= 0 in plain float arithmetic (the same polynomial, selects the vectorizer turns
+// into blends, given -fno-trapping-math): x clamped at -126 (2^-126, the smallest normal
+// float; -inf gives it too, below fp32's resolution next to any term >= 2^-102), NaN gives
+// NaN (it is converted as 0 and added back at the end).
 inline float exp2_scalar(float x) {
-  x = x < -126.f ? -126.f : x;  // NaN stays NaN
-  const float n = __builtin_floorf(x + 0.5f);
-  const float f = x - n;  // [-1/2, 1/2]
+  float xc = x < -126.f ? -126.f : x;
+  xc = xc == xc ? xc : 0.f;                  // NaN: 0 (no float -> int conversion of NaN)
+  const int32_t k = int32_t(0.5f - xc);      // round(-xc), xc in [-126, 0]
+  const float f = xc + float(k);             // [-1/2, 1/2]
   float y = kExp2C7;
   y = y * f + kExp2C6;
   y = y * f + kExp2C5;
@@ -32,11 +35,10 @@ inline float exp2_scalar(float x) {
   y = y * f + kExp2C2;
   y = y * f + kExp2C1;
   y = y * f + 1.f;
-  const int32_t e = (n == n ? int32_t(n) : 0) + 127;  // 2^n by its exponent bits
-  const uint32_t bits = uint32_t(e) << 23;
+  const uint32_t bits = (127u - uint32_t(k)) << 23;  // 2^-k by its exponent bits
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
+  return y * two_n + (x == x ? 0.f : x);
 }
 
 }  // namespace mha_exp2

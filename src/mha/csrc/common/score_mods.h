@@ -26,15 +26,17 @@ namespace mha_common {
 // |y| = 1/4, else (1 - e) / (1 + e) with e = exp(-2 |y|) (e <= 0.61 there, so 1 - e loses at
 // most a bit to cancellation).
 inline float tanh_fast(float y) {
-  const float a = std::fabs(y), y2 = y * y;
+  const float a = std::fabs(y);
   const float e = mha_exp2::exp2_scalar(-2.f * kLog2e * a);
-  const float big = std::copysign((1.f - e) / (1.f + e), y);
-  // y - y^3/3 + 2y^5/15 - 17y^7/315 + 62y^9/2835 - 1382y^11/155925 (the next term is < 1e-10
-  // relative at 1/4)
+  const float big = std::copysign((1.f - e) / (1.f + e), y);  // NaN for a NaN y
+  // ys - ys^3/3 + 2ys^5/15 - 17ys^7/315 + 62ys^9/2835 - 1382ys^11/155925 on ys = y clamped to
+  // +-1/4 (finite for any y; the next term is < 1e-10 relative at 1/4)
+  const float ys = std::copysign(a < 0.25f ? a : 0.25f, y), y2 = ys * ys;
   const float small =
-      y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315 +
-                                                           y2 * (62.f / 2835 + y2 * (-1382.f / 155925))))));
-  return a < 0.25f ? small : big;  // NaN: big (NaN)
+      ys * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315 +
+                                                            y2 * (62.f / 2835 + y2 * (-1382.f / 155925))))));
+  const float w = a < 0.25f ? 1.f : 0.f;  // a blend, not a branch: the loop vectorizes
+  return w * small + (1.f - w) * big;  // exactly one of the two (both finite, or big NaN)
 }
 
 struct ScoreMods {
@@ -54,12 +56,14 @@ struct ScoreMods {
   void apply_row(float* s, int64_t n, int64_t b, int64_t hq, int64_t i, int64_t j0, int64_t Tq,
                  int64_t Tk, float scale, float* dcap = nullptr) const {
     const float cap = softcap, icap = softcap > 0.f ? 1.f / softcap : 0.f;
-    if (cap > 0.f) {
+    if (cap > 0.f && dcap) {  // two loops: a branch inside would stop the vectorizer
       for (int64_t c = 0; c < n; ++c) {
         const float t = tanh_fast(s[c] * scale * icap);
         s[c] = cap * t;
-        if (dcap) dcap[c] = 1.f - t * t;
+        dcap[c] = 1.f - t * t;
       }
+    } else if (cap > 0.f) {
+      for (int64_t c = 0; c < n; ++c) s[c] = cap * tanh_fast(s[c] * scale * icap);
     } else {
       for (int64_t c = 0; c < n; ++c) s[c] *= scale;
     }
@@ -73,7 +77,8 @@ struct ScoreMods {
     if (alibi) {
       const float slope = alibi[b * as0 + hq];
       const float d0 = float(i + Tk - Tq - j0);  // the distance of key j0; exact below 2^24
-      for (int64_t c = 0; c < n; ++c) s[c] -= slope * (d0 - float(c));
+      const int32_t n32 = int32_t(n);  // a block's keys: int32 -> float vectorizes, int64 not
+      for (int32_t c = 0; c < n32; ++c) s[c] -= slope * (d0 - float(c));
     }
   }
 
