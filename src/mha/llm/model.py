@@ -147,6 +147,10 @@ def load(dtype="fp32", attn: str = "mha") -> Loaded:
     dtype = check_dtype(dtype)
     if attn not in ATTN:
         raise ValueError(f"attn must be one of {', '.join(ATTN)}, got {attn!r}")
+    if attn == "mha":  # (again: another registration of "mha" may have come in between)
+        from mha.integrations.hf_cache import register
+
+        register()
     return _load(dtype, attn)
 
 
@@ -154,10 +158,6 @@ def load(dtype="fp32", attn: str = "mha") -> Loaded:
 def _load(dtype: torch.dtype, attn: str) -> Loaded:
     from transformers import AutoModelForCausalLM
 
-    if attn == "mha":
-        from mha.integrations.hf_cache import register
-
-        register()
     path = convert()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     model.eval()
