@@ -123,7 +123,8 @@ def test_targets_are_computed_from_the_rows(tiny_rows):
 
 
 def _row(variant: str, impl: str, seconds: float, *, train=False, kept=100, docs=None) -> Row:
-    params = dict(B=1, h=2, T=10, d=4, dtype="fp32", variant=variant, train=train, kept=kept)
+    params = dict(B=1, h=2, T=10, d=4, dtype="fp32", variant=variant, train=train, kept=kept,
+                  causal=variant in ("plain causal", "sliding window 512"))
     if docs:
         params.update(docs=docs, sum_len2=kept)
     return Row(suite=vb.SUITE, case=f"{'train ' if train else ''}{variant}", impl=impl,
