@@ -71,7 +71,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 # Suites `mha bench` lists; each is the module mha.bench.<name>.
-SUITES = ("attention", "decode", "hf", "llm")
+SUITES = ("attention", "decode", "hf", "variants", "llm")
 
 
 class Skip(Exception):  # noqa: N818 — a signal, not an error
