@@ -29,7 +29,7 @@ from mha.cli.options import (
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark mha's backends against torch SDPA, naive, "
-                       "FlexAttention, ONNX Runtime and JAX (suites: attention, decode, hf)",
+                       "FlexAttention, ONNX Runtime and JAX (suites: attention, decode, hf, variants, llm)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny grid, short timing (< ~1 min)")
     p.add_argument("--suite", action="append", default=None, metavar="NAME",
