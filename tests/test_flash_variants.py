@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import mha
 from mha import reference
 from mha.ops import flash
+from test_flash_bwd import _cancellation
+from test_variants import _allowed, _within_budget, differentiable
 
 from oracle import FLOOR, max_err
-from test_flash_bwd import _cancellation
-from test_variants import _allowed, _within_budget
 
 pytestmark = pytest.mark.skipif(flash.unavailable() is not None,
                                 reason=f"native kernel unavailable: {flash.unavailable()}")
@@ -98,20 +98,7 @@ def _grads(fn, tensors, seed=1):
 @given(case=calls(max_len=100))
 def test_the_fused_backward_matches_float64_autograd(case):
     q, k, v, masks, variants = case
-    allowed = _allowed(q, k, masks)
-    names = [n for n in ("sinks", "bias") if n in variants]
-    fixed = {n: t for n, t in variants.items() if n not in names}
-
-    def run(backend=None, upcast=False):
-        def fn(q, k, v, *diff):
-            kw = dict(zip(names, diff, strict=True))
-            if backend is None:
-                return reference.attention(q, k, v, allowed=allowed, upcast=upcast,
-                                           **fixed, **kw)[0]
-            return mha.attention(q, k, v, backend=backend, **masks, **fixed, **kw)
-        return fn
-
-    inputs = [q, k, v, *(variants[n] for n in names)]
+    names, inputs, run = differentiable(q, k, v, masks, variants)
     ref, go, out = _grads(run(upcast=True), [t.double() for t in inputs])
     low = _grads(run(), inputs)[0]
     got = _grads(run("flash_cpu"), inputs)[0]

@@ -112,9 +112,11 @@ def _grads(fn, tensors):
     return [t.grad for t in tensors]
 
 
-@given(case=calls())
-def test_gradients_of_q_k_v_sinks_and_bias_match_float64_autograd(case):
-    q, k, v, masks, variants = case
+def differentiable(q, k, v, masks, variants):
+    """``(names, inputs, run)``: the variants that take a gradient (sinks, bias), the tensors
+    to differentiate (q, k, v, then those), and ``run(backend=None, upcast=False)`` giving
+    ``fn(q, k, v, *those) -> out`` through a backend, or the float64 loop when backend is
+    None."""
     allowed = _allowed(q, k, masks)
     names = [n for n in ("sinks", "bias") if n in variants]
     fixed = {n: t for n, t in variants.items() if n not in names}
@@ -128,7 +130,13 @@ def test_gradients_of_q_k_v_sinks_and_bias_match_float64_autograd(case):
             return mha.attention(q, k, v, backend=backend, **masks, **fixed, **kw)
         return fn
 
-    inputs = [q, k, v, *(variants[n] for n in names)]
+    return names, [q, k, v, *(variants[n] for n in names)], run
+
+
+@given(case=calls())
+def test_gradients_of_q_k_v_sinks_and_bias_match_float64_autograd(case):
+    q, k, v, masks, variants = case
+    names, inputs, run = differentiable(q, k, v, masks, variants)
     ref = _grads(run(upcast=True), [t.double() for t in inputs])
     low = _grads(run(), inputs)
     for backend in [b for b in ("math", "sdpa") if b in _capable(q, k, v, **masks, **variants)]:
