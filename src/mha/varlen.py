@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from mha.checks import (
+    _check_float_tensor,
     check_alibi_slopes,
     check_bool,
     check_cu_seqlens,
@@ -138,15 +139,8 @@ def _check_bias_list(bias, n_q: list[int], n_k: list[int], h: int,
     out = []
     for s, (b, a, c) in enumerate(zip(bias, n_q, n_k, strict=True)):
         want = (h, a, c)
-        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point or b.dtype not in \
-                (torch.float64, torch.float32, torch.bfloat16, torch.float16):
-            got = b.dtype if isinstance(b, torch.Tensor) else type(b).__name__
-            raise TypeError(f"bias[{s}] must be a floating tensor broadcastable to "
-                            f"(h, n_q[s], n_k[s]) = {want}, got {got}")
-        if b.layout != torch.strided:
-            raise TypeError(f"bias[{s}] must be a dense (strided) tensor, got layout {b.layout}")
-        if b.device != device:
-            raise ValueError(f"bias[{s}] must be on {device} like q, got {b.device}")
+        _check_float_tensor(f"bias[{s}]", b, f"broadcastable to (h, n_q[s], n_k[s]) = {want}",
+                            device)
         v3 = b.reshape((1,) * (3 - b.dim()) + tuple(b.shape)) if b.dim() <= 3 else None
         if v3 is None or any(g not in (1, n) for g, n in zip(v3.shape, want, strict=True)):
             raise ValueError(f"bias[{s}] of shape {tuple(b.shape)} is not broadcastable to "
