@@ -137,17 +137,26 @@ void Worker<K, T, Parts>::key_loop(int64_t b, int64_t i0, int rows, int rp, int6
 #endif
   // From the 16 keys holding the first row's window start (0 without a window) to the
   // end of its packed block, then whole blocks: the tiles read packed K^T at a column offset.
-  for (int64_t j0 = P.key_start(i0) / kLanes * kLanes; j0 < kend; j0 = (j0 / Nb + 1) * Nb) {
-    const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
+  for (int64_t jb = P.key_start(i0) / kLanes * kLanes; jb < kend; jb = (jb / Nb + 1) * Nb) {
+    int64_t j0 = jb, jz = std::min((jb / Nb + 1) * Nb, kend);  // this block's keys [j0, jz)
+    pbits_ = nullptr;
+    if (prow_) {  // the plan's block (Nb is kPlanKeys, or Tk fits in one block)
+      const int32_t e = prow_[jb / mha_common::kPlanKeys];
+      if (e == mha_common::kPlanEmpty) continue;  // never read
+      if (e >= 0) {  // partial: its bits, and only the 16-key vectors some row may attend
+        pbits_ = P.plan.block_bits(e);
+        int vlo, vhi;
+        plan_vectors(pbits_, vlo, vhi);
+        const int64_t c0 = jb / mha_common::kPlanKeys * mha_common::kPlanKeys;
+        j0 = std::max(j0, c0 + vlo * kLanes);
+        jz = std::min(jz, c0 + vhi * kLanes);
+        if (jz <= j0) continue;
+      }
+    }
+    const int jn = int(jz - j0);
     const int nv = (jn + kLanes - 1) / kLanes;
     const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * (K::kPairs ? 2 : 1);
     const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
-    pbits_ = nullptr;
-    if (prow_) {  // the plan's block (Nb is kPlanKeys, or Tk fits in one block)
-      const int32_t e = prow_[j0 / mha_common::kPlanKeys];
-      if (e == mha_common::kPlanEmpty) continue;  // never read
-      if (e >= 0) pbits_ = P.plan.block_bits(e);  // partial: its bits; full: no mask
-    }
     switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
 case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits, exact); break;

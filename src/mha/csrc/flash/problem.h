@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "common/block_plan.h"
@@ -181,6 +182,22 @@ inline void and_plan_bits(const bool* row, int64_t c, int nv, uint16_t* bits) {
   uint16_t w[kMaxVecsPerBlock];
   mask_bits(row, 1, c, mha_common::kPlanKeys, nv, w);
   for (int v = 0; v < nv; ++v) bits[v] &= w[v];
+}
+
+// The 16-key vectors [vlo, vhi) of a partial plan block that hold a key some row may attend
+// (the OR of its kPlanRows rows; keys outside are masked for every row, so they never enter S).
+// A document boundary inside a block thus costs the vectors up to it, not the whole block.
+inline void plan_vectors(const bool* block, int& vlo, int& vhi) {
+  constexpr int kWords = int(mha_common::kPlanKeys / 8);
+  uint64_t any[kWords] = {};
+  for (int64_t r = 0; r < mha_common::kPlanRows; ++r) {
+    uint64_t w[kWords];
+    std::memcpy(w, block + r * mha_common::kPlanKeys, sizeof(w));
+    for (int x = 0; x < kWords; ++x) any[x] |= w[x];
+  }
+  vlo = int(mha_common::kPlanKeys / kLanes), vhi = 0;
+  for (int v = 0; v < int(mha_common::kPlanKeys / kLanes); ++v)
+    if (any[2 * v] | any[2 * v + 1]) vlo = std::min(vlo, v), vhi = v + 1;
 }
 
 // Clears the bits of keys left of a row's window: keys j0 + n with n < e (bits as mask_bits).
