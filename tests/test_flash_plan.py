@@ -163,6 +163,8 @@ def test_the_fused_backward_with_a_plan_matches_float64_autograd(case):
 
 
 def test_the_fused_backward_equals_the_pytorch_backward_with_a_plan():
+    if flash.load_backward() is not None:
+        pytest.skip(f"fused backward unavailable: {flash.load_backward()}")
     q, k, v = _case(2, 4, 2, 170, 290, 32, torch.float32)
     mod = mods.and_masks(mods.document(cu_seqlens=[0, 100, 130, 290]),
                          lambda b, h, qi, kv: (qi + kv + h) % 5 != 0)

@@ -13,6 +13,8 @@
 // mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims),
 // and a sliding window w > 0 (the left edge: query i sees keys j > i + Tk - Tq - w; used with
 // causal). Query row i thus sees keys [key_start(i), key_limit(b, i)), before the bool mask.
+// A mask_mod's block plan (common/block_plan.h) ANDs in per 48 x 128 block: EMPTY blocks are
+// skipped (and not packed), FULL ones run unmasked, PARTIAL ones with the plan's bits.
 //
 // NaN and Inf (every kernel path follows this rule; so do flash_decode.cpp and flash_small.h):
 //   1. Output row i is computed from q_i and the K/V rows of the keys it may attend only, the
