@@ -247,3 +247,25 @@ def test_the_kernel_refuses_a_bad_plan_by_name():
     with pytest.raises(RuntimeError, match="does not apply the score variants"):
         torch.ops.mha._flash_attention_fwd_kernel(q, k, v, None, None, False, 0.25, "small", 0,
                                                   0.0, None, None, None, index, bits)
+
+
+def test_plans_are_deterministic_across_thread_counts():
+    q, k, v = _case(1, 4, 2, 300, 300, 32, torch.float32)
+    mod = mods.or_masks(mods.document(cu_seqlens=[0, 70, 300]), mods.sliding_window(40))
+
+    def run():
+        ts = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = mha.attention(*ts, mask_mod=mod, softcap=5.0, backend="flash_cpu")
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in ts]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
