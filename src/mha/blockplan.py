@@ -13,6 +13,11 @@ query block in compressed rows (CSR), the form a kernel can walk::
     full key blocks of row r:    full_idx[full_ptr[r] : full_ptr[r + 1]]         (int32)
     partial key blocks of row r: partial_idx[partial_ptr[r] : partial_ptr[r + 1]]
 
+For the native kernel the plan also keeps, from the same evaluation, one int32 entry per block
+(``block_index``: -2 EMPTY, -1 FULL, e >= 0 PARTIAL) and the PARTIAL blocks' values
+``partial_bits (n_partial, block_q, block_k)`` (:meth:`BlockPlan.kernel_tensors`): the kernel
+never calls the mask.
+
 Building a plan evaluates the mask once over every block (in bounded chunks); plans are cached
 by (mask_mod, B, h, Tq, Tk, block sizes, device). Built-in mask_mods are keyed by their
 parameters, tensors by content; a custom function by identity — if it reads data that changes
