@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,18 @@ import torch.nn.functional as F
 import mha
 from _timing import interleaved
 from mha import mods
-from mha.ops import flash
 from mha.bench.variants import doc_lengths
+from mha.ops import flash
+
+
+def step(fn, train: bool):
+    """``fn`` as one timed step: its output, and in training the backward of its sum."""
+    def run():
+        out = fn()
+        if train:
+            out.float().sum().backward()
+        return out
+    return run
 
 
 def rows(T: int) -> list[tuple[str, object]]:
@@ -77,21 +88,13 @@ def main() -> None:
                 dense = plan.materialize()[0, 0]  # (T, T) bool, for sdpa only
                 kept = int(dense.sum())
 
-                def call(fn):
-                    def run():
-                        out = fn()
-                        if train:
-                            out.float().sum().backward()
-                        return out
-                    return run
-
                 fns = {
-                    "flash_cpu": call(lambda: mha.attention(q, k, v, mask_mod=mod,
-                                                            backend="flash_cpu")),
-                    "blocksparse": call(lambda: mha.attention(q, k, v, mask_mod=mod,
-                                                              backend="blocksparse")),
-                    "sdpa": call(lambda: F.scaled_dot_product_attention(q, k, v,
-                                                                        attn_mask=dense)),
+                    "flash_cpu": step(partial(mha.attention, q, k, v, mask_mod=mod,
+                                              backend="flash_cpu"), train),
+                    "blocksparse": step(partial(mha.attention, q, k, v, mask_mod=mod,
+                                                backend="blocksparse"), train),
+                    "sdpa": step(partial(F.scaled_dot_product_attention, q, k, v,
+                                         attn_mask=dense), train),
                 }
                 fns = {n: f for n, f in fns.items() if n in a.impls or n == "flash_cpu"}
                 with torch.set_grad_enabled(train):
@@ -127,11 +130,8 @@ def scaling(a) -> None:
                 plan = mha.block_plan(mod, 1, h, T, T, block_q=48, block_k=128)
                 kept[name] = int(plan.materialize().sum())
 
-                def run(mod=mod):
-                    out = mha.attention(q, k, v, mask_mod=mod, backend="flash_cpu")
-                    if train:
-                        out.float().sum().backward()
-                fns[name] = run
+                fns[name] = step(partial(mha.attention, q, k, v, mask_mod=mod,
+                                         backend="flash_cpu"), train)
             with torch.set_grad_enabled(train):
                 ms = {n: s * 1e3 for n, s in interleaved(fns, a.rounds).items()}
             base = ms["document 2"] / kept["document 2"]
