@@ -119,8 +119,12 @@ def test_arguments_that_are_not_callables():
 
 def test_the_native_backends_refuse_when_forced():
     q, k, v = _qkv()
+    with pytest.raises(mha.BackendError, match="score_mod not supported; .a score_mod is an "
+                                               "arbitrary Python function"):
+        mha.attention(q, k, v, mask_mod=mods.causal(), score_mod=lambda s, *i: s,
+                      backend="flash_cpu")
     with pytest.raises(mha.BackendError, match="mask kind 'mask_mod' not supported"):
-        mha.attention(q, k, v, mask_mod=mods.causal(), backend="flash_cpu")
+        mha.attention(q[:, :, :1], k, v, mask_mod=mods.causal(), backend="flash_decode")
     with pytest.raises(mha.BackendError, match="score_mod not supported"):
         mha.attention(q[:, :, :1], k, v, score_mod=lambda s, *i: s, backend="flash_decode")
 

@@ -264,14 +264,16 @@ def test_rows_with_no_key_are_zero_with_finite_gradients():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_the_native_backends_say_why_not_and_blocksparse_serves():
+def test_a_score_mod_stays_on_blocksparse_and_explain_says_why():
     q, k, v = _qkv(1, 2, 2, 40, 40, 32)
     ex = mha.explain(q, k, v, mask_mod=mods.causal(), score_mod=_softcap_alibi)
     reasons = {e.backend: "; ".join(e.reasons) for e in ex}
     assert ex.chosen == "blocksparse"
-    for name in ("flash_cpu", "flash_decode"):
-        assert "mask kind 'mask_mod' not supported" in reasons[name]
-        assert "score_mod not supported" in reasons[name]
+    assert "mask kind 'mask_mod' not supported" in reasons["flash_decode"]
+    assert "mask kind" not in reasons["flash_cpu"]  # it walks plans; the score_mod is the reason
+    assert "score_mod not supported" in reasons["flash_cpu"]
+    assert "arbitrary Python function" in reasons["flash_cpu"]
+    assert mha.explain(q, k, v, mask_mod=mods.causal()).chosen == "flash_cpu"
     plain = next(e for e in mha.explain(q, k, v) if e.backend == "blocksparse")
     assert plain.ok and "no mask_mod / score_mod" in plain.defers
 

@@ -13,6 +13,11 @@ query block in compressed rows (CSR), the form a kernel can walk::
     full key blocks of row r:    full_idx[full_ptr[r] : full_ptr[r + 1]]         (int32)
     partial key blocks of row r: partial_idx[partial_ptr[r] : partial_ptr[r + 1]]
 
+For the native kernel the plan also keeps, from the same evaluation, one int32 entry per block
+(``block_index``: -2 EMPTY, -1 FULL, e >= 0 PARTIAL) and the PARTIAL blocks' values
+``partial_bits (n_partial, block_q, block_k)`` (:meth:`BlockPlan.kernel_tensors`): the kernel
+never calls the mask.
+
 Building a plan evaluates the mask once over every block (in bounded chunks); plans are cached
 by (mask_mod, B, h, Tq, Tk, block sizes, device). Built-in mask_mods are keyed by their
 parameters, tensors by content; a custom function by identity — if it reads data that changes
@@ -58,8 +63,8 @@ class WalkGroup:
 class BlockPlan:
     """The block structure of one mask (see the module docstring). Read-only."""
 
-    def __init__(self, mask_mod, states: torch.Tensor, *, B: int, h: int, Tq: int, Tk: int,
-                 block_q: int, block_k: int, device: torch.device) -> None:
+    def __init__(self, mask_mod, states: torch.Tensor, bits: torch.Tensor, *, B: int, h: int,
+                 Tq: int, Tk: int, block_q: int, block_k: int, device: torch.device) -> None:
         self.mask_mod = mask_mod  # bound to the sizes (mha.mods.bind)
         self.batch, self.heads, self.Tq, self.Tk = B, h, Tq, Tk
         self.B, self.h = states.shape[0], states.shape[1]  # B_p, h_p: 1 or B, 1 or h
@@ -70,8 +75,21 @@ class BlockPlan:
         self.partial_ptr, self.partial_idx = _csr(flat == PARTIAL)
         self.counts = {name: int((flat == s).sum()) for name, s in
                        (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
+        # for the kernel: one int32 entry per block (-2 EMPTY, -1 FULL, e >= 0 the PARTIAL
+        # block's bits[e]) and the partial blocks' bits, kept from the one evaluation
+        part = (states == PARTIAL).to(torch.int32)
+        order = (part.flatten().cumsum(0) - 1).view_as(part)  # (B_p, h_p, n_q, n_k)
+        self.block_index = torch.where(states == FULL, -1, torch.where(
+            states == EMPTY, -2, order)).to(torch.int32)  # (B_p, h_p, n_q, n_k)
+        self.partial_bits = bits  # (n_partial, block_q, block_k) bool
         self._walk = None
         self._groups = None
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_index (B_p, h_p, n_q, n_k) int32, partial_bits (n_partial, block_q,
+        block_k) bool)``: the plan as the native kernel walks it (``csrc/common/block_plan.h``;
+        built with ``block_q=48, block_k=128``). The mask is not called again."""
+        return self.block_index, self.partial_bits
 
     def row(self, b: int, hh: int, qb: int) -> int:
         return (b * self.h + hh) * self.n_q + qb
@@ -224,8 +242,9 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
         _CACHE.move_to_end(key)
         return _CACHE[key]
     mod = bind(mask_mod, B, Tq, Tk)
-    plan = BlockPlan(mod, _states(mod, B, h, Tq, Tk, block_q, block_k, device), B=B, h=h,
-                     Tq=Tq, Tk=Tk, block_q=block_q, block_k=block_k, device=device)
+    states, bits = _states(mod, B, h, Tq, Tk, block_q, block_k, device)
+    plan = BlockPlan(mod, states, bits, B=B, h=h, Tq=Tq, Tk=Tk, block_q=block_q,
+                     block_k=block_k, device=device)
     if cache:  # only a plan that was built completely is kept
         _CACHE[key] = plan
         while len(_CACHE) > _CACHE_SIZE:
@@ -233,15 +252,19 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
     return plan
 
 
-def _states(mod, B, h, Tq, Tk, bq, bk, device) -> torch.Tensor:
-    """``(B_p, h_p, n_q, n_k)`` int8 of FULL / PARTIAL / EMPTY, evaluating ``mod`` in chunks."""
+def _states(mod, B, h, Tq, Tk, bq, bk, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(states, bits)``: ``(B_p, h_p, n_q, n_k)`` int8 of FULL / PARTIAL / EMPTY, and the
+    mask's values over each PARTIAL block in the order of ``states == PARTIAL``'s nonzero
+    (row-major), ``(n_partial, bq, bk)`` bool, False past Tq / Tk. Evaluates ``mod`` in chunks,
+    once: the bits are kept from the same evaluation."""
     n_q, n_k = math.ceil(Tq / bq), math.ceil(Tk / bk)
     if 0 in (B, h, n_q, n_k):
-        return torch.zeros(1, 1, n_q, n_k, dtype=torch.int8)
+        return (torch.zeros(1, 1, n_q, n_k, dtype=torch.int8),
+                torch.zeros(0, bq, bk, dtype=torch.bool))
     bi, hi = torch.arange(B, device=device), torch.arange(h, device=device)
     kchunk = max(1, _CHUNK // (B * h * bq * bk))  # key blocks per evaluation
     shape = None
-    rows_out = []
+    rows_out, bits = [], []  # bits: (qb, [(b, hh, kb) of each partial block], (n, bq, bk))
     for qb in range(n_q):
         r0, r1 = qb * bq, min(Tq, (qb + 1) * bq)
         rows = torch.arange(r0, r1, device=device)
@@ -264,7 +287,28 @@ def _states(mod, B, h, Tq, Tk, bq, bk, device) -> torch.Tensor:
             count = r.reshape(*shape, r1 - r0, kb1 - kb0, bk).sum(dim=(2, 4))  # (B_p, h_p, nk)
             width = (torch.arange(kb0, kb1, device=device) * bk).neg().add(Tk).clamp(max=bk)
             area = (r1 - r0) * width  # (nk,) pairs in each block
-            parts.append(torch.where(count == area, FULL,
-                                     torch.where(count == 0, EMPTY, PARTIAL)).to(torch.int8))
+            state = torch.where(count == area, FULL,
+                                torch.where(count == 0, EMPTY, PARTIAL)).to(torch.int8)
+            parts.append(state)  # (B_p, h_p, nk)
+            sel = (state == PARTIAL).nonzero()  # (n, 3): b, hh, key block in the chunk
+            if sel.numel():
+                blk = r.reshape(*shape, r1 - r0, kb1 - kb0, bk)  # (B_p, h_p, rows, nk, bk)
+                got = blk[sel[:, 0], sel[:, 1], :, sel[:, 2]].cpu()  # (n, rows, bk)
+                if r1 - r0 < bq:  # a short last query block: False below Tq
+                    got = torch.cat([got, got.new_zeros(got.shape[0], bq - (r1 - r0), bk)], 1)
+                sel = sel.cpu()
+                bits.append((qb, sel[:, 0], sel[:, 1], sel[:, 2] + kb0, got))
         rows_out.append(torch.cat(parts, dim=-1))  # (B_p, h_p, n_k)
-    return torch.stack(rows_out, dim=2).cpu()  # (B_p, h_p, n_q, n_k)
+    states = torch.stack(rows_out, dim=2).cpu()  # (B_p, h_p, n_q, n_k)
+    return states, _order_bits(states, bits, bq, bk)
+
+
+def _order_bits(states: torch.Tensor, found: list, bq: int, bk: int) -> torch.Tensor:
+    """The partial blocks' bits ``(n_partial, bq, bk)`` in the row-major order of
+    ``states == PARTIAL`` (found chunk by chunk, in query-block order)."""
+    if not found:
+        return torch.zeros(0, bq, bk, dtype=torch.bool)
+    B_p, h_p, n_q, n_k = states.shape
+    key = torch.cat([((b * h_p + hh) * n_q + qb) * n_k + kb for qb, b, hh, kb, _ in found])
+    blocks = torch.cat([x for *_, x in found])  # (n_partial, bq, bk), found order
+    return blocks[key.argsort()]  # row-major order of (b, hh, qb, kb)

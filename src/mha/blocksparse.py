@@ -1,5 +1,6 @@
-"""Attention with ``mask_mod`` / ``score_mod`` in PyTorch ops: a walk over a block plan (the fast
-path until a native kernel walks plans), and the plain dense formula beside it.
+"""Attention with ``mask_mod`` / ``score_mod`` in PyTorch ops: a walk over a block plan (the path
+of a ``score_mod``, and of mask functions the native kernel cannot take: ``flash_cpu`` walks
+plans natively), and the plain dense formula beside it.
 
 Shape legend: B batch, h query heads, h_kv K/V heads, g = h // h_kv, Tq/Tk lengths, d_k/d_v
 head dims; for one step of the walk, ``rows`` query indices and ``n`` gathered key indices.

@@ -1,6 +1,8 @@
-"""Backend ``blocksparse``: calls with a ``mask_mod`` or ``score_mod`` (:mod:`mha.mods`), walked
-over a cached block plan in PyTorch ops (:mod:`mha.blocksparse`) — the fast path for mask
-functions until a native kernel walks plans.
+"""Backend ``blocksparse``: calls with a ``score_mod`` (:mod:`mha.mods`), and ``mask_mod`` calls
+``flash_cpu`` cannot take (float64 / float16, other devices, head dims outside 16..256), walked
+over a cached block plan in PyTorch ops (:mod:`mha.blocksparse`). A ``mask_mod`` alone on the CPU
+in fp32 / bf16 goes to ``flash_cpu``, whose kernel walks the plan natively; a ``score_mod`` is an
+arbitrary Python function of the scores, so it stays here.
 
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 The plan is built from ``mask_mod`` AND ``causal`` AND ``window`` (so their EMPTY blocks are
@@ -50,7 +52,8 @@ def _defers(call: AttentionCall) -> str | None:
 
 BACKEND = Backend(
     name="blocksparse",
-    summary="mask_mod / score_mod over a cached block plan in PyTorch ops; skips empty blocks",
+    summary="score_mod (and mask_mod beyond flash_cpu) over a cached block plan in PyTorch ops; "
+            "skips empty blocks",
     caps=Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),

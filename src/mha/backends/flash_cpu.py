@@ -3,7 +3,9 @@
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 A thin adapter: the capability table says what it serves; the kernel is built on first use
 (:func:`mha.ops.flash.unavailable`). Training runs the fused native backward, sliding windows included
-(O(Tq window) work and memory); NaN / Inf follow the rule in :mod:`mha.ops.flash`. When the build
+(O(Tq window) work and memory); a ``mask_mod`` runs through its block plan (:mod:`mha.blockplan`,
+48-row x 128-key blocks: EMPTY blocks never read, FULL ones unmasked, PARTIAL ones with the
+mask's cached bits), forward and backward; NaN / Inf follow the rule in :mod:`mha.ops.flash`. When the build
 fails, one warning gives the reason, the backend rejects every call with that reason
 (``mha.explain`` shows it) and dispatch falls back.
 """
@@ -14,8 +16,10 @@ import functools
 
 import torch
 
-from mha.backends.base import ALL_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.scores import VARIANT_KINDS
+
+PLAN_BLOCKS = (48, 128)  # (block_q, block_k) of the plans the kernel walks (csrc/common/block_plan.h)
 
 
 def _unavailable() -> str | None:
@@ -60,14 +64,30 @@ def _defers(call: AttentionCall) -> str | None:
             f"{PORTABLE_MIN_TK}, measured")
 
 
+def _score_mod_reason(call: AttentionCall) -> list[str]:
+    """Why a score_mod stays on blocksparse, in words (the table says "not supported")."""
+    if call.score_mod is None:
+        return []
+    return ["(a score_mod is an arbitrary Python function of the scores: the kernel cannot call "
+            "it per pair; blocksparse applies it per block in PyTorch ops. mask_mod alone runs "
+            "here, through its block plan)"]
+
+
 def _forward(call: AttentionCall):
     from mha.ops import flash
 
     m, sc = call.masks, call.scores
+    plan = None
+    if m.mask_mod is not None:  # walked natively; causal / window / lengths / mask ANDed in
+        from mha.blockplan import block_plan
+
+        bq, bk = PLAN_BLOCKS
+        plan = block_plan(m.mask_mod, call.B, call.h, call.Tq, call.Tk, block_q=bq,
+                          block_k=bk, device=call.device).kernel_tensors()
     out, lse = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
                                      key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
                                      window=m.window, softcap=sc.softcap, sinks=sc.sinks,
-                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes)
+                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes, plan=plan)
     return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
 
 
@@ -77,9 +97,10 @@ BACKEND = Backend(
     caps=Capabilities(devices=frozenset({"cpu"}),
                       dtypes=frozenset({torch.float32, torch.bfloat16}),
                       min_head_dim=16, max_head_dim=256, gqa=True, different_v_dim=True,
-                      dropout=False, weights=False, lse=True, grad=True, mask_kinds=ALL_MASK_KINDS,
+                      dropout=False, weights=False, lse=True, grad=True, mask_kinds=MOD_MASK_KINDS,
                       variants=VARIANT_KINDS),
     forward=_forward,
+    extra_reasons=_score_mod_reason,
     unavailable=_unavailable,
     defers=_defers,
 )

@@ -23,7 +23,8 @@ lengths len_1 ... len_n (sum T).
 ============================  ===============================================================
 
 **Implementations**: ``mha`` (``mha.attention`` with the variant's arguments; the note names
-the backend ``mha.explain`` chose), ``flex compiled`` (``torch.compile(flex_attention)`` with a
+the backend ``mha.explain`` chose: ``flash_cpu`` for every row, the ``mask_mod`` rows walking
+their block plans natively, where the kernel builds), ``flex compiled`` (``torch.compile(flex_attention)`` with a
 ``score_mod`` and/or a ``BlockMask``; sinks as one extra zero key whose score the ``score_mod``
 replaces by the sink; compiled before timing and the compile time in the note; skipped with the
 reason when compiling fails, in training (no FlexAttention backward on the CPU) and in

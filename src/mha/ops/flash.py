@@ -86,7 +86,7 @@ def kernels() -> dict[str, str]:
 
 
 def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, sinks=None,
-              bias=None, alibi=None):
+              bias=None, alibi=None, plan=None, plan_bits=None):
     B, h, Tq, _ = q.shape
     torch._check(k.shape[0] == B and v.shape[0] == B, lambda: "q, k, v must share B")
     torch._check(k.shape[3] == q.shape[3], lambda: "k must have d_k like q")
@@ -97,19 +97,20 @@ def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, 
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_lengths, mask, causal, scale, window, softcap, sinks, bias, alibi = (
-        inputs + (0.0, None, None, None)[len(inputs) - 8:])
+    q, k, v, key_lengths, mask, causal, scale, window, softcap, sinks, bias, alibi, plan, \
+        plan_bits = inputs + (0.0, None, None, None, None, None)[len(inputs) - 8:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi)
+    ctx.save_for_backward(q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi, plan,
+                          plan_bits)
     ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi = ctx.saved_tensors
+    q, k, v, out, lse, key_lengths, mask, sinks, bias, alibi, plan, plan_bits = ctx.saved_tensors
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, dbias = torch.ops.mha.flash_attention_bwd(
         grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, ctx.causal, ctx.scale,
-        ctx.window, ctx.softcap, sinks, bias, alibi, ctx.bias_grad)
+        ctx.window, ctx.softcap, sinks, bias, alibi, ctx.bias_grad, plan, plan_bits)
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[9]:
         dsinks = sink_grad(grad_out, grad_lse, out, lse, sinks)
@@ -118,7 +119,7 @@ def _backward(ctx, grad_out, grad_lse):
         dbias = dbias.sum(dim=dims, keepdim=True) if dims else dbias  # bias's shape
     else:
         dbias = None
-    return dq, dk, dv, None, None, None, None, None, None, dsinks, dbias, None
+    return dq, dk, dv, None, None, None, None, None, None, dsinks, dbias, None, None, None
 
 
 def sink_grad(grad_out, grad_lse, out, lse, sinks):
@@ -135,8 +136,21 @@ def sink_grad(grad_out, grad_lse, out, lse, sinks):
     return (-(p_sink * delta)).sum(dim=(0, 2)).to(sinks.dtype)  # (h,)
 
 
+def plan_chunk(plan: torch.Tensor, plan_bits: torch.Tensor, i0: int, i1: int, j0: int,
+               j1: int) -> torch.Tensor:
+    """A block plan's mask (True = may attend) over query rows [i0, i1) and keys [j0, j1):
+    ``(B_p, h_p, i1 - i0, j1 - j0)``. plan ``(B_p, h_p, n_q, n_k)`` int32 entries (-2 empty,
+    -1 full, e >= 0 partial), plan_bits ``(n_partial, 48, 128)`` (``csrc/common/block_plan.h``)."""
+    bq, bk = plan_bits.shape[1], plan_bits.shape[2]
+    i, j = torch.arange(i0, i1), torch.arange(j0, j1)  # (C,), (n,)
+    e = plan[:, :, i // bq][:, :, :, j // bk].long()  # (B_p, h_p, C, n)
+    bits = plan_bits[e.clamp(min=0), (i % bq)[:, None], (j % bk)[None]]  # (B_p, h_p, C, n)
+    return (e == -1) | ((e >= 0) & bits)
+
+
 def _allowed_chunk(i0: int, i1: int, j0: int, j1: int, Tq: int, Tk: int, causal: bool,
-                   window: int, key_lengths: torch.Tensor | None, mask: torch.Tensor | None):
+                   window: int, key_lengths: torch.Tensor | None, mask: torch.Tensor | None,
+                   plan=None, plan_bits=None):
     """The mask (True = may attend) of query rows [i0, i1) and keys [j0, j1), broadcastable to
     ``(B, h, i1 - i0, j1 - j0)``; None when nothing is masked. ``window`` 0 means none."""
     allowed = None
@@ -154,6 +168,9 @@ def _allowed_chunk(i0: int, i1: int, j0: int, j1: int, Tq: int, Tk: int, causal:
         m = mask if mask.shape[2] == 1 else mask[:, :, i0:i1]  # (B|1, h|1, C|1, Tk|1)
         m = m if m.shape[3] == 1 else m[..., j0:j1]  # (B|1, h|1, C|1, n|1)
         allowed = m if allowed is None else allowed & m
+    if plan is not None:
+        pm = plan_chunk(plan, plan_bits, i0, i1, j0, j1)  # (B_p, h_p, C, n)
+        allowed = pm if allowed is None else allowed & pm
     return allowed
 
 
@@ -176,20 +193,22 @@ def flash_attention_bwd(grad_out: torch.Tensor | None, grad_lse: torch.Tensor | 
                         mask: torch.Tensor | None, causal: bool, scale: float,
                         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-                        bias_grad: bool = False
+                        bias_grad: bool = False, plan: torch.Tensor | None = None,
+                        plan_bits: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv, dbias)`` of :func:`flash_attention`, in fp32 arithmetic: the
     fused native kernel ``mha::flash_attention_bwd_fused`` when it builds, else
     :func:`flash_attention_bwd_torch`. ``window`` 0 means none. ``dbias`` (with ``bias_grad``):
     float32 ``(B, h, Tq|1, Tk|1)``, the bias's gradient before the sum over its broadcast batch
-    and head dims; else an empty tensor."""
+    and head dims; else an empty tensor. ``plan``, ``plan_bits``: a block plan as in the
+    forward, or None."""
     if load_backward() is None:
         return torch.ops.mha.flash_attention_bwd_fused(
             grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale, window,
-            softcap, sinks, bias, alibi, bias_grad)
+            softcap, sinks, bias, alibi, bias_grad, plan, plan_bits)
     return flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
                                      causal, scale, window, softcap, sinks, bias, alibi,
-                                     bias_grad)
+                                     bias_grad, plan, plan_bits)
 
 
 def _no_double_backward(ctx, *grads):
@@ -205,7 +224,8 @@ flash_attention_bwd.register_autograd(_no_double_backward,
 
 def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
                               causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
-                              sinks=None, bias=None, alibi=None, bias_grad: bool = False):
+                              sinks=None, bias=None, alibi=None, bias_grad: bool = False,
+                              plan=None, plan_bits=None):
     """The backward in PyTorch ops (fallback and test oracle): recomputes
     ``P = exp(S - lse)`` for chunks of query rows, reading only the keys between the chunk's
     first window start and its last causal diagonal (with a window: O(Tq w) work and memory).
@@ -266,7 +286,8 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
                     - torch.arange(j0, j1)[None]).to(f32)  # (C, n)
             s = s - alibi.to(f32).view(-1, h, 1, 1) * dist  # (B, h, C, n)
         p = torch.exp(s - lse_safe[:, :, i0:i1, None])  # (B, h, C, n)
-        allowed = _allowed_chunk(i0, i1, j0, j1, Tq, Tk, causal, window, key_lengths, mask)
+        allowed = _allowed_chunk(i0, i1, j0, j1, Tq, Tk, causal, window, key_lengths, mask,
+                                 plan, plan_bits)
         if allowed is not None:
             p = p.masked_fill(~allowed, 0.0)
         p_g = p.view(B, h_kv, g * C, n)  # (B, h, C, n) -> (B, h_kv, g*C, n)
@@ -291,7 +312,8 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
 
 @flash_attention_bwd.register_fake
 def _bwd_fake(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-              window=0, softcap=0.0, sinks=None, bias=None, alibi=None, bias_grad=False):
+              window=0, softcap=0.0, sinks=None, bias=None, alibi=None, bias_grad=False,
+              plan=None, plan_bits=None):
     B, h, Tq, _ = q.shape
     dbias = (q.new_empty((B, h, bias.shape[2], bias.shape[3]), dtype=torch.float32)
              if bias_grad else q.new_empty((0,), dtype=torch.float32))
@@ -303,7 +325,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: float | None = None, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None,
-                    alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    alibi_slopes: torch.Tensor | None = None,
+                    plan: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` on the CPU with the native kernel, and its log-sum-exp.
 
     Internal: the backends and tests call it with arguments ``mha.attention`` has validated
@@ -332,6 +356,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             not expanded; differentiable); ``alibi_slopes`` ``(h,)`` or ``(B, h)``
             (``-slope (i + Tk - Tq - j)`` computed in the kernel). The log-sum-exp includes
             the sink (a row with no key then has ``lse = sinks[h]``).
+        plan: a mask_mod's block plan for the kernel, ``(index, bits)`` from
+            :meth:`mha.blockplan.BlockPlan.kernel_tensors` (built with ``block_q=48,
+            block_k=128``): EMPTY key blocks are never read, FULL ones run with no mask,
+            PARTIAL ones with the mask_mod's cached bits; ANDed with every other mask.
 
     Returns:
         ``out (B, h, Tq, d_v)`` in q's dtype (memory laid out as ``(B, Tq, h, d_v)``) and
@@ -357,7 +385,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     # is no window there.
     # The op's lse is float64: the backward recomputes P from it, and at scores in the hundreds
     # (T5's unscaled logits) an fp32 lse would put ~1e-4 relative error into every P.
+    index, bits = (None, None) if plan is None else plan
     out, lse = torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
                                                  int(window or 0), float(softcap or 0.0), sinks,
-                                                 bias, alibi_slopes)
+                                                 bias, alibi_slopes, index, bits)
     return out, lse.float()  # (B, h, Tq, d_v), (B, h, Tq)

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/block_plan.h"
 #include "common/constants.h"
 #include "common/score_mods.h"
 #include "common/tensor_access.h"
@@ -35,6 +36,7 @@ using mha_common::widen;
 // Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64.
 constexpr int64_t kBr = 64;       // query rows per block
 constexpr int64_t kBc = 64;       // keys per block (a multiple of kLanes)
+static_assert(mha_common::kPlanKeys % kBc == 0);  // a key block lies in one plan block
 constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many units (shape only)
 
 // ------------------------------------------------------------------------------ GEMM tiles
@@ -64,6 +66,7 @@ struct Problem {
   T *dq, *dkey, *dval;      // contiguous outputs (B, h, Tq, d_k), (B, h_kv, Tk, d_k|d_v)
   float* dq_part;           // (S, B, h, Tq, d_k) partial dQ when splits > 1, else null
   mha_common::ScoreMods mods;  // softcap, sinks, bias, ALiBi (common/score_mods.h)
+  mha_common::PlanView plan;   // a mask_mod's block plan (common/block_plan.h), or off
   float* dbias = nullptr;   // (B, h, Tq|1, Tk|1) fp32 bias gradient, or null; dbs: its strides,
   int64_t dbs[4] = {0, 0, 0, 0};  // 0 on the bias's broadcast query / key dims
 

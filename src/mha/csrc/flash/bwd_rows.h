@@ -10,11 +10,12 @@ namespace mha_flash_bwd {
 namespace {
 
 // P and dS of rows [i0, i0 + rows) of head hi against keys [j0, j0 + kn): s holds S on entry
-// and P on exit, dp holds dP (or garbage when there is no grad_out) and dS on exit.
+// and P on exit, dp holds dP (or garbage when there is no grad_out) and dS on exit. pbits: a
+// partial plan block's bits of row i0 at key j0 (rows kPlanKeys apart), or null.
 template <typename T>
 void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_t rows, int64_t j0,
                   int64_t kn, const float* lse2, const float* lse2lo, const float* delta,
-                  bool has_go, float* s, float* dp) {
+                  bool has_go, float* s, float* dp, const bool* pbits) {
   const float c = P.mods.score_scale(P.scale) * kLog2e;
   const int64_t ncols = round_up(kn, kLanes);
   for (int64_t r = 0; r < rows; ++r) {
@@ -26,6 +27,7 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
     float* dr = dp + r * kBc;
     const bool* mrow = P.mask ? P.mask + b * P.ms[0] + hi * P.ms[1] + i * P.ms[2] + j0 * P.ms[3]
                               : nullptr;
+    const bool* prow = pbits ? pbits + r * mha_common::kPlanKeys : nullptr;
     const float l2 = lse2[i], l2lo = lse2lo[i], dl = delta[i];
     float dcap[kBc];  // the softcap's derivative per key (score variants)
     const bool capped = P.mods.softcap > 0.f;
@@ -39,6 +41,9 @@ void softmax_grad(const Problem<T>& P, int64_t b, int64_t hi, int64_t i0, int64_
       if (mrow)
         for (int l = int(nleft); l < nvis; ++l)
           if (!mrow[(c0 + l) * P.ms[3]]) bits &= ~(1u << l);
+      if (prow)
+        for (int l = int(nleft); l < nvis; ++l)
+          if (!prow[c0 + l]) bits &= ~(1u << l);
 #if defined(__AVX512F__)
       const __mmask16 m = __mmask16(bits);
       const __m512 x = _mm512_sub_ps(  // s c - (l2 + l2lo): the product unrounded (FMA)

@@ -119,7 +119,7 @@ void pack_key_block(const Problem<T>& P, int64_t b, int64_t kvh, const BlockSpan
 template <typename T>
 void block_products_f32(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
                         const BlockSpan& k, int64_t i0, int64_t rows, Scratch& w,
-                        const Widths& W) {
+                        const Widths& W, const bool* pbits) {
   const int64_t dkp = W.dkp, dvp = W.dvp, kn = k.kn, ncols = round_up(kn, kLanes);
   const int64_t hi = kvh * (P.h / P.hkv) + hh;
   const bool has_go = P.go != nullptr;
@@ -131,7 +131,7 @@ void block_products_f32(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
     gemm(rows, ncols, P.dv, oi, dvp, 1, w.vt.data(), kBc, w.dp.data(), kBc, false);
   softmax_grad(P, b, hi, i0, rows, k.j0, kn, w.lse2.data() + hh * P.Tq,
                w.lse2lo.data() + hh * P.Tq, w.delta.data() + hh * P.Tq, has_go, w.s.data(),
-               w.dp.data());
+               w.dp.data(), pbits);
   if (has_go)  // dV_j += P^T dO_i: (kn, rows) x (rows, d_vp)
     gemm(kn, dvp, rows, w.s.data(), 1, kBc, oi, dvp, w.dv.data(), dvp, true);
   // dK_j += dS^T Q_i: (kn, rows) x (rows, d_kp)
@@ -146,7 +146,7 @@ void block_products_f32(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
 template <typename T>
 void block_products_bf16(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
                          const BlockSpan& k, int64_t i0, int64_t rows, Scratch& w,
-                         const Widths& W) {
+                         const Widths& W, const bool* pbits) {
   const int64_t dkp = W.dkp, dk2 = W.dk2, dv2 = W.dv2, tq2 = W.tq2;
   const int64_t kn = k.kn, ncols = round_up(kn, kLanes);
   const int64_t hi = kvh * (P.h / P.hkv) + hh;
@@ -160,7 +160,7 @@ void block_products_bf16(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh
     gemm(rows, ncols, dv2 / 2, obi, dv2, 0, w.vtp.data(), kBc, w.dp.data(), kBc, false);
   softmax_grad(P, b, hi, i0, rows, k.j0, kn, w.lse2.data() + hh * P.Tq,
                w.lse2lo.data() + hh * P.Tq, w.delta.data() + hh * P.Tq, has_go, w.s.data(),
-               w.dp.data());
+               w.dp.data(), pbits);
   const int64_t rp = round_up(rows, 2);
   for (int64_t r = 0; r < rp; r += 2) {  // P, dS as pairs of rows; dS as bf16 rows
     const bool two = r + 1 < rows;
@@ -238,16 +238,27 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
     std::fill(P.dval + (kv0 + k.j0 + k.kn) * P.dv, P.dval + (kv0 + k.j1) * P.dv, T(0.f));
     if (k.kn == 0) continue;
     pack_key_block(P, b, kvh, k, w, W, pairs);
+    // Without a plan, row blocks of kBr; with one, the plan's query blocks (kPlanRows <= kBr
+    // rows, even: bf16 pairs stay whole), EMPTY ones skipped, partial ones with their bits.
+    const int64_t step = P.plan.on() ? mha_common::kPlanRows : kBr;
+    const int64_t kb = k.j0 / mha_common::kPlanKeys, kc = k.j0 % mha_common::kPlanKeys;
     for (int64_t hh = 0; hh < g; ++hh)
-      for (int64_t i0 = k.i_lo; i0 < k.i_hi; i0 += kBr) {
-        const int64_t rows = std::min(kBr, k.i_hi - i0);
+      for (int64_t i0 = P.plan.on() ? k.i_lo / step * step : k.i_lo; i0 < k.i_hi;) {
+        const int64_t ia = std::max(i0, k.i_lo), iz = std::min(i0 + step, k.i_hi);
+        i0 += step;
+        const bool* pbits = nullptr;
+        if (P.plan.on()) {
+          const int32_t e = P.plan.row(b, kvh * g + hh, ia / step)[kb];
+          if (e == mha_common::kPlanEmpty) continue;
+          if (e >= 0) pbits = P.plan.block_bits(e) + (ia % step) * mha_common::kPlanKeys + kc;
+        }
 #if defined(MHA_BWD_BF16)
         if (pairs) {
-          block_products_bf16(P, b, kvh, hh, k, i0, rows, w, W);
+          block_products_bf16(P, b, kvh, hh, k, ia, iz - ia, w, W, pbits);
           continue;
         }
 #endif
-        block_products_f32(P, b, kvh, hh, k, i0, rows, w, W);
+        block_products_f32(P, b, kvh, hh, k, ia, iz - ia, w, W, pbits);
       }
     store_key_block(P, b, kvh, k, w, W, pairs);
   }

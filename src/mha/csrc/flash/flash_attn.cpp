@@ -13,6 +13,8 @@
 // mask broadcastable to (B, h, Tq, Tk) read through its strides (stride 0 on broadcast dims),
 // and a sliding window w > 0 (the left edge: query i sees keys j > i + Tk - Tq - w; used with
 // causal). Query row i thus sees keys [key_start(i), key_limit(b, i)), before the bool mask.
+// A mask_mod's block plan (common/block_plan.h) ANDs in per 48 x 128 block: EMPTY blocks are
+// skipped (and not packed), FULL ones run unmasked, PARTIAL ones with the plan's bits.
 //
 // NaN and Inf (every kernel path follows this rule; so do flash_decode.cpp and flash_small.h):
 //   1. Output row i is computed from q_i and the K/V rows of the keys it may attend only, the
@@ -77,8 +79,23 @@ std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
         auto seen = [&](int64_t i) {  // keys row i may see (before the bool mask)
           return double(std::max<int64_t>(0, P.key_limit(b, i) - P.key_start(i)));
         };
-        const double keys = 0.5 * (seen(i0) + seen(i1 - 1));
-        items.push_back({b, kh, i0, i1, double(i1 - i0) * (keys + 16.0)});
+        double cost = double(i1 - i0) * (0.5 * (seen(i0) + seen(i1 - 1)) + 16.0);
+        if (P.plan.on()) {  // the key blocks the plan visits (document masks: sum len_i^2)
+          cost = 0.0;
+          for (int64_t r0 = i0; r0 < i1; r0 += kRowsPerBlock) {
+            const int64_t r1 = std::min(i1, r0 + kRowsPerBlock);
+            const int64_t kb0 = P.key_start(r0) / kMaxKeysPerBlock;
+            const int64_t kb1 = (P.key_limit(b, r1 - 1) + kMaxKeysPerBlock - 1) / kMaxKeysPerBlock;
+            int64_t blocks = 0;
+            for (int64_t hq = kh * g; hq < (kh + 1) * g; ++hq) {
+              const int32_t* e = P.plan.row(b, hq, r0 / kRowsPerBlock);
+              for (int64_t kb = kb0; kb < kb1; ++kb) blocks += e[kb] != mha_common::kPlanEmpty;
+            }
+            cost += double(r1 - r0) * (double(blocks) / double(g) *
+                                           double(std::min<int64_t>(P.Tk, kMaxKeysPerBlock)) + 16.0);
+          }
+        }
+        items.push_back({b, kh, i0, i1, cost});
       }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& c) { return a.cost > c.cost; });
@@ -169,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& mask,
                                                 bool causal, double scale,
                                                 const std::string& kernel, int64_t window,
-                                                const mha_common::ScoreMods& mods = {}) {
+                                                const mha_common::ScoreMods& mods = {},
+                                                const mha_common::PlanView& plan = {}) {
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention");
   const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
@@ -218,14 +236,16 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
     P.causal = causal;
     P.window = window > 0 && window < Tk ? window : 0;  // w >= Tk hides no key: no window
     P.mods = mods;
+    P.plan = plan;
     std::string kn = kernel == "auto" ? default_kernel(q.scalar_type()) : kernel;
-    // The score variants run in the register-tile key loop (key_block): the AMX key loops and
-    // the small path hand such calls to the AVX-512 tiles.
-    if (mods.any() && kernel == "auto" && kn == "amx") kn = "avx512f";
-    TORCH_CHECK(!mods.any() || (kn != "amx" && kn != "small"), "flash_attention: kernel '", kn,
-                "' does not apply the score variants (softcap, sinks, bias, ALiBi)");
+    // The score variants and block plans run in the register-tile key loop (key_block): the
+    // AMX key loops and the small path hand such calls to the AVX-512 tiles.
+    const bool variants = mods.any() || plan.on();
+    if (variants && kernel == "auto" && kn == "amx") kn = "avx512f";
+    TORCH_CHECK(!variants || (kn != "amx" && kn != "small"), "flash_attention: kernel '", kn,
+                "' does not apply the score variants (softcap, sinks, bias, ALiBi) or block plans");
 #if defined(MHA_FLASH_SMALL)
-    if (kernel == "small" || (kernel == "auto" && !mods.any() && small_path_applies(P, kn))) {
+    if (kernel == "small" || (kernel == "auto" && !variants && small_path_applies(P, kn))) {
       TORCH_CHECK(small_path_applies(P), "flash_attention: the small path serves Tk <= ",
                   kSmallMaxKeys, " and head dims <= ", kSmallMaxDim, ", got Tk=", Tk);
       return run_small(P);
@@ -255,16 +275,21 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 }
 
 // Score variants (common/score_mods.h): softcap 0 = none; sinks (h,), bias 4-D broadcastable
-// to (B, h, Tq, Tk), alibi slopes (1|B, h), all float32.
+// to (B, h, Tq, Tk), alibi slopes (1|B, h), all float32. A mask_mod's block plan
+// (common/block_plan.h): plan (1|B, 1|h, n_q, n_k) int32 and plan_bits (n_partial, 48, 128) bool,
+// ANDed with the other masks.
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
     bool causal, double scale, int64_t window, double softcap,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& alibi) {
+    const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& plan,
+    const std::optional<at::Tensor>& plan_bits) {
   const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0),
                                                 q.size(1), q.size(2), k.size(2), "flash_attention");
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window, mods);
+  const auto pv = mha_common::make_plan_view(plan, plan_bits, q.size(0), q.size(1), q.size(2),
+                                             k.size(2), "flash_attention");
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, "auto", window, mods, pv);
 }
 
 // The forward with a named kernel ("auto", "portable", "avx512f", "avx512bf16", "amx", or
@@ -274,10 +299,13 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_kernel(
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& mask,
     bool causal, double scale, std::string kernel, int64_t window, double softcap,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& alibi) {
+    const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& plan,
+    const std::optional<at::Tensor>& plan_bits) {
   const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0),
                                                 q.size(1), q.size(2), k.size(2), "flash_attention");
-  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window, mods);
+  const auto pv = mha_common::make_plan_view(plan, plan_bits, q.size(0), q.size(1), q.size(2),
+                                             k.size(2), "flash_attention");
+  return forward_impl(q, k, v, key_lengths, mask, causal, scale, kernel, window, mods, pv);
 }
 
 // The kernel's 2^x on a float32 tensor (x <= 0), for testing its accuracy.
@@ -329,10 +357,12 @@ at::Tensor flash_exp2_ftz(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
         "bool causal, float scale, int window=0, float softcap=0., Tensor? sinks=None, "
-        "Tensor? bias=None, Tensor? alibi=None) -> (Tensor, Tensor)");
+        "Tensor? bias=None, Tensor? alibi=None, Tensor? plan=None, Tensor? plan_bits=None) "
+        "-> (Tensor, Tensor)");
   m.def("_flash_attention_fwd_kernel(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
         "Tensor? mask, bool causal, float scale, str kernel, int window=0, float softcap=0., "
-        "Tensor? sinks=None, Tensor? bias=None, Tensor? alibi=None) -> (Tensor, Tensor)");
+        "Tensor? sinks=None, Tensor? bias=None, Tensor? alibi=None, Tensor? plan=None, "
+        "Tensor? plan_bits=None) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
   m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);

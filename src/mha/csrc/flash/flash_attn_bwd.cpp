@@ -87,7 +87,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& mask, bool causal, double scale, const std::string& math,
     int64_t window, const mha_common::ScoreMods& mods = {},
-    const std::optional<at::Tensor>& bias = std::nullopt, bool bias_grad = false) {
+    const std::optional<at::Tensor>& bias = std::nullopt, bool bias_grad = false,
+    const mha_common::PlanView& plan = {}) {
   TORCH_CHECK(math == "auto" || math == "bf16" || math == "fp32",
               "flash_attention_bwd: math must be 'auto', 'bf16' or 'fp32', got '", math, "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
@@ -180,6 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     P.dq = dq.data_ptr<T>(), P.dkey = dkey.data_ptr<T>(), P.dval = dval.data_ptr<T>();
     P.dq_part = splits > 1 ? part.data_ptr<float>() : nullptr;
     P.mods = mods;
+    P.plan = plan;
     if (bias_grad) {
       P.dbias = dbias.data_ptr<float>();
       fill_strides(dbias, P.dbs, 4, true);
@@ -215,18 +217,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
 }
 
 // Score variants as in the forward (softcap 0 = none; sinks, bias, alibi float32); the sinks'
-// gradient is computed from lse and delta in mha.ops.flash.sink_grad.
+// gradient is computed from lse and delta in mha.ops.flash.sink_grad. plan, plan_bits: a
+// mask_mod's block plan as in the forward (common/block_plan.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t window,
     double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& alibi, bool bias_grad) {
+    const std::optional<at::Tensor>& alibi, bool bias_grad,
+    const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& plan_bits) {
   const auto mods = mha_common::make_score_mods(softcap, sinks, bias, alibi, q.size(0), q.size(1),
                                                 q.size(2), k.size(2), "flash_attention_bwd");
+  const auto pv = mha_common::make_plan_view(plan, plan_bits, q.size(0), q.size(1), q.size(2),
+                                             k.size(2), "flash_attention_bwd");
   return backward_impl(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale,
-                       "auto", window, mods, bias, bias_grad);
+                       "auto", window, mods, bias, bias_grad, pv);
 }
 
 // The backward with the products' arithmetic named ("auto", "bf16", "fp32"), for tests.
@@ -252,7 +258,8 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_bwd_fused(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
         "Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, bool causal, "
         "float scale, int window=0, float softcap=0., Tensor? sinks=None, Tensor? bias=None, "
-        "Tensor? alibi=None, bool bias_grad=False) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? alibi=None, bool bias_grad=False, Tensor? plan=None, Tensor? plan_bits=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("_flash_attention_bwd_fused_math(Tensor? grad_out, Tensor? grad_lse, Tensor q, "
         "Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, "
         "bool causal, float scale, str math, int window=0) -> (Tensor, Tensor, Tensor)");

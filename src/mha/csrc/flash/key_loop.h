@@ -30,7 +30,20 @@ void Worker<K, T, Parts>::run_item(const Item& it) {
   const int64_t nkeys = round_up(kend, Nb) - kbeg;
   packed_t* kt = sc.kt.get(nkeys * dkp);
   packed_t* vp = sc.v.get(nkeys * dvp);
-  pack_kv(it.b, it.kh, kbeg, kend, kt, vp);
+  if (!P.plan.on()) {
+    pack_kv(it.b, it.kh, kbeg, kend, kt, vp);
+  } else {  // only the key blocks some query block of the item visits (EMPTY ones: never read)
+    for (int64_t jb = kbeg; jb < kend; jb += Nb) {
+      bool used = false;
+      for (int64_t hq = h0; hq < h0 + g && !used; ++hq)
+        for (int64_t i0 = it.i0; i0 < it.i1 && !used; i0 += kRowsPerBlock)
+          used = P.plan.row(it.b, hq, i0 / kRowsPerBlock)[jb / mha_common::kPlanKeys] !=
+                 mha_common::kPlanEmpty;
+      if (used)  // key block jb alone, at its place in the packed buffers
+        pack_kv(it.b, it.kh, jb, std::min(jb + Nb, kend), kt + (jb - kbeg) / Nb * dkp * Nb,
+                vp + (jb - kbeg) * dvp);
+    }
+  }
   for (int64_t hq = h0; hq < h0 + g; ++hq)
     for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock)
       query_block(it.b, hq, i0, std::min(it.i1, i0 + kRowsPerBlock), kbeg, kt, vp);
@@ -41,6 +54,7 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
                  const packed_t* kt, const packed_t* vp) {
   const int rows = int(i1 - i0);
   hq_ = hq;
+  prow_ = P.plan.on() ? P.plan.row(b, hq, i0 / kRowsPerBlock) : nullptr;  // i0: a block's start
   const int64_t kend = P.key_limit(b, i1 - 1);
   const int64_t jlo = P.key_start(i0) / Nb * Nb;  // the block's first key block (>= kbeg)
   if (kend <= jlo) return zero_rows(b, hq, i0, i1);
@@ -123,8 +137,23 @@ void Worker<K, T, Parts>::key_loop(int64_t b, int64_t i0, int rows, int rp, int6
 #endif
   // From the 16 keys holding the first row's window start (0 without a window) to the
   // end of its packed block, then whole blocks: the tiles read packed K^T at a column offset.
-  for (int64_t j0 = P.key_start(i0) / kLanes * kLanes; j0 < kend; j0 = (j0 / Nb + 1) * Nb) {
-    const int jn = int(std::min((j0 / Nb + 1) * Nb, kend) - j0);
+  for (int64_t jb = P.key_start(i0) / kLanes * kLanes; jb < kend; jb = (jb / Nb + 1) * Nb) {
+    int64_t j0 = jb, jz = std::min((jb / Nb + 1) * Nb, kend);  // this block's keys [j0, jz)
+    pbits_ = nullptr;
+    if (prow_) {  // the plan's block (Nb is kPlanKeys, or Tk fits in one block)
+      const int32_t e = prow_[jb / mha_common::kPlanKeys];
+      if (e == mha_common::kPlanEmpty) continue;  // never read
+      if (e >= 0) {  // partial: its bits, and only the 16-key vectors some row may attend
+        pbits_ = P.plan.block_bits(e);
+        int vlo, vhi;
+        plan_vectors(pbits_, vlo, vhi);
+        const int64_t c0 = jb / mha_common::kPlanKeys * mha_common::kPlanKeys;
+        j0 = std::max(j0, c0 + vlo * kLanes);
+        jz = std::min(jz, c0 + vhi * kLanes);
+        if (jz <= j0) continue;
+      }
+    }
+    const int jn = int(jz - j0);
     const int nv = (jn + kLanes - 1) / kLanes;
     const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * (K::kPairs ? 2 : 1);
     const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
@@ -160,6 +189,8 @@ void Worker<K, T, Parts>::pv_exact(int64_t b, int64_t i0, int rows, int64_t j0, 
     for (int n = 0; n < jn; ++n) {
       const int64_t j = j0 + n;
       if (j < lo || j >= hi || (mrow && !mrow[j * P.ms[3]])) continue;
+      if (pbits_ && !pbits_[(i % kRowsPerBlock) * mha_common::kPlanKeys + j % mha_common::kPlanKeys])
+        continue;
       const float pj = to_float(p[r * Nb + n]);
       for (int64_t c = 0; c < P.dv; ++c) {
         const packed_t x = K::kPairs ? v[(n / 2) * dvp * 2 + c * 2 + (n & 1)] : v[n * dvp + c];
@@ -215,7 +246,8 @@ void Worker<K, T, Parts>::softmax_group(int64_t b, int64_t ia, int rg, int64_t j
   constexpr int W = NV * kLanes;
   // some row's window starts inside this block (rows further down start further right)
   const bool left = j0 < P.key_start(ia + rg - 1);
-  const bool unmasked = mrow0 == nullptr && !left && j0 + W <= P.key_limit(b, ia);
+  const bool unmasked =
+      mrow0 == nullptr && pbits_ == nullptr && !left && j0 + W <= P.key_limit(b, ia);
   const float c = P.mods.score_scale(P.scale) * kLog2e;
   constexpr int RS = NV <= 4 ? 4 : 2;  // rows per softmax call (x[RS][NV] in registers)
   for (int r0 = 0; r0 < rg; r0 += RS) {
@@ -225,10 +257,13 @@ void Worker<K, T, Parts>::softmax_group(int64_t b, int64_t ia, int rg, int64_t j
       nvalid[r - r0] = unmasked ? W : int(std::clamp<int64_t>(P.key_limit(b, ia + r) - j0, 0, W));
       uint16_t* br = bits + r * kMaxVecsPerBlock;
       if (mrow0) mask_bits(mrow0 + (ia + r) * P.ms[2], P.ms[3], j0, P.Tk, NV, br);
-      else if (left) std::fill(br, br + NV, uint16_t(0xFFFF));
+      else if (left || pbits_) std::fill(br, br + NV, uint16_t(0xFFFF));
       if (left) clear_left_of(P.key_start(ia + r) - j0, NV, br);
+      if (pbits_)  // a partial plan block: the mask_mod's bits of the row
+        and_plan_bits(pbits_ + ((ia + r) % kRowsPerBlock) * mha_common::kPlanKeys,
+                      j0 % mha_common::kPlanKeys, NV, br);
     }
-    const uint16_t* rb = (mrow0 || left) ? bits + r0 * kMaxVecsPerBlock : nullptr;
+    const uint16_t* rb = (mrow0 || left || pbits_) ? bits + r0 * kMaxVecsPerBlock : nullptr;
     if (rs == RS)
       softmax<NV, RS>(unmasked, st + r0 * Nb, nvalid, rb, c, m + r0, lsum + r0 * kLanes,
                       alpha + r0, p + r0 * Nb);
@@ -261,7 +296,7 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
       P.mods.apply_row(s + r * Nb, jn, b, hq_, i0 + r, j0, P.Tq, P.Tk, P.scale);
   softmax_group<NV>(b, i0, rows, j0, mrow0, s, p, m, alpha, lsum, bits);
   // exact pass: the tiles where every row sees every key of the block, else pv_exact
-  if (exact && !(mrow0 == nullptr && j0 >= P.key_start(i0 + rows - 1) &&
+  if (exact && !(mrow0 == nullptr && pbits_ == nullptr && j0 >= P.key_start(i0 + rows - 1) &&
                  j0 + jn <= P.key_limit(b, i0)))
     return pv_exact(b, i0, rows, j0, jn, mrow0, p, v, o, alpha);
   const int nvt = int(dvp / kLanes);

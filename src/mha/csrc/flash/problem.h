@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
+#include "common/block_plan.h"
 #include "common/constants.h"
 #include "common/score_mods.h"
 #include "common/tensor_access.h"
@@ -21,6 +23,8 @@ namespace {
 constexpr int64_t kRowsPerBlock = 48;  // query rows per block: 8 register tiles of 6 rows
 constexpr int64_t kMaxKeysPerBlock = 128;
 constexpr int kMaxVecsPerBlock = kMaxKeysPerBlock / kLanes;
+// a block plan's blocks are the kernel's blocks (common/block_plan.h says why)
+static_assert(mha_common::kPlanRows == kRowsPerBlock && mha_common::kPlanKeys == kMaxKeysPerBlock);
 using mha_common::fill_strides;
 using mha_common::kLn2;
 using mha_common::kLn2d;
@@ -47,6 +51,7 @@ struct Problem {
   bool causal;
   int64_t window;  // > 0: sliding window (the left edge); <= 0: none
   mha_common::ScoreMods mods;  // softcap, sinks, bias, ALiBi (common/score_mods.h)
+  mha_common::PlanView plan;   // a mask_mod's block plan (common/block_plan.h), or off
 
   // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
   int64_t key_limit(int64_t b, int64_t i) const {
@@ -169,6 +174,30 @@ inline void mask_bits(const bool* row, int64_t stride, int64_t j0, int64_t Tk, i
     for (int l = 0; l < kLanes && jb + l < Tk; ++l) w |= uint16_t(row[(jb + l) * stride] ? 1u << l : 0u);
     bits[v] = w;
   }
+}
+
+// ANDs the plan bits of one row into bits (as mask_bits makes them): row points at the row's
+// kPlanKeys bools of a partial block, c is key j0's column in it (c + 16 nv <= kPlanKeys).
+inline void and_plan_bits(const bool* row, int64_t c, int nv, uint16_t* bits) {
+  uint16_t w[kMaxVecsPerBlock];
+  mask_bits(row, 1, c, mha_common::kPlanKeys, nv, w);
+  for (int v = 0; v < nv; ++v) bits[v] &= w[v];
+}
+
+// The 16-key vectors [vlo, vhi) of a partial plan block that hold a key some row may attend
+// (the OR of its kPlanRows rows; keys outside are masked for every row, so they never enter S).
+// A document boundary inside a block thus costs the vectors up to it, not the whole block.
+inline void plan_vectors(const bool* block, int& vlo, int& vhi) {
+  constexpr int kWords = int(mha_common::kPlanKeys / 8);
+  uint64_t any[kWords] = {};
+  for (int64_t r = 0; r < mha_common::kPlanRows; ++r) {
+    uint64_t w[kWords];
+    std::memcpy(w, block + r * mha_common::kPlanKeys, sizeof(w));
+    for (int x = 0; x < kWords; ++x) any[x] |= w[x];
+  }
+  vlo = int(mha_common::kPlanKeys / kLanes), vhi = 0;
+  for (int v = 0; v < int(mha_common::kPlanKeys / kLanes); ++v)
+    if (any[2 * v] | any[2 * v + 1]) vlo = std::min(vlo, v), vhi = v + 1;
 }
 
 // Clears the bits of keys left of a row's window: keys j0 + n with n < e (bits as mask_bits).

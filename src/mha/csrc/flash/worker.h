@@ -17,6 +17,10 @@ struct Worker {
   int64_t Nb, dkp, dvp, g;
   Scratch<K>& sc;
   int64_t hq_ = 0;  // the query head of the block in flight (the score variants read it)
+  // With a block plan: the query block's entries (one per plan key block), and the bits of the
+  // key block in flight when it is partial (row r of the query block at r * kPlanKeys), else null.
+  const int32_t* prow_ = nullptr;
+  const bool* pbits_ = nullptr;
 
   Worker(const Problem<T>& p, Scratch<K>& scratch) : P(p), sc(scratch) {
     Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), K::kKeyAlign));
