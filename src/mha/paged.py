@@ -391,10 +391,10 @@ class PagedKVCache:
         if cu_seqlens is None:
             return [1] * n
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-        if len(cu) != n + 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        if len(cu) != n + 1 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
             raise ValueError(f"cu_seqlens must be (S' + 1,) = ({n + 1},) non-decreasing offsets "
                              f"from 0, got {cu}")
-        return [b - a for a, b in zip(cu, cu[1:])]
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
     def _check_new(self, k, v, N: int) -> None:
         h_kv, d_k, d_v = self.k.shape[2], self.k.shape[4], self.v.shape[4]
