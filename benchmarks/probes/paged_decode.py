@@ -82,7 +82,7 @@ def main() -> None:
                     flash_decode(qq, d["k"], d["v"],
                                  k_scale=d.get("k_scale"), v_scale=d.get("v_scale"))
 
-            def pages(qq=qq, p=paged):
+            def pages(qq=qq, p=paged, bt=bt):
                 with torch.no_grad():
                     flash_decode(qq, p["k"], p["v"], k_scale=p.get("k_scale"),
                                  v_scale=p.get("v_scale"), block_table=bt)
