@@ -45,9 +45,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--order", choices=["random", "sequential"], default="random",
                     help="pages of the pool in a random order, or in the rows' order")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     B = a.B
     print(f"(B, h, Tq, d) = ({B}, {H}, {TQ}, {D}), page {a.page} ({a.order} order), "
