@@ -281,3 +281,19 @@ def test_attend_refuses_queries_of_another_dtype():
     c, seqs = _fill(None)
     with torch.no_grad(), pytest.raises(TypeError, match="q must be torch.float32"):
         c.attend(0, torch.randn(3, 4, 1, D, dtype=torch.float64), seqs)
+
+
+def test_attend_without_the_kernel_runs_on_gathered_keys(monkeypatch):
+    c, seqs = _fill(None)
+    q = torch.randn(len(seqs), 2 * H_KV, 1, D)  # (S, h, 1, d)
+    with torch.no_grad():
+        native = c.attend(0, q, seqs) if decode.unavailable() is None else None
+        monkeypatch.setattr(decode, "unavailable", lambda: "no compiler (test)")
+        with mha.use_backend("math"):  # dispatch must not pick the (unpatched) decode backend
+            got = c.attend(0, q, seqs)  # (S, h, 1, d)
+        for i, s in enumerate(seqs):
+            k, v = c.gather(0, s)
+            want = mha.reference.attention(q[i:i + 1], k, v, upcast=True)[0]
+            assert (got[i:i + 1].double() - want).abs().max() <= 1e-6
+    if native is not None:
+        assert (got - native).abs().max() <= 1e-6

@@ -298,7 +298,9 @@ class PagedKVCache:
         sequences ``seq_ids`` (written first), each attending its own keys, causally aligned to
         its own length. The native decode kernel reads the pages through the block table (Tq
         <= 16; nothing is gathered). ``variants``: softcap, sinks, bias, alibi_slopes as in
-        :func:`mha.flash_decode` (bias broadcast to ``(S', h, Tq, M * p)``)."""
+        :func:`mha.flash_decode` (bias broadcast to ``(S', h, Tq, M * p)``). Where the kernel
+        cannot be built (warned once), each sequence runs :func:`mha.attention` on its gathered
+        K/V instead (the same result, with a copy)."""
         from mha.ops import decode
 
         layer = self._check_layer(layer)
@@ -317,6 +319,9 @@ class PagedKVCache:
         if bool((lengths < q.shape[2]).any()):
             raise ValueError(f"attend: sequences {seqs} hold {lengths.tolist()} tokens, fewer "
                              f"than the Tq={q.shape[2]} queries (write their K/V first)")
+        if decode.unavailable():  # no native kernel (its build failed, warned once): gathered
+            return torch.cat([self._attend_gathered(layer, q[i:i + 1], s, variants)
+                              for i, s in enumerate(seqs)])  # (S', h, Tq, d_v)
         int8 = self.kv_dtype == torch.int8
         qk = q if int8 or self.kv_dtype == q.dtype else q.to(self.kv_dtype)
         out = decode.flash_decode(
@@ -333,8 +338,6 @@ class PagedKVCache:
         bottom-right per sequence. Decode rows (one query) go to the native paged decode
         kernel in one call; chunks of several queries run :func:`mha.attention` on that
         sequence's K/V gathered from its pages (:meth:`gather`, a copy)."""
-        from mha.functional import attention
-
         seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
         check_tensor("q", q, 3, f"(N, h, d_k) = ({sum(counts)}, h, {self.k.shape[4]})")
         if q.shape[0] != sum(counts):
@@ -351,11 +354,18 @@ class PagedKVCache:
             out[at] = self.attend(layer, qd, [seqs[i] for i in rows], **variants)[:, :, 0]
         for i, n in enumerate(counts):
             if n > 1:
-                k, v = self.gather(layer, seqs[i])  # (1, h_kv, len, d)
                 qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, h, n, d_k)
-                o = attention(qs, k, v, causal=True, **variants)  # (1, h, n, d_v)
+                o = self._attend_gathered(layer, qs, seqs[i], variants)  # (1, h, n, d_v)
                 out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)  # (n, h, d_v)
         return out
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor, seq: int, variants: dict):
+        """``q (1, h, n, d_k)``, the last n tokens of ``seq``, on its gathered K/V with
+        :func:`mha.attention` (causal, bottom-right): ``(1, h, n, d_v)``."""
+        from mha.functional import attention
+
+        k, v = self.gather(layer, seq)  # (1, h_kv, len, d)
+        return attention(q, k, v, causal=q.shape[2] > 1, **variants)  # (1, h, n, d_v)
 
     # ------------------------------------------------------------------ checks and helpers
     def _check_seq(self, name: str, seq_id) -> int:
