@@ -165,8 +165,8 @@ inline void qk_run(const Problem& P, const T* q, const KV* k, int64_t n, float* 
 // Paged K/V: ask for the run after [j, e) (the next page, up to j1) to be brought into the
 // cache while this one is computed. Within a run the hardware prefetchers follow the stream;
 // at a jump to another page they have to find it again, which costs a run of a few KB most of
-// its time in misses (measured: bf16 pages of 16 tokens 1.5x slower than contiguous K/V without
-// this). `rows` elements of `x` per key, row stride `st`.
+// its time in misses (measured, bf16, pages of 16 tokens in a random order, Tk 4096: 2.0x the
+// contiguous step's time without this, 1.5x with it). `rows`: elements of `x` per key.
 template <typename KV>
 inline void prefetch_next_run(const Problem& P, const KV* x, int64_t b, int64_t kvh, int64_t e,
                               int64_t j1, bool is_v, int64_t rows) {
