@@ -19,8 +19,10 @@ registered for it, so transformers builds no mask, and the step reaches the laye
 runs, the model's attention implementation is switched to :data:`NAME`
 (``set_attn_implementation``) and restored after.
 
-Preemption: when the pool cannot hold a step's tokens (:class:`mha.PagePoolExhausted`), the
-request admitted last is preempted: its pages are freed and it waits again with its prompt
+Admission: a waiting request starts when a sequence slot is free and the pool holds its first
+chunk besides what the running requests' next chunks need. Preemption: when the pool cannot
+hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
+the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
 retried; greedy tokens do not change.
 
@@ -171,11 +173,23 @@ class Scheduler:
         with self._attention():
             self._step()
 
+    def _pages(self, r: Request) -> int:
+        """Pages request r's next chunk needs (its cache holds ``r.done`` tokens)."""
+        n = min(self.prefill_chunk, len(r.tokens) - r.done)
+        return self.cache.pages_for(r.done + n) - self.cache.pages_for(r.done)
+
     def _admit(self) -> None:
+        """Admit waiting requests (in order) while a slot is free and the pool holds their
+        first chunk besides the running requests' next chunks (always one when nothing runs)."""
+        budget = self.cache.free_pages - sum(self._pages(r) for r in self.running)
         while self.waiting and len(self.running) < len(self.cache.block_table):
+            need = self._pages(self.waiting[0])
+            if self.running and need > budget:
+                break
             req = self.waiting.pop(0)
             req.seq, req.done = self.cache.add_sequence(), 0
             self.running.append(req)
+            budget -= need
 
     def _preempt(self) -> None:
         """Free the request admitted last; it waits again (first in line) and will recompute
