@@ -27,6 +27,7 @@ from mha.functional import attention, explain
 from mha.masks import MaskSpec, causal_mask
 from mha.module import MultiHeadAttention
 from mha.ops.decode import flash_decode
+from mha.paged import PagedKVCache, PagePoolExhausted
 from mha.scores import ScoreSpec, alibi_slopes
 from mha.trace import trace
 from mha.varlen import varlen_attention
@@ -35,4 +36,5 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
            "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache", "flash_decode",
+           "PagedKVCache", "PagePoolExhausted",
            "ScoreSpec", "alibi_slopes", "use_backend", "__version__"]

@@ -54,7 +54,7 @@ def unavailable() -> str | None:
 
 
 def _fake(q, k, v, key_lengths, mask, scale, causal, softcap=None, sinks=None, bias=None,
-          alibi_slopes=None, k_scale=None, v_scale=None):
+          alibi_slopes=None, k_scale=None, v_scale=None, block_table=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "flash_decode: q, k, v must be 4-D")
     torch._check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
@@ -68,7 +68,8 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
                  scale: float | None = None, portable: bool = False,
                  softcap: float | None = None, sinks=None, bias=None,
                  alibi_slopes=None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for a few queries against a long cache, on the CPU.
 
     Args:
@@ -97,6 +98,14 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
             :func:`quantize_int8`) and these their float32 scales ``(B, h_kv, Tk)``, one per
             token and K/V head (``k = k_scale[..., None] * k_int8``); may be strided views.
             Dequantized inside the kernel's loops (nothing is materialized).
+        block_table: paged K/V (:class:`mha.PagedKVCache`): int32 ``(B, max_pages)``; k, v
+            (and the int8 scales) are then page pools ``(num_pages, h_kv, page_size, d)``
+            (``(num_pages, h_kv, page_size)``), and row b's key j is slot ``j % page_size`` of
+            page ``block_table[b, j // page_size]``, read in place by the kernel. The key
+            length is ``Tk = max_pages * page_size`` (mask and bias broadcast to it);
+            ``key_lengths`` give each row's length, and causal and ALiBi align to it: each
+            row is its own sequence, query ``i`` of row b sees keys
+            ``j <= i + key_lengths[b] - Tq``. Entries past a row's length are not read.
 
     Returns ``(B, h, Tq, d_v)`` in q's dtype. Rows with no visible key are zeros. NaN / Inf:
     a row depends on its query and the keys it may attend only, as IEEE arithmetic of the
@@ -104,7 +113,15 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
     NaN in a visible value row: that column NaN); rows of keys it may not attend never reach it.
     Deterministic: the key splits are fixed-size, independent of the thread count.
     """
-    if k_scale is not None or v_scale is not None:
+    if block_table is not None:
+        Tk = _check_paged(q, k, v, block_table)
+        int8 = k_scale is not None or v_scale is not None
+        if int8:
+            _check_int8_kv(q, k, v, k_scale, v_scale, pages=True)
+        # the shapes, in the seeds' words: the logical (B, h_kv, Tk, d) that the pages hold
+        check_qkv(q, _like(k, q.dtype if int8 else k.dtype, (q.shape[0], k.shape[1], Tk, k.shape[3])),
+                  _like(v, q.dtype if int8 else v.dtype, (q.shape[0], v.shape[1], Tk, v.shape[3])))
+    elif k_scale is not None or v_scale is not None:
         _check_int8_kv(q, k, v, k_scale, v_scale)
         check_qkv(q, _like(k, q.dtype), _like(v, q.dtype))  # the shapes, in the seeds' words
     else:
@@ -117,7 +134,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
         raise RuntimeError("flash_decode is inference-only (no backward pass); call it under "
                            "torch.no_grad() or use mha.attention for training")
     B, h, Tq, d_k = q.shape
-    Tk = k.shape[2]
+    Tk = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
     scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
@@ -134,31 +151,60 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
                            "require grad; call it under torch.no_grad() or use mha.attention")
     return call_op(q, k, v, key_lengths=kl, mask=m, causal=causal, scale=scale, portable=portable,
                    softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
-                   k_scale=k_scale, v_scale=v_scale)
+                   k_scale=k_scale, v_scale=v_scale, block_table=block_table)
 
 
-def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A stand-in of ``t``'s shape in ``dtype`` (one element, broadcast; no memory)."""
-    return torch.zeros((), dtype=dtype, device=t.device).expand(t.shape)
+def _like(t: torch.Tensor, dtype: torch.dtype, shape=None) -> torch.Tensor:
+    """A stand-in of ``t``'s shape (or ``shape``) in ``dtype`` (one element, broadcast)."""
+    return torch.zeros((), dtype=dtype, device=t.device).expand(t.shape if shape is None else shape)
 
 
-def _check_int8_kv(q, k, v, k_scale, v_scale) -> None:
-    """int8 K/V: k, v int8 tensors, and both scales float32 ``(B, h_kv, Tk)``."""
+def _check_paged(q, k, v, block_table) -> int:
+    """Paged K/V: the block table an int32 ``(B, max_pages)`` tensor, k and v 4-D page pools
+    ``(num_pages, h_kv, page_size, d)`` of the same pages; returns ``Tk = max_pages * page_size``.
+    (The entries a row reads are checked against the pool in the kernel's guard.)"""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        got = block_table.dtype if isinstance(block_table, torch.Tensor) else \
+            type(block_table).__name__
+        raise TypeError(f"flash_decode: block_table must be an int32 tensor (B, max_pages), "
+                        f"got {got}")
+    B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else "B"
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"flash_decode: block_table must have shape (B, max_pages) with B = {B}, "
+                         f"got {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"flash_decode: block_table must be on {q.device}, got "
+                         f"{block_table.device}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[2] < 1:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"flash_decode: with block_table, {name} must be a page pool "
+                             f"(num_pages, h_kv, page_size, d), got {got}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"flash_decode: the k and v pools must hold the same pages "
+                         f"(num_pages, h_kv, page_size), got {tuple(k.shape)} and {tuple(v.shape)}")
+    return block_table.shape[1] * k.shape[2]
+
+
+def _check_int8_kv(q, k, v, k_scale, v_scale, *, pages: bool = False) -> None:
+    """int8 K/V: k, v int8 tensors, and both scales float32 ``(B, h_kv, Tk)`` (paged:
+    ``(num_pages, h_kv, page_size)``)."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"flash_decode: with k_scale / v_scale, {name} must be an int8 "
                             f"tensor (B, h_kv, Tk, d), got {got}")
+    form = "(num_pages, h_kv, page_size)" if pages else "(B, h_kv, Tk)"
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        want = (k.shape[0], k.shape[1], k.shape[2]) if k.dim() == 4 else "(B, h_kv, Tk)"
+        want = (k.shape[0], k.shape[1], k.shape[2]) if k.dim() == 4 else form
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_decode: {name} must be a float32 tensor (B, h_kv, Tk) = "
+            raise TypeError(f"flash_decode: {name} must be a float32 tensor {form} = "
                             f"{want} (int8 K/V needs both scales), got {type(t).__name__}")
         if t.dtype != torch.float32 or t.device != q.device:
             raise TypeError(f"flash_decode: {name} must be float32 on {q.device}, got {t.dtype} "
                             f"on {t.device}")
         if k.dim() != 4 or tuple(t.shape) != want:
-            raise ValueError(f"flash_decode: {name} must have shape (B, h_kv, Tk) = {want}, got "
+            raise ValueError(f"flash_decode: {name} must have shape {form} = {want}, got "
                              f"{tuple(t.shape)}")
 
 
@@ -188,7 +234,7 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable: bool = False,
             softcap: float | None = None, sinks=None, bias=None, alibi_slopes=None,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, block_table=None):
     """The op itself, on arguments already validated (used by the backend adapter): bias a
     4-D view broadcastable to ``(B, h, Tq, Tk)``, alibi_slopes ``(1|B, h)``, sinks ``(h,)``."""
     reason = unavailable()
@@ -199,4 +245,4 @@ def call_op(q, k, v, *, key_lengths, mask, causal: bool, scale: float, portable:
     v = v if v.stride(-1) == 1 else v.contiguous()
     op = torch.ops.mha.flash_decode_portable if portable else torch.ops.mha.flash_decode
     return op(q, k, v, key_lengths, mask, scale, causal, softcap, _fp32(sinks), _fp32(bias),
-              _fp32(alibi_slopes), k_scale, v_scale)
+              _fp32(alibi_slopes), k_scale, v_scale, block_table)

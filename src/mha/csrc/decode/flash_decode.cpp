@@ -41,6 +41,16 @@
 // is 0, and where 0 * (a non-finite V) made a row's partial output non-finite, that row is
 // computed again from its visible keys only (pv_exact; finite inputs never pay for it).
 //
+// Paged K/V (optional block_table, int32 (B, max_pages)): k, v are page pools (num_pages, h_kv,
+// page_size, d) (the page size is k's dim 2; int8 scales (num_pages, h_kv, page_size)), and row
+// b's key j is slot j % page_size of page block_table[b, j / page_size]. Tk is then
+// max_pages * page_size (what mask and bias broadcast to), key_lengths give each row's length,
+// and causal and ALiBi are aligned to that length (query i of row b sees keys
+// j <= i + key_lengths[b] - Tq): each row is its own sequence. The pages are gathered inside the
+// split loop: a split's keys are cut into runs that are contiguous in memory (at most one page
+// each) and every q.k / p.v building block (portable, AVX-512, AMX) runs on one run at a time,
+// so every variant, GQA and int8 K/V work unchanged, and nothing is copied.
+//
 // Two ops: mha::flash_decode (vectorized under __AVX512F__ / __AVX512BF16__, portable C++
 // otherwise) and mha::flash_decode_portable (always the portable loops; for tests).
 //
@@ -110,20 +120,21 @@ struct AmxScope {
 };
 
 
-// Row r of a split's O again, from the keys [j0, j1) it may attend only (causal, mask):
+// Row r of a split's O again, from the keys [j0, j1) it may attend only (causal, mask; Tk the
+// row's causal alignment, as in split_item):
 // p (the row's weights, 0 where masked) times V with the masked keys skipped, so that 0 * a
 // non-finite V never reaches it. Plain loops (inputs with a NaN or an Inf only).
 template <typename T>
 void pv_exact(const Problem& P, int64_t b, int64_t kvh, int64_t r, int64_t j0, int64_t j1,
-              const float* p, const T* v, float* O) {
+              int64_t Tk, const float* p, const T* v, float* O) {
   const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
-  const int64_t last = P.causal ? i + P.Tk - P.Tq : j1;  // query i sees keys j <= last
+  const int64_t last = P.causal ? i + Tk - P.Tq : j1;  // query i sees keys j <= last
   const bool* mr = P.mask ? P.mask + b * P.msb + head * P.msh + i * P.msq : nullptr;
   std::fill(O, O + P.dv, 0.f);
   for (int64_t j = j0; j < std::min(j1, last + 1); ++j) {
     if (mr && !mr[j * P.msk]) continue;
     const float w = p[j - j0];
-    const T* vt = v + (j - j0) * P.vst;
+    const T* vt = v + kv_at(P, b, kvh, j).v;  // v: the whole V tensor (or pool)
     for (int64_t c = 0; c < P.dv; ++c) O[c] += w * widen(vt[c]);
   }
 }
@@ -134,10 +145,44 @@ inline void scale_keys(float* s, int64_t G, int64_t n, const float* sc, int64_t 
     for (int64_t t = 0; t < n; ++t) s[r * kChunk + t] *= sc[t * stride];
 }
 
-// T: q's (and the output's) dtype; KV: K/V's, T or int8 (dequantized here, never stored).
+// scores[r * kChunk + t] = qk_scale * (q_r . k_t), t < n, for one run of n keys contiguous in
+// memory (k: its first row): on AMX tiles where they serve (whole steps of 32), the rest with qk.
 template <typename T, bool kVec, typename KV>
-void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, Scratch& w,
-                float* O, float* m, float* l) {
+inline void qk_run(const Problem& P, const T* q, const KV* k, int64_t n, float* scores,
+                   Scratch& w) {
+  int64_t done = 0;
+#ifdef MHA_DECODE_AMX
+  if constexpr (kVec && std::is_same_v<T, bf16> && std::is_same_v<KV, bf16>)
+    if (P.amx)
+      done = mha_decode_amx::qk_amx(q, P.G, P.dk, k, P.kst, n, P.qk_scale, scores, kChunk,
+                                    w.qpack.data(), w.tmp.data());
+#endif
+  (void)w;
+  if (done < n)
+    qk<T, kVec, KV>(q, P.G, P.dk, k + done * P.kst, P.kst, n - done, P.qk_scale, scores + done);
+}
+
+// Paged K/V: ask for the run after [j, e) (the next page, up to j1) to be brought into the
+// cache while this one is computed. Within a run the hardware prefetchers follow the stream;
+// at a jump to another page they have to find it again, which costs a run of a few KB most of
+// its time in misses (measured, bf16, pages of 16 tokens in a random order, Tk 4096: 2.0x the
+// contiguous step's time without this, 1.5x with it). `rows`: elements of `x` per key.
+template <typename KV>
+inline void prefetch_next_run(const Problem& P, const KV* x, int64_t b, int64_t kvh, int64_t e,
+                              int64_t j1, bool is_v, int64_t rows) {
+  if (!P.bt || e >= j1) return;
+  const KVAt at = kv_at(P, b, kvh, e);
+  const char* c = reinterpret_cast<const char*>(x + (is_v ? at.v : at.k));
+  const int64_t n = run_end(P, e, j1) - e;
+  const int64_t bytes = ((n - 1) * (is_v ? P.vst : P.kst) + rows) * static_cast<int64_t>(sizeof(KV));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// T: q's (and the output's) dtype; KV: K/V's, T or int8 (dequantized here, never stored).
+// Tk: what causal (and ALiBi) align to: P.Tk, or row b's length when K/V are paged.
+template <typename T, bool kVec, typename KV>
+void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1, int64_t Tk,
+                Scratch& w, float* O, float* m, float* l) {
   float* scores = w.scores.data();
   const int64_t G = P.G, n = j1 - j0;
   std::fill(O, O + G * P.dv, 0.f);
@@ -145,27 +190,26 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   std::fill(l, l + G, 0.f);
   if (n <= 0) return;
   const T* q = static_cast<const T*>(P.q) + (b * P.h + kvh * P.g) * P.Tq * P.dk;  // (G, d_k)
-  const KV* k = static_cast<const KV*>(P.k) + b * P.ksb + kvh * P.ksh + j0 * P.kst;
-  const KV* v = static_cast<const KV*>(P.v) + b * P.vsb + kvh * P.vsh + j0 * P.vst;
-  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units
-  int64_t done = 0;  // keys scored on AMX tiles (whole steps of 32), the rest below
-#ifdef MHA_DECODE_AMX
-  if constexpr (kVec && std::is_same_v<T, bf16> && std::is_same_v<KV, bf16>)
-    if (P.amx)
-      done = mha_decode_amx::qk_amx(q, G, P.dk, k, P.kst, n, P.qk_scale, scores, kChunk,
-                                    w.qpack.data(), w.tmp.data());
-#endif
-  if (done < n)
-    qk<T, kVec, KV>(q, G, P.dk, k + done * P.kst, P.kst, n - done, P.qk_scale, scores + done);
-  if constexpr (std::is_same_v<KV, int8_t>)  // s = scale * k_scale_j * (q . k_int8_j)
-    scale_keys(scores, G, n, P.ksc + b * P.kscb + kvh * P.ksch + j0 * P.kscs, P.kscs);
+  const KV* K = static_cast<const KV*>(P.k);
+  const KV* V = static_cast<const KV*>(P.v);
+  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units, one contiguous run of
+  // keys at a time (the whole split without pages; a page at most with them)
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = run_end(P, j, j1);
+    const KVAt at = kv_at(P, b, kvh, j);
+    prefetch_next_run(P, K, b, kvh, e, j1, false, P.dk);
+    qk_run<T, kVec, KV>(P, q, K + at.k, e - j, scores + (j - j0), w);
+    if constexpr (std::is_same_v<KV, int8_t>)  // s = scale * k_scale_j * (q . k_int8_j)
+      scale_keys(scores + (j - j0), G, e - j, P.ksc + at.ks, P.kscs);
+    j = e;
+  }
   bool any = false;
   for (int64_t r = 0; r < G; ++r) {  // variants; masks -> -inf; then max, 2^(s - max), sum
     float* s = scores + r * kChunk;
     const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
-    if (P.variants) apply_variants(P, b, head, i, j0, n, s);  // now in base 2
+    if (P.variants) apply_variants(P, b, head, i, j0, n, Tk, s);  // now in base 2
     if (P.causal) {
-      const int64_t last = i + P.Tk - P.Tq;  // query i sees keys j <= last
+      const int64_t last = i + Tk - P.Tq;  // query i sees keys j <= last
       for (int64_t j = std::max(j0, last + 1); j < j1; ++j) s[j - j0] = kNegInf;
     }
     if (P.mask) {
@@ -176,14 +220,20 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
     std::tie(m[r], l[r]) = softmax2<kVec>(s, n);
     any = any || l[r] != 0.f;  // NaN too
   }
-  // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v)
+  // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v), run by run (pv accumulates into O)
   if (!any) return;
-  if constexpr (std::is_same_v<KV, int8_t>)  // p_j v_j = (p_j v_scale_j) v_int8_j
-    scale_keys(scores, G, n, P.vsc + b * P.vscb + kvh * P.vsch + j0 * P.vscs, P.vscs);
-  pv<KV, kVec>(scores, G, n, v, P.vst, P.dv, O);
+  for (int64_t j = j0; j < j1;) {
+    const int64_t e = run_end(P, j, j1);
+    const KVAt at = kv_at(P, b, kvh, j);
+    prefetch_next_run(P, V, b, kvh, e, j1, true, P.dv);
+    if constexpr (std::is_same_v<KV, int8_t>)  // p_j v_j = (p_j v_scale_j) v_int8_j
+      scale_keys(scores + (j - j0), G, e - j, P.vsc + at.vs, P.vscs);
+    pv<KV, kVec>(scores + (j - j0), G, e - j, V + at.v, P.vst, P.dv, O);
+    j = e;
+  }
   for (int64_t r = 0; r < G; ++r)  // a NaN l: the whole row is NaN anyway
     if (!std::isnan(l[r]) && !mha_finite::all_finite(O + r * P.dv, P.dv))
-      pv_exact(P, b, kvh, r, j0, j1, scores + r * kChunk, v, O + r * P.dv);
+      pv_exact(P, b, kvh, r, j0, j1, Tk, scores + r * kChunk, V, O + r * P.dv);
 }
 
 struct Partials {
@@ -264,6 +314,7 @@ struct VariantArgs {
   c10::optional<double> softcap;
   c10::optional<at::Tensor> sinks, bias, alibi_slopes;  // fp32: (h,), 4-D broadcast, (1|B, h)
   c10::optional<at::Tensor> k_scale, v_scale;  // int8 K/V: fp32 (B, h_kv, Tk) each
+  c10::optional<at::Tensor> block_table;        // paged K/V: int32 (B, max_pages)
 };
 
 template <typename T, bool kVec, typename KV = T>
@@ -274,6 +325,12 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   Problem P{};
   P.B = q.size(0), P.h = q.size(1), P.Tq = q.size(2), P.dk = q.size(3);
   P.h_kv = k.size(1), P.Tk = k.size(2), P.dv = v.size(3);
+  at::Tensor bt;
+  if (va.block_table.has_value()) {  // paged: the pools' dim 2 is the page size
+    bt = va.block_table->contiguous();
+    P.bt = bt.data_ptr<int32_t>(), P.bts = bt.size(1), P.page = k.size(2);
+    P.Tk = bt.size(1) * P.page;
+  }
   P.g = P.h / P.h_kv, P.G = P.g * P.Tq, P.C = split_length(P.B * P.h_kv, P.Tk);
   P.S = (P.Tk + P.C - 1) / P.C;
   P.q = q.data_ptr(), P.k = k.data_ptr(), P.v = v.data_ptr();
@@ -344,7 +401,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
     const int64_t s = it % P.S, bh = it / P.S, b = bh / P.h_kv, kvh = bh % P.h_kv;
     const int64_t len = P.klen ? std::min(P.klen[b], P.Tk) : P.Tk;
     const int64_t j0 = s * P.C, j1 = std::min(j0 + P.C, len);
-    split_item<T, kVec, KV>(P, b, kvh, j0, j1, w, part.O + it * P.G * P.dv,
+    split_item<T, kVec, KV>(P, b, kvh, j0, j1, P.bt ? len : P.Tk, w, part.O + it * P.G * P.dv,
                         part.M + it * P.G, part.L + it * P.G);
     if (remaining[bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
       merge_group(P, part, bh, w.acc.data(), outp);
@@ -398,9 +455,36 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                 "flash_decode: q, k, v must share one dtype");
   }
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) &&
-                  v.size(1) == k.size(1) && v.size(2) == k.size(2),
+  const bool paged = va.block_table.has_value();
+  TORCH_CHECK((paged ? v.size(0) == k.size(0) : k.size(0) == q.size(0) && v.size(0) == q.size(0)) &&
+                  k.size(3) == q.size(3) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
               "flash_decode: shapes disagree: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  int64_t Tk = k.size(2);  // the key length masks and biases broadcast to
+  if (paged) {
+    const at::Tensor& bt = *va.block_table;
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.device().is_cpu() && bt.dim() == 2 &&
+                    bt.size(0) == q.size(0),
+                "flash_decode: block_table must be an int32 CPU tensor (B, max_pages) with B = ",
+                q.size(0), ", got ", bt.scalar_type(), " ", bt.sizes());
+    TORCH_CHECK(k.size(2) > 0, "flash_decode: paged k, v (num_pages, h_kv, page_size, d) need "
+                "page_size >= 1, got k ", k.sizes());
+    Tk = bt.size(1) * k.size(2);
+    // the pages each row will read (guards memory): entries before ceil(len / page_size)
+    const at::Tensor btc = bt.contiguous();
+    const at::Tensor kl = key_lengths.has_value() ? key_lengths->to(at::kLong).contiguous()
+                                                  : at::Tensor();
+    TORCH_CHECK(!kl.defined() || (kl.dim() == 1 && kl.size(0) == q.size(0)),
+                "flash_decode: key_lengths must be an integer tensor (B,)");
+    const int32_t* e = btc.data_ptr<int32_t>();
+    for (int64_t b = 0; b < bt.size(0); ++b) {
+      const int64_t len = std::max<int64_t>(0, kl.defined() ? std::min(kl.data_ptr<int64_t>()[b], Tk) : Tk);
+      for (int64_t i = 0; i < (len + k.size(2) - 1) / k.size(2); ++i)
+        TORCH_CHECK(e[b * bt.size(1) + i] >= 0 && e[b * bt.size(1) + i] < k.size(0),
+                    "flash_decode: block_table[", b, ", ", i, "] = ", e[b * bt.size(1) + i],
+                    " is not a page of the pool [0, ", k.size(0), ") (row ", b, " holds ", len,
+                    " keys)");
+    }
+  }
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "flash_decode: h must be a multiple of h_kv, got q ", q.sizes(), ", k ", k.sizes());
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
@@ -412,7 +496,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4,
                 "flash_decode: mask must be a 4-D bool tensor");
-    const int64_t want[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+    const int64_t want[4] = {q.size(0), q.size(1), q.size(2), Tk};
     for (int d = 0; d < 4; ++d)
       TORCH_CHECK(mask->size(d) == 1 || mask->size(d) == want[d],
                   "flash_decode: mask ", mask->sizes(), " is not broadcastable to (B, h, Tq, Tk)");
@@ -433,7 +517,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (va.bias.has_value()) {
     fp32_cpu(*va.bias, "bias");
     TORCH_CHECK(va.bias->dim() == 4, "flash_decode: bias must be 4-D, got ", va.bias->sizes());
-    const int64_t want[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+    const int64_t want[4] = {q.size(0), q.size(1), q.size(2), Tk};
     for (int d = 0; d < 4; ++d)
       TORCH_CHECK(va.bias->size(d) == 1 || va.bias->size(d) == want[d],
                   "flash_decode: bias ", va.bias->sizes(), " is not broadcastable to (B, h, Tq, Tk)");
@@ -455,8 +539,9 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
                              const c10::optional<at::Tensor>& bias,
                              const c10::optional<at::Tensor>& alibi_slopes,
                              const c10::optional<at::Tensor>& k_scale,
-                             const c10::optional<at::Tensor>& v_scale) {
-  const VariantArgs va{softcap, sinks, bias, alibi_slopes, k_scale, v_scale};
+                             const c10::optional<at::Tensor>& v_scale,
+                             const c10::optional<at::Tensor>& block_table) {
+  const VariantArgs va{softcap, sinks, bias, alibi_slopes, k_scale, v_scale, block_table};
   check_inputs(q, k, v, key_lengths, mask, va);
   const bool int8 = k_scale.has_value();
   switch (q.scalar_type()) {
@@ -482,7 +567,8 @@ at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const
                                  const c10::optional<at::Tensor>& bias,
                                  const c10::optional<at::Tensor>& alibi_slopes,
                                  const c10::optional<at::Tensor>& k_scale,
-                                 const c10::optional<at::Tensor>& v_scale) {
+                                 const c10::optional<at::Tensor>& v_scale,
+                                 const c10::optional<at::Tensor>& block_table) {
   auto grad = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); };
   TORCH_CHECK(!at::GradMode::is_enabled() ||
                   !(q.requires_grad() || k.requires_grad() || v.requires_grad() || grad(sinks) ||
@@ -499,22 +585,26 @@ at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const
                                          const c10::optional<at::Tensor>&,
                                          const c10::optional<at::Tensor>&,
                                          const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&,
                                          const c10::optional<at::Tensor>&)>();
   return op.call(q, k, v, key_lengths, mask, scale, causal, softcap, sinks, bias, alibi_slopes,
-                 k_scale, v_scale);
+                 k_scale, v_scale, block_table);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   // the score variants (decode/variants.h) are optional, after the masks; then the scales of
-  // int8 K/V (k, v int8 with fp32 (B, h_kv, Tk) scales, dequantized in the loops)
+  // int8 K/V (k, v int8 with fp32 (B, h_kv, Tk) scales, dequantized in the loops); then the
+  // block table of paged K/V (k, v page pools (num_pages, h_kv, page_size, d))
   m.def("flash_decode(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
         "float scale, bool causal, float? softcap=None, Tensor? sinks=None, Tensor? bias=None, "
-        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "Tensor? block_table=None) -> Tensor");
   m.def("flash_decode_portable(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? mask, "
         "float scale, bool causal, float? softcap=None, Tensor? sinks=None, Tensor? bias=None, "
-        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "Tensor? block_table=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {

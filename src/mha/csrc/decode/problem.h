@@ -5,6 +5,7 @@
 #include "common/score_mods.h"
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/constants.h"
@@ -41,6 +42,29 @@ struct Problem {
   const float* ksc;     // (B, h_kv, Tk) fp32 strided, or nullptr (K/V in q's dtype)
   const float* vsc;
   int64_t kscb, ksch, kscs, vscb, vsch, vscs;
+  // Paged K/V (optional): k, v (and the int8 scales) are page pools whose first dim counts
+  // pages, (num_pages, h_kv, page, d); row b's key j lives in page bt[b * bts + j / page] at
+  // slot j % page. Tk is then the block table's reach, max_pages * page. Without pages
+  // (bt == nullptr) the first dim is the batch row.
+  const int32_t* bt;
+  int64_t bts, page;
 };
+
+// Where key j of row b, K/V head kvh is stored: element offsets into k, v, k_scale, v_scale.
+struct KVAt {
+  int64_t k, v, ks, vs;
+};
+inline KVAt kv_at(const Problem& P, int64_t b, int64_t kvh, int64_t j) {
+  int64_t blk = b, t = j;  // contiguous: the batch row and the position
+  if (P.bt) blk = P.bt[b * P.bts + j / P.page], t = j % P.page;  // paged: the page and the slot
+  return {blk * P.ksb + kvh * P.ksh + t * P.kst, blk * P.vsb + kvh * P.vsh + t * P.vst,
+          blk * P.kscb + kvh * P.ksch + t * P.kscs, blk * P.vscb + kvh * P.vsch + t * P.vscs};
+}
+
+// The end of the run of keys from j on that is contiguous in memory (at most j1): the end of
+// j's page when paged, else j1.
+inline int64_t run_end(const Problem& P, int64_t j, int64_t j1) {
+  return P.bt ? std::min(j1, (j / P.page + 1) * P.page) : j1;
+}
 
 }  // namespace

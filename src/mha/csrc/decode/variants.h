@@ -5,7 +5,8 @@
 //   s  = scale * (q_i . k_j)                      (from qk / qk_amx: P.qk_scale = scale)
 //   s  = softcap * tanh(s / softcap)              softcap
 //   s  = s + bias[b, head, i, j]                  bias, read through its strides (0: broadcast)
-//   s  = s - slope[b, head] * (i + Tk - Tq - j)   ALiBi, the distance computed here
+//   s  = s - slope[b, head] * (i + Tk - Tq - j)   ALiBi, the distance computed here (Tk: the
+//                                                 row's length when K/V are paged)
 //   s2 = s * log2(e)                              the kernel's softmax is in base 2
 //
 // The sink is not a score of any key: merge_group adds 2^(sink * log2(e) - M) to each row's
@@ -19,12 +20,13 @@
 
 namespace {
 
-// s[t] for keys j0 + t, t < n, of query row i of head `head` in batch row b.
+// s[t] for keys j0 + t, t < n, of query row i of head `head` in batch row b; Tk is the row's
+// key length that ALiBi's distance is aligned to (P.Tk, or the row's length when paged).
 // The arithmetic is the flash kernel's (mha_common::ScoreMods::apply_row, with the scale
 // already applied by q.k).
 inline void apply_variants(const Problem& P, int64_t b, int64_t head, int64_t i, int64_t j0,
-                           int64_t n, float* s) {
-  P.mods.apply_row(s, n, b, head, i, j0, P.Tq, P.Tk, 1.f);
+                           int64_t n, int64_t Tk, float* s) {
+  P.mods.apply_row(s, n, b, head, i, j0, P.Tq, Tk, 1.f);
   for (int64_t t = 0; t < n; ++t) s[t] *= kLog2e;
 }
 

@@ -1,0 +1,235 @@
+"""Continuous batching of a Hugging Face causal LM over :class:`mha.PagedKVCache` (greedy).
+
+Shape legend: N packed tokens of one step (every running request's chunk, end to end), R
+requests in a step, h / h_kv query / K/V heads, d head dim, V vocabulary.
+
+Requests arrive (:meth:`Scheduler.add`), each gets a sequence of the paged cache, and every
+:meth:`Scheduler.step` runs **one forward** over a packed batch: the next token of every
+decoding request (one row each) and a chunk of the prompt of requests still in prefill
+(``prefill_chunk`` tokens at most per request), as one row ``(1, N)`` with each token's own
+position. Each attention layer writes the step's K/V into its pages and attends through them
+(:meth:`mha.PagedKVCache.attend_varlen`: the decode rows in one native paged decode call, the
+prefill chunks on their gathered K/V); the last token of each request whose prompt is complete
+yields its next token (argmax). Finished requests free their pages at once.
+
+The model's attention is mha's: :func:`attention_forward`, registered in transformers'
+``AttentionInterface`` under :data:`NAME` (its public registry); no mask function is
+registered for it, so transformers builds no mask, and the step reaches the layers as the
+``paged_step`` keyword that models forward to their attention function. While the scheduler
+runs, the model's attention implementation is switched to :data:`NAME`
+(``set_attn_implementation``) and restored after.
+
+Admission: a waiting request starts when a sequence slot is free and the pool holds its first
+chunk besides what the running requests' next chunks need. Preemption: when the pool cannot
+hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
+the request admitted last is preempted: its pages are freed and it waits again with its prompt
+plus the tokens generated so far (recomputed when it is admitted again), and the step is
+retried; greedy tokens do not change.
+
+Why not ``model.generate_batch`` (transformers' own continuous batching, 5.24): its
+``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (generation/continuous_batching/
+continuous_api.py) raises ValueError unless ``config._attn_implementation`` is ``"paged|eager"``,
+``"sdpa"`` or a name containing ``"flash"`` (``is_flash_attention_requested`` tests the
+substring), and its ``PagedAttentionCache`` owns the K/V layout and the read/write indices;
+there is no registration path for a custom paged attention (an ``AttentionInterface`` entry
+named with "flash" would pass that string test only by accident of its name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from mha.checks import check_int
+from mha.paged import PagedKVCache, PagePoolExhausted
+
+NAME = "mha_paged"
+
+
+@dataclass
+class Step:
+    """One forward's packing: ``seq_ids[i]`` owns tokens ``cu_seqlens[i]:cu_seqlens[i+1]``."""
+
+    cache: PagedKVCache
+    seq_ids: list[int]
+    cu_seqlens: list[int]
+
+
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      paged_step: Step | None = None, **kwargs):
+    """transformers' attention hook for :data:`NAME`: ``query (1, h, N, d)``, ``key`` /
+    ``value (1, h_kv, N, d)`` (the step's new tokens, packed); writes K/V into layer
+    ``module.layer_idx``'s pages and returns ``(out (1, N, h, d), None)``."""
+    if paged_step is None:
+        raise ValueError(f"attn_implementation={NAME!r} runs inside mha.llm.serving.Scheduler "
+                         "(it needs the step's paged_step keyword)")
+    step, layer = paged_step, module.layer_idx
+    step.cache.write(layer, step.seq_ids, key[0].transpose(0, 1),  # (h_kv, N, d) -> (N, h_kv, d)
+                     value[0].transpose(0, 1), step.cu_seqlens)
+    out = step.cache.attend_varlen(layer, query[0].transpose(0, 1), step.seq_ids,  # (N, h, d)
+                                   step.cu_seqlens, scale=scaling)  # (N, h, d_v)
+    return out.unsqueeze(0), None  # (1, N, h, d_v)
+
+
+def register() -> None:
+    """Add :func:`attention_forward` to transformers' ``AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+
+
+@dataclass
+class Request:
+    """A prompt and its greedy continuation. ``done``: the tokens already in the cache."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    seq: int | None = None
+    done: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the cache must hold before the next token: the prompt and what was generated
+        (the last generated token is fed as the next step's input)."""
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class Scheduler:
+    """Greedy continuous batching of ``model`` (a transformers causal LM) over a paged cache.
+
+    Args:
+        model: e.g. :func:`mha.llm.model.load` ``(...).model``; its attention implementation
+            is switched to :data:`NAME` during :meth:`run` / :meth:`step` and restored after.
+        num_pages, page_size: the pool (per layer).
+        max_seqs: requests running at once.
+        max_len: tokens one request may hold (prompt + new tokens).
+        prefill_chunk: prompt tokens per request per step (chunked prefill).
+        kv_dtype: the K/V storage (None: the model's dtype; "bfloat16", "int8").
+        eos_token_id: stop a request there (None: run to ``max_new_tokens``).
+    """
+
+    def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 16,
+                 max_len: int = 512, prefill_chunk: int = 64, kv_dtype=None,
+                 eos_token_id: int | None = None) -> None:
+        cfg = model.config.get_text_config()
+        self.model = model
+        self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, low=1,
+                                       what="a positive int")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = PagedKVCache(num_pages, page_size, cfg.num_key_value_heads, head_dim,
+                                  max_seqs=max_seqs, max_len=max_len,
+                                  num_layers=cfg.num_hidden_layers, dtype=model.dtype,
+                                  kv_dtype=kv_dtype, device=model.device)
+        self.eos_token_id = eos_token_id
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.forwards = 0
+        self.preemptions = 0
+        self._next_rid = 0
+
+    def add(self, prompt, max_new_tokens: int) -> int:
+        """Queue a request (prompt: token ids); returns its id."""
+        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+        if len(prompt) + n > self.cache.max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
+                             f"max_len={self.cache.max_len}")
+        req = Request(self._next_rid, prompt, n)
+        self._next_rid += 1
+        self.waiting.append(req)
+        return req.rid
+
+    @contextlib.contextmanager
+    def _attention(self):
+        register()
+        before = self.model.config._attn_implementation
+        self.model.set_attn_implementation(NAME)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(before)
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every request is finished; returns ``{rid: new tokens}``."""
+        with self._attention():
+            while self.waiting or self.running:
+                self._step()
+        return {rid: r.output for rid, r in sorted(self.finished.items())}
+
+    def step(self) -> None:
+        """One forward (admissions, one packed batch, frees)."""
+        with self._attention():
+            self._step()
+
+    def _pages(self, r: Request) -> int:
+        """Pages request r's next chunk needs (its cache holds ``r.done`` tokens)."""
+        n = min(self.prefill_chunk, len(r.tokens) - r.done)
+        return self.cache.pages_for(r.done + n) - self.cache.pages_for(r.done)
+
+    def _admit(self) -> None:
+        """Admit waiting requests (in order) while a slot is free and the pool holds their
+        first chunk besides the running requests' next chunks (always one when nothing runs)."""
+        budget = self.cache.free_pages - sum(self._pages(r) for r in self.running)
+        while self.waiting and len(self.running) < len(self.cache.block_table):
+            need = self._pages(self.waiting[0])
+            if self.running and need > budget:
+                break
+            req = self.waiting.pop(0)
+            req.seq, req.done = self.cache.add_sequence(), 0
+            self.running.append(req)
+            budget -= need
+
+    def _preempt(self) -> None:
+        """Free the request admitted last; it waits again (first in line) and will recompute
+        its prompt and the tokens it generated."""
+        req = self.running.pop()
+        self.cache.free(req.seq)
+        req.seq, req.done = None, 0
+        self.waiting.insert(0, req)
+        self.preemptions += 1
+
+    def _step(self) -> None:
+        self._admit()
+        while True:
+            chunks = [(r, r.tokens[r.done:r.done + self.prefill_chunk]) for r in self.running]
+            try:
+                self.cache.extend([r.seq for r, _ in chunks], [len(c) for _, c in chunks])
+                break
+            except PagePoolExhausted:
+                if len(self.running) <= 1:
+                    raise
+                self._preempt()
+        ids, pos, cu = [], [], [0]
+        for r, c in chunks:
+            ids += c
+            pos += range(r.done, r.done + len(c))
+            cu.append(cu[-1] + len(c))
+        dev = self.model.device
+        step = Step(self.cache, [r.seq for r, _ in chunks], cu)
+        last = torch.tensor(cu[1:], device=dev) - 1  # (R,) the last token of each chunk
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
+                                position_ids=torch.tensor([pos], device=dev), use_cache=False,
+                                logits_to_keep=last, paged_step=step).logits  # (1, R, V)
+        self.forwards += 1
+        nxt = logits[0].argmax(dim=-1).tolist()  # (R,)
+        for (r, c), tok in zip(chunks, nxt, strict=True):
+            r.done += len(c)
+            if r.done == len(r.tokens):  # the prompt (and what was generated) is in the cache
+                r.output.append(tok)
+                if r.finished or tok == self.eos_token_id:
+                    self.cache.free(r.seq)
+                    self.finished[r.rid] = r
+        self.running = [r for r in self.running if r.rid not in self.finished]

@@ -1,0 +1,448 @@
+"""Paged K/V: a pool of fixed-size pages shared by many sequences (continuous batching).
+
+Shape legend: L layers, P pages in the pool, p page size (tokens per page), h / h_kv query /
+K/V heads, d_k / d_v head dims, S sequence slots, M = ceil(max_len / p) pages per sequence at
+most, N packed tokens (of several sequences, end to end), n_s the tokens of sequence s in one
+call, Tq queries per row of a decode call.
+
+:class:`PagedKVCache` holds, per layer, K and V page pools ``(P, h_kv, p, d)`` and, per
+sequence slot, a row of the block table ``(S, M)`` int32 (page of each logical page index)
+and a length. Sequences grow a page at a time; pages of finished sequences return to the pool
+at once, so many sequences of different lengths share memory without a ``T_max`` per row.
+
+Layout ``(P, h_kv, p, d)``: the decode kernel works on (row, K/V head, key split) items, and
+here one K/V head's keys of one page are a contiguous ``(p, d)`` block with the dense cache's
+row stride ``d``. So the kernel's q.k / p.v loops (portable, AVX-512, AMX) read a page as
+they read a dense cache's run of ``p`` keys, and an item streams only its own head's bytes.
+vLLM's ``(P, p, h_kv, d)`` would interleave heads (row stride ``h_kv * d``) and make each
+head's read strided. The int8 scales follow the same layout, ``(P, h_kv, p)``.
+
+Copy-on-write: :meth:`fork` makes a child that shares every page of its parent (refcounts).
+Full pages are never written again (appends go to the end), so only a shared partial last
+page is copied, by the next :meth:`extend` of either sequence that writes into it.
+
+Refusals change nothing: every check (ids, lengths, pages needed against pages free, shapes,
+dtypes, non-finite values for int8) runs before the first write. An exhausted pool raises
+:class:`PagePoolExhausted` naming the pages needed and free; the documented way out is
+preemption: the caller frees a sequence (:meth:`free`) and retries, recomputing the freed one
+later (what :mod:`mha.serving`'s scheduler does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha.checks import check_float_dtype, check_int, check_tensor
+
+STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+class PagePoolExhausted(RuntimeError):
+    """Not enough free pages for a call; the cache is unchanged. ``needed`` / ``free``: pages."""
+
+    def __init__(self, needed: int, free: int, what: str) -> None:
+        super().__init__(f"page pool exhausted: {what} needs {needed} page(s), {free} free; the "
+                         "cache is unchanged (free a sequence and retry, or make the pool larger)")
+        self.needed, self.free = needed, free
+
+
+def _check_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
+    """None (K/V stored in ``dtype``), "float32"/"fp32", "bfloat16"/"bf16", "int8", or the
+    torch dtype -> the storage dtype."""
+    if kv_dtype is None:
+        return dtype
+    name = _ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else None
+    if name in STORAGE:
+        return STORAGE[name]
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in STORAGE.values():
+        return kv_dtype
+    raise ValueError(f"kv_dtype must be None (K/V stored in dtype), 'float32', 'bfloat16' or "
+                     f"'int8' (one float32 scale per token and K/V head), got {kv_dtype!r}")
+
+
+class PagedKVCache:
+    """K/V of many sequences in fixed-size pages, per layer; see the module docstring.
+
+    Attributes (the state):
+        k, v: ``(L, P, h_kv, p, d_k)`` / ``(L, P, h_kv, p, d_v)`` page pools, in the storage
+            dtype (``kv_dtype``: float32, bfloat16 or int8).
+        k_scale, v_scale: ``(L, P, h_kv, p)`` float32 with int8 storage, else None.
+        block_table: ``(S, M)`` int32; row s lists the pages of sequence slot s in order
+            (entries past its length are -1).
+        lengths: ``(S,)`` int64, tokens held by each slot.
+        refcount: ``(P,)`` int32, how many sequences hold each page (0: free).
+
+    Updated in place: :meth:`add_sequence`, :meth:`fork` and :meth:`free` change the block
+    table, refcounts and lengths; :meth:`extend` allocates pages (copying a shared last page
+    first) and advances lengths; :meth:`write` stores K/V of the tokens just extended into one
+    layer's pages; :meth:`append` is extend + write for a one-layer cache.
+
+    ``dtype`` is that of the K/V written and the queries; bfloat16 storage with float32
+    queries is read by casting the queries (the kernel computes in fp32 either way). int8:
+    :func:`mha.ops.decode.quantize_int8`, the error bound of :class:`mha.KVCache`.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 v_head_dim: int | None = None, *, max_seqs: int, max_len: int,
+                 num_layers: int = 1, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, kv_dtype=None) -> None:
+        sizes = dict(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim,
+                     max_seqs=max_seqs, max_len=max_len, num_layers=num_layers)
+        P, p, h_kv, d_k, d_v, S, T, L = (check_int(name, val, low=1, what="a positive int")
+                                         for name, val in sizes.items())
+        self._dtype = check_float_dtype("dtype", dtype) or torch.get_default_dtype()
+        store = _check_kv_dtype(kv_dtype, self._dtype)
+        self.kv_dtype = store
+        M = -(-T // p)  # ceil(max_len / page_size)
+        kw = dict(dtype=store, device=device)
+        self.k = torch.zeros(L, P, h_kv, p, d_k, **kw)  # (L, P, h_kv, p, d_k)
+        self.v = torch.zeros(L, P, h_kv, p, d_v, **kw)  # (L, P, h_kv, p, d_v)
+        dev = self.k.device
+        self.k_scale = self.v_scale = None
+        if store == torch.int8:
+            self.k_scale = torch.zeros(L, P, h_kv, p, dtype=torch.float32, device=dev)
+            self.v_scale = torch.zeros(L, P, h_kv, p, dtype=torch.float32, device=dev)
+        self.block_table = torch.full((S, M), -1, dtype=torch.int32, device=dev)  # (S, M)
+        self.lengths = torch.zeros(S, dtype=torch.int64, device=dev)  # (S,)
+        self.refcount = torch.zeros(P, dtype=torch.int32, device=dev)  # (P,)
+        self._live = [False] * S  # slot s holds a sequence
+        self._free = list(range(P - 1, -1, -1))  # free pages, the next one last
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """The tokens one sequence can hold: M pages."""
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def sequences(self) -> list[int]:
+        """The live sequence ids (slots), in order."""
+        return [s for s, live in enumerate(self._live) if live]
+
+    def __repr__(self) -> str:
+        L, P, h_kv, p, d_k = self.k.shape
+        store = str(self.kv_dtype).replace("torch.", "")
+        return (f"PagedKVCache(L={L}, pages={P}x{p}, h_kv={h_kv}, d_k={d_k}, "
+                f"d_v={self.v.shape[4]}, {store}, free={self.free_pages}, "
+                f"sequences={len(self.sequences)})")
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages that hold ``n_tokens`` tokens."""
+        return -(-n_tokens // self.page_size)
+
+    def state(self) -> dict:
+        """A copy of everything (for tests and debugging: before/after comparisons)."""
+        out = {name: getattr(self, name).clone() for name in
+               ("k", "v", "block_table", "lengths", "refcount")}
+        for name in ("k_scale", "v_scale"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name).clone()
+        out["live"], out["free"] = list(self._live), list(self._free)
+        return out
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id (a block table row). Pages come with
+        :meth:`extend`. Raises ValueError when all ``max_seqs`` slots are taken."""
+        for s, live in enumerate(self._live):
+            if not live:
+                self._live[s] = True
+                return s
+        raise ValueError(f"PagedKVCache: all max_seqs={len(self._live)} sequence slots are in "
+                         "use; free a sequence first")
+
+    allocate = add_sequence
+
+    def free(self, seq_id: int) -> None:
+        """Drop sequence ``seq_id``: its pages lose a holder (pages with none return to the
+        pool) and its id may be reused by :meth:`add_sequence`."""
+        s = self._check_seq("seq_id", seq_id)
+        n = self.pages_for(int(self.lengths[s]))
+        pages = self.block_table[s, :n].tolist()
+        for page in pages:
+            self.refcount[page] -= 1
+        self._free.extend(page for page in reversed(pages) if int(self.refcount[page]) == 0)
+        self.block_table[s].fill_(-1)
+        self.lengths[s] = 0
+        self._live[s] = False
+
+    def fork(self, parent: int) -> int:
+        """A new sequence holding the same tokens as ``parent`` (beam search, parallel
+        sampling): the pages are shared (refcounts + 1), nothing is copied now; the first
+        write into a shared partial last page copies that page (:meth:`extend`)."""
+        s = self._check_seq("parent", parent)
+        child = self.add_sequence()
+        n = self.pages_for(int(self.lengths[s]))
+        self.block_table[child] = self.block_table[s]
+        self.lengths[child] = self.lengths[s]
+        if n:
+            self.refcount[self.block_table[s, :n].long()] += 1
+        return child
+
+    def extend(self, seq_ids, counts) -> None:
+        """Make room for ``counts[i]`` more tokens of sequence ``seq_ids[i]`` and advance its
+        length: new pages from the pool and, where the last page is shared (after a
+        :meth:`fork`) and will be written, a private copy of it first. All or nothing: raises
+        :class:`PagePoolExhausted` (pages needed / free) or ValueError (an unknown id, a
+        duplicate id, a negative count, more than ``max_len`` tokens) with nothing changed."""
+        seqs, counts = self._check_batch(seq_ids, counts)
+        p = self.page_size
+        plan = []  # (seq, new pages, copy the shared last page)
+        for s, n in zip(seqs, counts, strict=True):
+            length = int(self.lengths[s])
+            if length + n > self.max_len:
+                raise ValueError(f"sequence {s}: {length} tokens + {n} new exceed max_len="
+                                 f"{self.max_len}; the cache is unchanged")
+            shared_tail = (n > 0 and length % p != 0
+                           and int(self.refcount[self.block_table[s, length // p]]) > 1)
+            plan.append((s, self.pages_for(length + n) - self.pages_for(length), shared_tail))
+        needed = sum(new + cow for _, new, cow in plan)
+        if needed > self.free_pages:
+            raise PagePoolExhausted(needed, self.free_pages,
+                                    f"extending sequences {seqs} by {counts} token(s)")
+        for (s, new, cow), n in zip(plan, counts, strict=True):
+            length = int(self.lengths[s])
+            if cow:
+                self._copy_last_page(s, length // p)
+            first = self.pages_for(length)
+            for i in range(first, first + new):
+                page = self._free.pop()
+                self.refcount[page] = 1
+                self.block_table[s, i] = page
+            self.lengths[s] = length + n
+
+    def _copy_last_page(self, s: int, index: int) -> None:
+        old = int(self.block_table[s, index])
+        page = self._free.pop()
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[:, page].copy_(t[:, old])  # (L, h_kv, p[, d]) of every layer
+        self.refcount[old] -= 1
+        self.refcount[page] = 1
+        self.block_table[s, index] = page
+
+    # ------------------------------------------------------------------ K/V
+    def write(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor,
+              cu_seqlens=None) -> None:
+        """Store the K/V of the tokens just :meth:`extend`-ed in ``layer``'s pages: ``k (N,
+        h_kv, d_k)``, ``v (N, h_kv, d_v)`` packed, sequence ``seq_ids[i]`` owning rows
+        ``cu_seqlens[i]:cu_seqlens[i+1]`` (None: one token each), which become its last
+        ``n_i`` positions. Checked before anything is written (unchanged on error)."""
+        layer = self._check_layer(layer)
+        seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
+        self._check_new(k, v, sum(counts))
+        for s, n in zip(seqs, counts, strict=True):
+            if n > int(self.lengths[s]):
+                raise ValueError(f"write: sequence {s} holds {int(self.lengths[s])} tokens, "
+                                 f"fewer than the {n} written (extend it first)")
+        pairs = self._encode(k, v)
+        page, slot = self._slots(seqs, counts)  # (N,), (N,)
+        for store, new in pairs:
+            store[layer][page, :, slot] = new  # (N, h_kv[, d]) into (P, h_kv, p[, d])
+
+    def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> None:
+        """:meth:`extend` then :meth:`write` (a one-layer cache): ``k (N, h_kv, d_k)``,
+        ``v (N, h_kv, d_v)`` packed as in :meth:`write`. All or nothing."""
+        if self.num_layers != 1:
+            raise ValueError(f"append is for a one-layer cache (this one has {self.num_layers} "
+                             "layers): call extend once, then write for each layer")
+        counts = self._counts(seq_ids, cu_seqlens)
+        self._check_batch(seq_ids, counts)
+        self._check_new(k, v, sum(counts))
+        self._encode(k, v)  # refuses NaN / Inf for int8 before anything changes
+        self.extend(seq_ids, counts)
+        self.write(0, seq_ids, k, v, cu_seqlens)
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``seq_id``'s K/V of ``layer`` as new contiguous tensors ``(1, h_kv, n,
+        d_k)`` / ``(1, h_kv, n, d_v)`` in :attr:`dtype` (int8 dequantized): a copy, for the
+        prefill path and for debugging."""
+        layer, s = self._check_layer(layer), self._check_seq("seq_id", seq_id)
+        n = int(self.lengths[s])
+        pages = self.block_table[s, :self.pages_for(n)].long()  # (m,)
+        out = []
+        for store, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = store[layer, pages].transpose(0, 1)  # (m, h_kv, p, d) -> (h_kv, m, p, d)
+            x = x.reshape(x.shape[0], -1, x.shape[-1])[:, :n]  # (h_kv, n, d)
+            if scale is not None:
+                sc = scale[layer, pages].transpose(0, 1).reshape(x.shape[0], -1)[:, :n]  # (h_kv, n)
+                x = x.float() * sc.unsqueeze(-1)  # (h_kv, n, d)
+            out.append(x.to(self.dtype).unsqueeze(0))  # (1, h_kv, n, d)
+        return out[0], out[1]
+
+    def attend(self, layer: int, q: torch.Tensor, seq_ids, *, portable: bool = False,
+               **variants) -> torch.Tensor:
+        """``(S', h, Tq, d_v)``: queries ``q (S', h, Tq, d_k)`` of the last Tq tokens of
+        sequences ``seq_ids`` (written first), each attending its own keys, causally aligned to
+        its own length. The native decode kernel reads the pages through the block table (Tq
+        <= 16; nothing is gathered). ``variants``: softcap, sinks, bias, alibi_slopes as in
+        :func:`mha.flash_decode` (bias broadcast to ``(S', h, Tq, M * p)``). Where the kernel
+        cannot be built (warned once), each sequence runs :func:`mha.attention` on its gathered
+        K/V instead (the same result, with a copy)."""
+        from mha.ops import decode
+
+        layer = self._check_layer(layer)
+        seqs = self._check_ids(seq_ids)
+        check_tensor("q", q, 4, f"(S', h, Tq, d_k) = ({len(seqs)}, h, Tq, {self.k.shape[4]})")
+        if q.shape[0] != len(seqs):
+            raise ValueError(f"q must have one row per sequence, (S', h, Tq, d_k) with S' = "
+                             f"{len(seqs)}, got {tuple(q.shape)}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q must be {self.dtype} like the cache's K/V, got {q.dtype}")
+        if q.shape[2] > decode.MAX_TQ:
+            raise ValueError(f"attend serves Tq <= {decode.MAX_TQ} queries per sequence (decode "
+                             f"rows), got Tq={q.shape[2]}; use attend_varlen for prefill chunks")
+        idx = torch.tensor(seqs, dtype=torch.long, device=self.k.device)
+        lengths = self.lengths[idx]  # (S',)
+        if bool((lengths < q.shape[2]).any()):
+            raise ValueError(f"attend: sequences {seqs} hold {lengths.tolist()} tokens, fewer "
+                             f"than the Tq={q.shape[2]} queries (write their K/V first)")
+        if decode.unavailable():  # no native kernel (its build failed, warned once): gathered
+            return torch.cat([self._attend_gathered(layer, q[i:i + 1], s, variants)
+                              for i, s in enumerate(seqs)])  # (S', h, Tq, d_v)
+        int8 = self.kv_dtype == torch.int8
+        qk = q if int8 or self.kv_dtype == q.dtype else q.to(self.kv_dtype)
+        out = decode.flash_decode(
+            qk, self.k[layer], self.v[layer], block_table=self.block_table[idx],
+            key_lengths=lengths, causal=q.shape[2] > 1, portable=portable,
+            k_scale=self.k_scale[layer] if int8 else None,
+            v_scale=self.v_scale[layer] if int8 else None, **variants)
+        return out.to(q.dtype)  # (S', h, Tq, d_v)
+
+    def attend_varlen(self, layer: int, q: torch.Tensor, seq_ids, cu_seqlens,
+                      **variants) -> torch.Tensor:
+        """``(N, h, d_v)``: packed queries ``q (N, h, d_k)``, sequence ``seq_ids[i]`` owning
+        rows ``cu_seqlens[i]:cu_seqlens[i+1]`` (its last n_i tokens, written first), causal
+        bottom-right per sequence. Decode rows (one query) go to the native paged decode
+        kernel in one call; chunks of several queries run :func:`mha.attention` on that
+        sequence's K/V gathered from its pages (:meth:`gather`, a copy)."""
+        seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
+        check_tensor("q", q, 3, f"(N, h, d_k) = ({sum(counts)}, h, {self.k.shape[4]})")
+        if q.shape[0] != sum(counts):
+            raise ValueError(f"q must hold N = {sum(counts)} packed queries (cu_seqlens), got "
+                             f"{tuple(q.shape)}")
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        out = q.new_empty(q.shape[0], q.shape[1], self.v.shape[4])  # (N, h, d_v)
+        rows = [i for i, n in enumerate(counts) if n == 1]
+        if rows:
+            at = torch.tensor([starts[i] for i in rows], device=q.device)  # (S1,)
+            qd = q[at].unsqueeze(2)  # (S1, h, d_k) -> (S1, h, 1, d_k)
+            out[at] = self.attend(layer, qd, [seqs[i] for i in rows], **variants)[:, :, 0]
+        for i, n in enumerate(counts):
+            if n > 1:
+                qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, h, n, d_k)
+                o = self._attend_gathered(layer, qs, seqs[i], variants)  # (1, h, n, d_v)
+                out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)  # (n, h, d_v)
+        return out
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor, seq: int, variants: dict):
+        """``q (1, h, n, d_k)``, the last n tokens of ``seq``, on its gathered K/V with
+        :func:`mha.attention` (causal, bottom-right): ``(1, h, n, d_v)``."""
+        from mha.functional import attention
+
+        k, v = self.gather(layer, seq)  # (1, h_kv, len, d)
+        return attention(q, k, v, causal=q.shape[2] > 1, **variants)  # (1, h, n, d_v)
+
+    # ------------------------------------------------------------------ checks and helpers
+    def _check_seq(self, name: str, seq_id) -> int:
+        s = check_int(name, seq_id, low=0, what="a sequence id (a non-negative int)")
+        if s >= len(self._live) or not self._live[s]:
+            raise ValueError(f"{name}={s} is not a live sequence of this cache (live: "
+                             f"{self.sequences}); it was never added or has been freed")
+        return s
+
+    def _check_layer(self, layer) -> int:
+        layer = check_int("layer", layer, low=0, what="a layer index (a non-negative int)")
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must lie in [0, {self.num_layers}), got {layer}")
+        return layer
+
+    def _check_ids(self, seq_ids) -> list[int]:
+        if isinstance(seq_ids, torch.Tensor):
+            seq_ids = seq_ids.tolist()
+        seqs = [self._check_seq("seq_ids", s) for s in seq_ids]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seq_ids must not repeat a sequence, got {seqs}")
+        return seqs
+
+    def _check_batch(self, seq_ids, counts) -> tuple[list[int], list[int]]:
+        seqs = self._check_ids(seq_ids)
+        counts = [check_int("counts", n, low=0, what="a non-negative int") for n in counts]
+        if len(counts) != len(seqs):
+            raise ValueError(f"one count per sequence: {len(seqs)} seq_ids, {len(counts)} counts")
+        return seqs, counts
+
+    def _counts(self, seq_ids, cu_seqlens) -> list[int]:
+        n = len(seq_ids)
+        if cu_seqlens is None:
+            return [1] * n
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if len(cu) != n + 1 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+            raise ValueError(f"cu_seqlens must be (S' + 1,) = ({n + 1},) non-decreasing offsets "
+                             f"from 0, got {cu}")
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+    def _check_new(self, k, v, N: int) -> None:
+        h_kv, d_k, d_v = self.k.shape[2], self.k.shape[4], self.v.shape[4]
+        check_tensor("k", k, 3, f"(N, h_kv, d_k) = ({N}, {h_kv}, {d_k})")
+        check_tensor("v", v, 3, f"(N, h_kv, d_v) = ({N}, {h_kv}, {d_v})")
+        if tuple(k.shape) != (N, h_kv, d_k) or tuple(v.shape) != (N, h_kv, d_v):
+            raise ValueError(f"expected k (N, h_kv, d_k) = ({N}, {h_kv}, {d_k}) and v (N, h_kv, "
+                             f"d_v) = ({N}, {h_kv}, {d_v}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != self.dtype or t.device != self.k.device:
+                raise TypeError(f"{name} must be {self.dtype} on {self.k.device} like the "
+                                f"cache, got {t.dtype} on {t.device}")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise RuntimeError("PagedKVCache is for inference: K/V that require grad cannot be "
+                               "cached; run under torch.no_grad() or torch.inference_mode()")
+
+    def _encode(self, k, v) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(storage, new rows) pairs in the storage format; int8 refuses NaN / Inf."""
+        if self.kv_dtype != torch.int8:
+            return [(self.k, k.to(self.kv_dtype)), (self.v, v.to(self.kv_dtype))]
+        from mha.ops.decode import quantize_int8
+
+        for name, t in (("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} holds NaN or Inf, which int8 K/V storage cannot hold; "
+                                 "the cache is unchanged")
+        kq, ks = quantize_int8(k)  # (N, h_kv, d_k) int8, (N, h_kv) float32
+        vq, vs = quantize_int8(v)  # (N, h_kv, d_v) int8, (N, h_kv) float32
+        return [(self.k, kq), (self.v, vq), (self.k_scale, ks), (self.v_scale, vs)]
+
+    def _slots(self, seqs: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page (N,), slot (N,))`` of the last counts[i] positions of each sequence."""
+        dev = self.k.device
+        pos = torch.cat([torch.arange(int(self.lengths[s]) - n, int(self.lengths[s]), device=dev)
+                         for s, n in zip(seqs, counts, strict=True)] or
+                        [torch.zeros(0, dtype=torch.long, device=dev)])  # (N,)
+        row = torch.repeat_interleave(torch.tensor(seqs, dtype=torch.long, device=dev),
+                                      torch.tensor(counts, device=dev))  # (N,)
+        p = self.page_size
+        return self.block_table[row, pos // p].long(), pos % p
