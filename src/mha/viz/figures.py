@@ -55,10 +55,15 @@ def attention_grid(maps: AttentionMaps, path: str | Path, *, dpi: int = 110) -> 
                 ax.set_yticklabels(labels, fontsize=fs)
             if layer == L - 1:
                 ax.set_xticklabels(labels, fontsize=fs, rotation=90)
-    fig.suptitle(f"{maps.model}: attention weights per layer and head "
-                 f"(rows: query token, columns: key token; run through attn_implementation="
-                 f"{maps.attn_implementation!r})", fontsize=10)
-    fig.subplots_adjust(left=0.07, right=0.93, bottom=0.1, top=0.93, wspace=0.08, hspace=0.08)
+    title = fig.suptitle(f"{maps.model}: attention weights per layer and head "
+                         f"(rows: query token, columns: key token; run through attn_implementation="
+                         f"{maps.attn_implementation!r})", fontsize=10)
+    top, bottom = 0.93, 0.1
+    if L * h > 100:  # a tall figure: margins in inches, not in fractions of its height
+        height = cell * L + 1.4
+        top, bottom = 1 - 0.6 / height, 0.9 / height
+        title.set_y(1 - 0.2 / height)
+    fig.subplots_adjust(left=0.07, right=0.93, bottom=bottom, top=top, wspace=0.08, hspace=0.08)
     cax = fig.add_axes([0.945, 0.25, 0.008, 0.5])
     fig.colorbar(image, cax=cax).set_label("weight", fontsize=8)
     return _save(fig, path, dpi)
