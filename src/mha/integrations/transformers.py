@@ -34,6 +34,12 @@ rest. The score variants that models pass to their attention function reach
 output. What mha does not have (a paged cache) raises a ``NotImplementedError`` naming it
 instead of being ignored.
 
+K/V from :func:`mha.integrations.hf_cache.MhaCache`: int8 storage arrives as the int8 views
+themselves (tagged with their :class:`mha.KVCache`): up to 16 queries run ``flash_decode`` with
+the scales in place, longer calls dequantize the attended positions; K/V stored in another
+float dtype than the queries' (bf16 K/V, fp32 model) make the call run in the K/V's dtype, the
+output cast back.
+
 Packed sequences (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: one row,
 ``position_ids`` restarting per sequence, ``cu_seq_lens_q/k`` passed down to attention) run
 through :func:`mha.varlen_attention`, so no token sees another sequence and nothing is padded.
