@@ -82,7 +82,7 @@ def test_logits_within_the_tolerance_rule(mha_fp32, eager_fp32):
 # The documented tolerances of docs/llm.md ("int8 and bf16 K/V on SmolLM2"): the largest
 # teacher-forced logit difference from the fp32 cache measured over 200 new tokens of 5 prompts
 # (benchmarks/probes/llm_int8_error.py), doubled and rounded up.
-KV_LOGIT_TOL = {"bf16": 0.5, "int8": 2.0}
+KV_LOGIT_TOL = {"bf16": 0.6, "int8": 2.1}
 
 
 @pytest.mark.parametrize("kv", list(KV_LOGIT_TOL))
