@@ -23,7 +23,9 @@ def test_cases_cover_contexts_dtypes_phases(quick, contexts):
     assert got == {(p, C, d) for p in ("prefill", "decode") for C in contexts
                    for d in ("fp32", "bf16")}
     for c in cases:
-        assert [i.name for i in c.impls] == ["eager", "sdpa", "mha"] and c.baseline == "sdpa"
+        kv = ["mha kv bf16", "mha kv int8"] if c.params["dtype"] == "fp32" else ["mha kv int8"]
+        assert [i.name for i in c.impls] == ["eager", "sdpa", "mha", *kv]
+        assert c.baseline == "sdpa"
         assert c.items == (c.params["context"] if c.params["phase"] == "prefill" else 1)
 
 
@@ -47,3 +49,4 @@ def test_logit_check_refuses_another_greedy_token_in_fp32():
     with pytest.raises(RuntimeError, match="greedy token differs from eager's"):
         llm._compare(ref, "mha", b, "fp32")
     assert "differs" in llm._compare(ref, "mha", b, "bf16")  # bf16: reported, not an error
+    assert "differs" in llm._compare(ref, "mha kv int8", b, "fp32")  # int8 K/V: reported

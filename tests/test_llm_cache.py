@@ -199,3 +199,14 @@ def test_crop_and_reset_change_lengths_only(models):
     assert cache.layers[1].keys.shape[2] == ids.shape[1] - 2
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.layers[1].kv.k.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_static_cache_generation_equals_eager(models, prompt):
+    """transformers' own ``cache_implementation="static"`` with attention through mha: its
+    cache is not skippable (compileable), so every step gets the mask of the full T_max
+    buffer from mask_for_mha, and the tokens equal eager's."""
+    ids, mask = PROMPTS[prompt]
+    want = _gen(models["eager"], ids, mask)
+    got = _gen(models["mha"], ids, mask, cache_implementation="static")
+    assert torch.equal(got, want)

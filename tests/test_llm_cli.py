@@ -39,6 +39,16 @@ def test_generate_runs(capsys, extra):
 
 
 @needs_model
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_generate_with_kv_storage(capsys, kv):
+    code = main(["generate", "What is the capital of France?", "--max-new-tokens", "4",
+                 "--kv", kv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() and f"kv {kv}" in _one_line(err)
+
+
+@needs_model
 def test_chat_reads_stdin(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n\nWhat is 2+2?\n/exit\nnot read\n"))
     code = main(["chat", "--max-new-tokens", "4"])
@@ -59,6 +69,10 @@ def test_prompt_longer_than_context_is_one_line(capsys):
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
     (["generate", "hi", "--dtype", "fp16"], "--dtype"),
     (["chat", "--attn", "flash"], "--attn"),
+    (["generate", "hi", "--kv", "int4"], "--kv: invalid choice: 'int4'"),
+    (["chat", "--kv", "fp16"], "--kv"),
+    (["generate", "hi", "--kv", "int8", "--attn", "sdpa"], "--kv 'int8' needs --attn 'mha'"),
+    (["chat", "--kv", "bf16", "--attn", "eager"], "--kv 'bf16' needs --attn 'mha'"),
 ])
 def test_bad_options_are_one_line(capsys, argv, match):
     assert main(argv) == 2

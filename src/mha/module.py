@@ -301,7 +301,20 @@ class MultiHeadAttention(nn.Module):
 
     def _forward_cached(self, q, k, v, cache, dropout_p, want_weights, backend, variants):
         """Append the new K/V to ``cache`` in place (undone if attention raises) and attend
-        over everything cached: ``(out (B, h, Tn, d_v), weights (B, h, Tn, Tk) or None)``."""
+        over everything cached: ``(out (B, h, Tn, d_v), weights (B, h, Tn, Tk) or None)``.
+        An int8 cache is attended in place by its decode kernel (:meth:`KVCache.attend`) where
+        that serves the call; otherwise through dequantized copies of its K/V."""
+        if _int8_in_place(cache, q.shape[2], dropout_p, want_weights, backend, variants):
+            before = cache.lengths.clone()
+            cache.append(k, v)
+            try:
+                masks = cache.masks(q.shape[2])
+                on = {n: t for n, t in _at_cache_positions(
+                    variants, masks, q.shape[2], cache.max_length).items() if t is not None}
+                return cache.attend(q, **on), None  # (B, h, Tn, d_v)
+            except BaseException:
+                cache.lengths.copy_(before)
+                raise
         with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
             variants = _at_cache_positions(variants, masks, q.shape[2], k_all.shape[2])
             result = attention(q, k_all, v_all, dropout_p=dropout_p,
@@ -333,14 +346,15 @@ class MultiHeadAttention(nn.Module):
         rec.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
         return y
 
-    def new_cache(self, batch_size: int, max_len: int):
+    def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``
-        keys and ``(.., d_v)`` values, in the dtype and on the device of the weights."""
+        keys and ``(.., d_v)`` values, in the dtype and on the device of the weights;
+        ``kv_dtype="int8"`` stores them as int8 with per-token-per-head scales."""
         from mha.cache import KVCache
 
         w = self.out_proj.weight
         return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, self.v_head_dim,
-                       dtype=w.dtype, device=w.device)
+                       dtype=w.dtype, device=w.device, kv_dtype=kv_dtype)
 
     def _check_inputs(self, query, key, value) -> None:
         check_tensor("query", query, 3, "(B, Tq, d_model)")
@@ -489,6 +503,16 @@ def _shifted(q_idx: torch.Tensor, b: torch.Tensor, shifts: tuple[int, ...]) -> t
     if len(shifts) == 1:
         return q_idx + shifts[0]
     return q_idx + torch.tensor(shifts, device=q_idx.device)[b]  # (B|1, 1, 1, 1) + (1, 1, rows, 1)
+
+
+def _int8_in_place(cache, Tn: int, dropout_p, want_weights, backend, variants) -> bool:
+    """True when an int8 :class:`KVCache` serves this call with its decode kernel: a few
+    queries, no weights, dropout, forced backend or index-function variant."""
+    from mha.ops.decode import MAX_TQ
+
+    return (getattr(cache, "kv_dtype", None) == "int8" and Tn <= MAX_TQ and not want_weights
+            and not dropout_p and backend is None and variants.get("mask_mod") is None
+            and variants.get("score_mod") is None)
 
 
 def _at_cache_positions(variants: dict, masks: dict, Tn: int, Tk: int) -> dict:

@@ -4,7 +4,10 @@ eager, prefill and decode at long contexts, and llama.cpp on the same GGUF file.
 Shape legend: C context (tokens already in the cache when a decode step runs; the prompt length
 of a prefill), h = 9 query heads, h_kv = 3 K/V heads, d = 64, L = 30 layers.
 
-Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16):
+Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16). Impls: eager, sdpa, mha
+(its cache in the model's dtype) and mha with the cache storing K/V otherwise — ``mha kv bf16``
+(fp32 weights only) and ``mha kv int8`` (int8 rows, per-token-per-head scales, read in place
+by the decode kernel):
 
 * ``smollm2 prefill C ...``: one forward over a C-token prompt into an empty cache, in tokens/s
   (items = C). mha writes into its preallocated :func:`mha.integrations.hf_cache.MhaCache`
@@ -18,7 +21,9 @@ Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16):
 
 Every call passes the all-ones attention mask that ``generate`` passes. Before timing, each
 impl's logits are compared with eager's (or, where eager is skipped, sdpa's): the greedy token
-must agree in fp32, and the row's ``check`` gives the max logit difference. Eager's prefill
+must agree in fp32 with the cache in the model's dtype (bf16 / int8 K/V round what they store:
+there a differing token is reported, not an error), and the row's ``check`` gives the max
+logit difference. Eager's prefill
 materializes the ``(h, C, C)`` scores of a layer; it is skipped, with the figure, where that
 would exceed the memory budget.
 
@@ -44,6 +49,7 @@ from mha.bench.core import Case, Context, Impl, Row, Skip, finish
 
 TITLE = "SmolLM2-135M: prefill and decode tok/s, mha vs HF sdpa/eager vs llama.cpp"
 IMPLS = ("mha", "sdpa", "eager")
+KV_IMPLS = {"mha kv bf16": "bf16", "mha kv int8": "int8"}  #: impl name -> MhaCache kv_dtype
 CONTEXTS = (512, 2048, 8000)
 QUICK_CONTEXTS = (128,)
 DTYPES = ("fp32", "bf16")
@@ -72,6 +78,12 @@ def _eager_prefill_bytes(C: int, dtype: str) -> int:
     return 2 * 9 * C * C * (4 if dtype == "fp32" else 2)
 
 
+def _impls(dtype: str) -> tuple[str, ...]:
+    """The impls of a case, the reference (eager) first: bf16 K/V only under fp32 weights."""
+    kv = [n for n, k in KV_IMPLS.items() if not (dtype == "bf16" and k == "bf16")]
+    return ("eager", "sdpa", "mha", *kv)
+
+
 def _compare(ref: dict, name: str, logits: torch.Tensor, dtype: str) -> str:
     """Agreement of ``logits (1, V)`` with the reference impl's (the first one computed)."""
     if "logits" not in ref:
@@ -79,7 +91,7 @@ def _compare(ref: dict, name: str, logits: torch.Tensor, dtype: str) -> str:
         return "reference logits for the other rows"
     diff = (logits.float() - ref["logits"]).abs().max().item()
     same = int(logits.argmax()) == int(ref["logits"].argmax())
-    if dtype == "fp32" and not same:
+    if dtype == "fp32" and not same and name not in KV_IMPLS:
         raise RuntimeError(f"greedy token differs from {ref['by']}'s (max logit diff {diff:.2e})")
     return f"max |logit - {ref['by']}'s| {diff:.2e}, greedy token {'equal' if same else 'differs'}"
 
@@ -93,14 +105,14 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
             if name == "eager" and _eager_prefill_bytes(C, dtype) > ctx.mem_budget:
                 raise Skip(f"eager's scores would take {_eager_prefill_bytes(C, dtype) / 2**30:.1f}"
                            f" GiB per layer (> the {ctx.mem_budget / 2**30:.0f} GiB budget)")
-            loaded = _load(dtype, name)
+            loaded = _load(dtype, _attn(name))
             model = loaded.model
             ids = _prompt(C, model.config.vocab_size)  # (1, C)
             mask = torch.ones_like(ids)
-            if name == "mha":
+            if _attn(name) == "mha":
                 from mha.integrations.hf_cache import MhaCache
 
-                cache = MhaCache(model.config, max_cache_len=C + 1)
+                cache = MhaCache(model.config, max_cache_len=C + 1, kv_dtype=KV_IMPLS.get(name))
 
                 def new_cache():
                     cache.reset()
@@ -120,7 +132,7 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
             return run
         return make
 
-    order = ("eager", "sdpa", "mha")  # the reference (first verified) is eager where it runs
+    order = _impls(dtype)  # the reference (first verified) is eager where it runs
     return Case(name=f"smollm2 prefill {C} {dtype}", impls=[Impl(n, make_for(n)) for n in order],
                 items=C, item_unit="tokens", metric="items", baseline="sdpa",
                 params=dict(model="SmolLM2-135M-Instruct", phase="prefill", context=C,
@@ -128,19 +140,26 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
 
 
 # ------------------------------------------------------------------------------- decode
-def _filled(shared: dict, C: int, dtype: str):
-    """mha's model and its MhaCache holding a C-token prompt (computed once per case)."""
-    if "mha" not in shared:
+def _attn(name: str) -> str:
+    """The attn_implementation of an impl (the ``mha kv ...`` impls are mha's)."""
+    return "mha" if name in KV_IMPLS else name
+
+
+def _filled(shared: dict, C: int, dtype: str, kv_dtype: str | None = None):
+    """mha's MhaCache (K/V stored as ``kv_dtype``) holding a C-token prompt (computed once per
+    case and storage)."""
+    key = f"mha {kv_dtype}"
+    if key not in shared:
         from mha.integrations.hf_cache import MhaCache
 
         loaded = _load(dtype, "mha")
         model = loaded.model
         ids = _prompt(C, model.config.vocab_size)  # (1, C)
-        cache = MhaCache(model.config, max_cache_len=C + 1)
+        cache = MhaCache(model.config, max_cache_len=C + 1, kv_dtype=kv_dtype)
         model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
               logits_to_keep=1)
-        shared["mha"] = cache
-    return shared["mha"]
+        shared[key] = cache
+    return shared[key]
 
 
 def decode_case(C: int, dtype: str, ctx: Context) -> Case:
@@ -149,14 +168,14 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
 
     def make_for(name: str):
         def make():
-            loaded = _load(dtype, name)
+            loaded = _load(dtype, _attn(name))
             model = loaded.model
-            mha_cache = _filled(shared, C, dtype)
-            if name == "mha":
-                cache = mha_cache
+            if _attn(name) == "mha":
+                cache = _filled(shared, C, dtype, KV_IMPLS.get(name))
             else:
                 from transformers import DynamicCache
 
+                mha_cache = _filled(shared, C, dtype)
                 cache = DynamicCache(config=model.config)
                 for i, layer in enumerate(mha_cache.layers):  # the same K/V, (1, h_kv, C, d)
                     cache.update(layer.keys.clone(), layer.values.clone(), i)
@@ -175,7 +194,7 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
             return run
         return make
 
-    order = ("eager", "sdpa", "mha")
+    order = _impls(dtype)
     return Case(name=f"smollm2 decode {C} {dtype}", impls=[Impl(n, make_for(n)) for n in order],
                 items=1, item_unit="tokens", metric="items", baseline="sdpa",
                 params=dict(model="SmolLM2-135M-Instruct", phase="decode", context=C,
@@ -280,4 +299,4 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-__all__ = ["TITLE", "all_cases", "decode_case", "llama_cpp_rows", "prefill_case", "run"]
+__all__ = ["KV_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows", "prefill_case", "run"]

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from mha.cli.generate import add_llm_options, load_or_hint, status
+from mha.cli.options import UsageError
 
 
 def add_parser(sub) -> None:
@@ -24,11 +25,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mha.llm.generation import Chat
+    from mha.llm.generation import Chat, check_kv
 
+    try:
+        check_kv(args.kv, args.attn)
+    except ValueError as e:
+        raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
     load_or_hint(args.dtype, args.attn)
-    chat = Chat(dtype=args.dtype, attn=args.attn, max_new_tokens=args.max_new_tokens,
-                system=args.system)
+    chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv,
+                max_new_tokens=args.max_new_tokens, system=args.system)
     tty = sys.stdin.isatty()
 
     def show(text: str) -> None:

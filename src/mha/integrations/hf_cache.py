@@ -25,6 +25,23 @@ the attention applies itself), it returns None, so no ``(Tq, Tk)`` tensor is bui
 other case (padding, chunked prefill with ``1 < Tq < Tk``, sliding windows, extra mask
 functions) is served by :func:`mha.integrations.transformers.mask_for_mha` as before.
 
+K/V storage (``kv_dtype``): the model's dtype (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+
+* A float storage dtype other than the model's (bf16 K/V under an fp32 model) is written
+  rounded to it; attention then runs in the storage dtype: the queries are rounded to it too
+  and the output is cast back (the kernels accumulate in fp32). Nothing is converted per step
+  but the new tokens' K/V and the ``(B, h, Tq, d)`` queries.
+* ``"int8"``: each layer's :class:`mha.KVCache` stores K/V as int8 with one float32 scale per
+  token and K/V head (``kv_dtype="int8"``, quantized on append). The views handed to attention
+  are the int8 storage itself, tagged with their :class:`mha.KVCache`
+  (:func:`kv_cache_of`), so the ``"mha"`` attention function reads them in place: a decode
+  step (``Tq <= 16``) is ``flash_decode`` with the scales (dequantized inside its loops, never
+  materialized); a longer forward (a prompt, a chunk of prompt) dequantizes the ``Tk``
+  positions it attends (``O(Tk d)`` per layer, amortized over its ``Tq > 16`` queries) and
+  runs :func:`mha.attention`. int8 K/V therefore need ``attn_implementation="mha"``: with a
+  config, :func:`MhaCache` refuses any other implementation. The error bound is in
+  :class:`mha.KVCache`'s docstring and docs/llm.md.
+
 Refusals leave the cache as it was: an append that does not fit raises ValueError naming the
 capacity before any layer is written (every layer has the same capacity and length, so the
 first layer refuses), and K/V of the wrong dtype raise TypeError.
@@ -37,8 +54,36 @@ from collections.abc import Callable
 import torch
 
 from mha.cache import KVCache
-from mha.checks import check_float_dtype, check_int
+from mha.checks import check_int
 from mha.integrations import transformers as hf_attn
+
+#: ``kv_dtype`` names -> storage (a torch float dtype, or "int8"); None: the model's dtype
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+             "int8": "int8"}
+KV_ATTR = hf_attn._KV_ATTR  # attribute of the int8 views naming the KVCache they come from
+
+
+def check_kv_dtype(kv_dtype) -> torch.dtype | str | None:
+    """``kv_dtype`` as storage: None (the model's dtype), a float torch dtype, or "int8".
+    Accepts the names of :data:`KV_DTYPES` and torch.float32/bfloat16/float16/int8; anything
+    else raises ValueError naming the choices."""
+    if kv_dtype is None:
+        return None
+    if isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES:
+        return KV_DTYPES[kv_dtype]
+    if kv_dtype is torch.int8:
+        return "int8"
+    if kv_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return kv_dtype
+    raise ValueError(f"kv_dtype must be None (the model's dtype) or one of "
+                     f"{', '.join(KV_DTYPES)} (or torch.float32 / bfloat16 / float16 / int8), "
+                     f"got {kv_dtype!r}")
+
+
+def kv_cache_of(t: torch.Tensor) -> KVCache | None:
+    """The int8 :class:`mha.KVCache` whose storage the view ``t`` is (None for any other
+    tensor): how the attention function finds the scales of int8 K/V."""
+    return getattr(t, KV_ATTR, None)
 
 
 def _cache_utils():
@@ -70,10 +115,11 @@ def _layer_class():
         is_croppable = True
         is_sliding = False
 
-        def __init__(self, max_cache_len: int, dtype: torch.dtype | None = None) -> None:
+        def __init__(self, max_cache_len: int, kv_dtype: torch.dtype | str | None = None
+                     ) -> None:
             super().__init__()
             self.max_cache_len = max_cache_len
-            self.kv_dtype = dtype
+            self.kv_dtype = kv_dtype  # checked: None, a float dtype, or "int8"
             self.kv: KVCache | None = None
 
         def __repr__(self) -> str:
@@ -85,14 +131,23 @@ def _layer_class():
             B, h_kv, _, d_k = key_states.shape  # (B, h_kv, Tn, d_k)
             self.device = key_states.device
             self.batch_size = B
-            dtype = key_states.dtype if self.kv_dtype is None else self.kv_dtype
+            int8 = self.kv_dtype == "int8"
+            dtype = key_states.dtype if self.kv_dtype is None or int8 else self.kv_dtype
             self.kv = KVCache(B, h_kv, self.max_cache_len, d_k, value_states.shape[-1],
-                              dtype=dtype, device=key_states.device)
+                              dtype=dtype, device=key_states.device,
+                              kv_dtype="int8" if int8 else None)
             self._sync()
             self.is_initialized = True
 
         def _sync(self) -> None:
-            self.keys, self.values = self.kv.keys(), self.kv.values()  # (B, h_kv, Tk, d) views
+            kv = self.kv
+            if kv.kv_dtype != "int8":
+                self.keys, self.values = kv.keys(), kv.values()  # (B, h_kv, Tk, d) views
+                return
+            Tk = kv.max_length
+            self.keys, self.values = kv.k[:, :, :Tk], kv.v[:, :, :Tk]  # (B, h_kv, Tk, d) int8
+            setattr(self.keys, KV_ATTR, kv)
+            setattr(self.values, KV_ATTR, kv)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +156,10 @@ def _layer_class():
             ``(B, h_kv, Tk, d_k)`` and ``(B, h_kv, Tk, d_v)``."""
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            if key_states.dtype != self.kv.dtype and self.kv_dtype not in (None, "int8"):
+                # a float storage dtype of its own (bf16 K/V, fp32 model): round the new tokens
+                key_states = key_states.to(self.kv.dtype)  # (B, h_kv, Tn, d_k)
+                value_states = value_states.to(self.kv.dtype)  # (B, h_kv, Tn, d_v)
             self.kv.append(key_states, value_states)  # refuses (unchanged) when it cannot fit
             self._sync()
             return self.keys, self.values
@@ -150,9 +209,12 @@ def _layer_class():
             old = self.kv
             k, v = rows(old.k), rows(old.v)  # (B', h_kv, T_max, d)
             self.kv = KVCache(k.shape[0], k.shape[1], old.capacity, k.shape[3], v.shape[3],
-                              dtype=old.dtype, device=old.device)
+                              dtype=old.dtype, device=old.device, kv_dtype=old.kv_dtype)
             self.kv.k.copy_(k)
             self.kv.v.copy_(v)
+            if old.kv_dtype == "int8":
+                self.kv.k_scale.copy_(rows(old.k_scale))  # (B', h_kv, T_max)
+                self.kv.v_scale.copy_(rows(old.v_scale))
             self.kv.lengths.copy_(rows(old.lengths))
             self.kv.starts.copy_(rows(old.starts))
             self.batch_size = k.shape[0]
@@ -172,7 +234,7 @@ _MhaLayer = None
 
 
 def MhaCache(config=None, *, max_cache_len: int, num_layers: int | None = None,  # noqa: N802
-             dtype: torch.dtype | None = None):
+             kv_dtype: torch.dtype | str | None = None):
     """A transformers ``Cache`` whose layers are :class:`mha.KVCache` (see the module docstring).
 
     Args:
@@ -180,13 +242,14 @@ def MhaCache(config=None, *, max_cache_len: int, num_layers: int | None = None, 
             with ``num_layers``.
         max_cache_len: ``T_max``, the positions each row can hold (prompt + new tokens).
         num_layers: the layer count when no config is given.
-        dtype: the K/V storage dtype (None: the dtype of the first K/V, the model's).
+        kv_dtype: the K/V storage (see the module docstring): None (the dtype of the first
+            K/V, the model's), "fp32", "bf16", "fp16", "int8", or the torch dtype.
 
     Returns an instance of :class:`MhaCacheStore` (a ``transformers.Cache`` subclass, built on
     first use so that importing this module does not import transformers).
     """
     return _cache_class()(config, max_cache_len=max_cache_len, num_layers=num_layers,
-                          dtype=dtype)
+                          kv_dtype=kv_dtype)
 
 
 _MhaCacheClass = None
@@ -207,7 +270,7 @@ def _cache_class():
         """
 
         def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None,
-                     dtype: torch.dtype | None = None) -> None:
+                     kv_dtype: torch.dtype | str | None = None) -> None:
             if config is not None:
                 num_layers = config.get_text_config().num_hidden_layers
                 limit = getattr(config.get_text_config(), "max_position_embeddings", None)
@@ -221,10 +284,16 @@ def _cache_class():
             if limit is not None and max_cache_len > limit:
                 raise ValueError(f"max_cache_len={max_cache_len} exceeds the model's context "
                                  f"(max_position_embeddings={limit})")
-            if dtype is not None:
-                dtype = check_float_dtype("dtype", dtype)
-            super().__init__(layers=[layer_cls(max_cache_len, dtype) for _ in range(num_layers)])
+            kv_dtype = check_kv_dtype(kv_dtype)
+            impl = getattr(config, "_attn_implementation", None) if config is not None else None
+            if kv_dtype == "int8" and impl is not None and impl != hf_attn.NAME:
+                raise ValueError(f"kv_dtype='int8' needs attn_implementation='{hf_attn.NAME}' "
+                                 f"(only mha's attention reads int8 K/V), the model has "
+                                 f"{impl!r}")
+            super().__init__(layers=[layer_cls(max_cache_len, kv_dtype)
+                                     for _ in range(num_layers)])
             self.max_cache_len = max_cache_len
+            self.kv_dtype = kv_dtype
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx == 0:
@@ -241,8 +310,10 @@ def _cache_class():
                                  "(make it larger, or crop/reset it)")
 
         def __repr__(self) -> str:
-            return (f"MhaCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}, "
-                    f"length={self.get_seq_length()})")
+            kv = "" if self.kv_dtype is None else \
+                f", kv_dtype={str(self.kv_dtype).replace('torch.', '')}"
+            return (f"MhaCache(layers={len(self.layers)}, max_cache_len={self.max_cache_len}"
+                    f"{kv}, length={self.get_seq_length()})")
 
     _MhaCacheClass = MhaCacheStore
     return MhaCacheStore
@@ -288,4 +359,5 @@ def register(name: str = hf_attn.NAME) -> None:
     AttentionMaskInterface.register(name, mask_for_cache)
 
 
-__all__ = ["MhaCache", "is_mha_cache", "mask_for_cache", "register"]
+__all__ = ["KV_DTYPES", "MhaCache", "check_kv_dtype", "is_mha_cache", "kv_cache_of",
+           "mask_for_cache", "register"]

@@ -34,6 +34,12 @@ rest. The score variants that models pass to their attention function reach
 output. What mha does not have (a paged cache) raises a ``NotImplementedError`` naming it
 instead of being ignored.
 
+K/V from :func:`mha.integrations.hf_cache.MhaCache`: int8 storage arrives as the int8 views
+themselves (tagged with their :class:`mha.KVCache`): up to 16 queries run ``flash_decode`` with
+the scales in place, longer calls dequantize the attended positions; K/V stored in another
+float dtype than the queries' (bf16 K/V, fp32 model) make the call run in the K/V's dtype, the
+output cast back.
+
 Packed sequences (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: one row,
 ``position_ids`` restarting per sequence, ``cu_seq_lens_q/k`` passed down to attention) run
 through :func:`mha.varlen_attention`, so no token sees another sequence and nothing is padded.
@@ -87,6 +93,7 @@ PLUMBING = frozenset({
 })
 UNSUPPORTED = frozenset(_UNSUPPORTED)
 _warned: set[str] = set()
+_KV_ATTR = "_mha_kvcache"  # attribute of an int8 MhaCache's K/V views: their KVCache
 _SPEC_ATTR = "_mha_masks"  # attribute of the bool mask tensor holding the native MaskSpec
 
 
@@ -220,14 +227,49 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     head_mask = _head_scale(kwargs.get("head_mask"), B, h, Tq)
     variants = _variants(kwargs, mask_bias)
     want_weights = _wants_weights(kwargs)
-    res = attention(query, key, value, mask=spec.mask, causal=spec.causal,
-                    key_lengths=spec.key_lengths, scale=scaling, dropout_p=float(dropout or 0.0),
-                    return_weights=want_weights, **variants)
+    out_dtype = query.dtype
+    kv = _int8_cache(key, value)
+    if kv is not None and Tq <= _decode().MAX_TQ and not want_weights and not dropout \
+            and _decode().unavailable() is None:
+        out = _decode().flash_decode(query, key, value, k_scale=kv.k_scale[:, :, :Tk],
+                                     v_scale=kv.v_scale[:, :, :Tk], mask=spec.mask,
+                                     causal=spec.causal, key_lengths=spec.key_lengths,
+                                     scale=scaling, **variants)  # (B, h, Tq, d_v)
+        res = (out, None) if want_weights else out
+    else:
+        if kv is not None:  # a prompt (Tq > 16): dequantize the Tk positions it attends
+            key, value = kv.keys()[:, :, :Tk], kv.values()[:, :, :Tk]  # (B, h_kv, Tk, d)
+        elif key.dtype != query.dtype and key.dtype.is_floating_point:
+            query = query.to(key.dtype)  # K/V stored in their own dtype (bf16 K/V, fp32 model)
+        res = attention(query, key, value, mask=spec.mask, causal=spec.causal,
+                        key_lengths=spec.key_lengths, scale=scaling,
+                        dropout_p=float(dropout or 0.0), return_weights=want_weights,
+                        **variants)
     out, weights = res if want_weights else (res, None)
+    out = out.to(out_dtype)  # (B, h, Tq, d_v), the model's dtype
     if head_mask is not None:  # (., ., Tq or 1, 1) broadcasts over d_v and over Tk
         out = out * head_mask.to(out.dtype)  # (B, h, Tq, d_v)
         weights = None if weights is None else weights * head_mask.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # (B, h, Tq, d_v) -> (B, Tq, h, d_v)
+
+
+def _decode():
+    from mha.ops import decode
+
+    return decode
+
+
+def _int8_cache(key: torch.Tensor, value: torch.Tensor):
+    """The int8 :class:`mha.KVCache` that ``key`` / ``value`` are views of (an
+    :func:`mha.integrations.hf_cache.MhaCache` with ``kv_dtype="int8"``), else None."""
+    if key.dtype != torch.int8:
+        return None
+    kv = getattr(key, _KV_ATTR, None)
+    if kv is None or getattr(value, _KV_ATTR, None) is not kv:
+        raise TypeError("attn_implementation='mha' got int8 key/value that are not the views "
+                        "of an int8 MhaCache (mha.integrations.hf_cache): their scales are "
+                        "unknown")
+    return kv
 
 
 def _variants(kwargs: dict, mask_bias: torch.Tensor | None) -> dict:

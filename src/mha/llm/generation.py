@@ -9,9 +9,14 @@ capacity.
 ``chat=False``); :class:`Chat` keeps a conversation. Both time the prefill (up to the first new
 token) and the decode (the rest) separately and can stream the text as it is decoded.
 
+``kv`` picks the K/V storage of the cache (mha only): None (the model's dtype), ``"fp32"``,
+``"bf16"`` or ``"int8"`` (per-token-per-head scales, read in place by the decode kernel;
+see :mod:`mha.integrations.hf_cache`).
+
 Refusals are made before any work and leave nothing changed: a prompt that, with the new
 tokens asked for, does not fit the model's context (ValueError naming both numbers), a
-``max_new_tokens`` that is not a positive int, a dtype other than fp32/bf16.
+``max_new_tokens`` that is not a positive int, a dtype other than fp32/bf16, a ``kv`` other
+than those (or any ``kv`` with transformers' own attention, which has its own cache).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Result:
     attn: str = "mha"
     dtype: str = "fp32"
     tokens: list[int] = field(default_factory=list)
+    kv: str | None = None  #: the cache's K/V storage when not the model's dtype
 
     @property
     def prefill_tok_s(self) -> float:
@@ -51,9 +57,10 @@ class Result:
 
     def status(self) -> str:
         """The one-line status: tokens and speeds."""
+        kv = "" if self.kv is None else f" · kv {self.kv}"
         return (f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens · prefill "
                 f"{self.prefill_tok_s:,.0f} tok/s · decode {self.decode_tok_s:,.1f} tok/s · "
-                f"attn {self.attn} · {self.dtype}")
+                f"attn {self.attn} · {self.dtype}{kv}")
 
 
 def _streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float]):
@@ -84,13 +91,32 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
                          f"context of {context} tokens; {fix}")
 
 
+KV = ("fp32", "bf16", "int8")  #: the K/V storages ``kv`` names
+
+
+def check_kv(kv, attn: str) -> str | None:
+    """``kv`` checked against :data:`KV` and the attention (only mha's cache takes one)."""
+    if kv is None:
+        return None
+    if not isinstance(kv, str) or kv not in KV:
+        raise ValueError(f"kv must be one of {', '.join(KV)} (or None: the model's dtype), "
+                         f"got {kv!r}")
+    if attn != "mha":
+        raise ValueError(f"kv={kv!r} needs attn='mha' (mha's K/V cache); attn={attn!r} uses "
+                         "transformers' own cache in the model's dtype")
+    return kv
+
+
 def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
-            on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True) -> Result:
+            on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
+            kv: str | None = None) -> Result:
     """Greedy-decode ``max_new_tokens`` after ``ids (1, P)`` with ``loaded``'s model (through
-    an :func:`MhaCache` of capacity ``P + N`` when its attention is mha)."""
+    an :func:`MhaCache` of capacity ``P + N``, K/V stored as ``kv``, when its attention is
+    mha)."""
     from mha.integrations.hf_cache import MhaCache
 
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+    kv = check_kv(kv, loaded.attn)
     P = ids.shape[1]
     check_fits(P, max_new_tokens, loaded.context)
     model, tok = loaded.model, loaded.tokenizer
@@ -101,7 +127,7 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     if not stop_at_eos:
         kw["min_new_tokens"] = max_new_tokens
     if loaded.attn == "mha":
-        kw["cache"] = MhaCache(model.config, max_cache_len=P + max_new_tokens)
+        kw["cache"] = MhaCache(model.config, max_cache_len=P + max_new_tokens, kv_dtype=kv)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)  # (1, P+N)
@@ -110,7 +136,8 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     first = marks[1] if len(marks) > 1 else t1  # marks[0]: the prompt handed to the streamer
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
                   new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
-                  attn=loaded.attn, dtype=str(loaded.dtype).replace("torch.", ""), tokens=new)
+                  attn=loaded.attn, dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
+                  kv=kv)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -121,17 +148,20 @@ def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 
 def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str = "mha",
-             chat: bool = True, on_text: Callable[[str], None] | None = None) -> Result:
+             kv: str | None = None, chat: bool = True,
+             on_text: Callable[[str], None] | None = None) -> Result:
     """Greedy continuation of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
-    unless ``chat=False``). ``on_text`` receives the text as it is decoded (streaming)."""
+    unless ``chat=False``), K/V stored as ``kv`` (see the module docstring). ``on_text``
+    receives the text as it is decoded (streaming)."""
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+    check_kv(kv, attn)
     loaded = load(dtype, attn)
     tok = loaded.tokenizer
     ids = (chat_ids(tok, [{"role": "user", "content": prompt}]) if chat
            else tok(prompt, return_tensors="pt")["input_ids"])  # (1, P)
-    return run_ids(loaded, ids, max_new_tokens, on_text=on_text)
+    return run_ids(loaded, ids, max_new_tokens, on_text=on_text, kv=kv)
 
 
 class Chat:
@@ -141,8 +171,9 @@ class Chat:
     A refused turn (too long for the context) leaves the history as it was.
     """
 
-    def __init__(self, *, dtype="fp32", attn: str = "mha", max_new_tokens: int = 256,
-                 system: str | None = None) -> None:
+    def __init__(self, *, dtype="fp32", attn: str = "mha", kv: str | None = None,
+                 max_new_tokens: int = 256, system: str | None = None) -> None:
+        self.kv = check_kv(kv, attn)
         self.loaded = load(dtype, attn)
         self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                         what="a positive int")
@@ -152,9 +183,9 @@ class Chat:
     def say(self, text: str, on_text: Callable[[str], None] | None = None) -> Result:
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
-        res = run_ids(self.loaded, ids, self.max_new_tokens, on_text=on_text)
+        res = run_ids(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv)
         self.messages = [*messages, {"role": "assistant", "content": res.text}]
         return res
 
 
-__all__ = ["Chat", "Result", "chat_ids", "check_fits", "generate", "run_ids"]
+__all__ = ["KV", "Chat", "Result", "chat_ids", "check_fits", "check_kv", "generate", "run_ids"]

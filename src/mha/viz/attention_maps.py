@@ -1,4 +1,5 @@
-"""Attention maps of a real BERT-style model, run through mha, as plain arrays.
+"""Attention maps of a real model run through mha (a BERT-style encoder, or the SmolLM2
+decoder: :func:`extract_llm`), as plain arrays.
 
 Shape legend: L layers, h heads, T tokens of the text (special tokens included), d_model the
 model width, d_k the head dim. ``weights`` is ``(L, h, T, T)``: row ``i`` of ``weights[l, n]``
@@ -37,6 +38,7 @@ class AttentionMaps:
     mha_backend: str | None  # the backend mha.attention chose inside the model (None: not mha)
     d_model: int
     hidden_states: list[torch.Tensor] = field(default_factory=list, repr=False)  # L+1 x (1, T, d_model)
+    kv_heads: int | None = None  # h_kv when K/V heads are shared (GQA), else None
 
     @property
     def num_layers(self) -> int:
@@ -91,6 +93,42 @@ def extract(text: str, model_dir: str | Path | None = None, *, attn_implementati
     _check_text(text)
     tok, model = load(model_dir, attn_implementation=attn_implementation)
     return run(tok, model, text, max_tokens=max_tokens), model
+
+
+LLM_NAME = "SmolLM2-135M-Instruct"
+
+
+@torch.no_grad()
+def extract_llm(text: str, *, max_tokens: int = 256,
+                attn_implementation: str = "mha") -> AttentionMaps:
+    """The causal GQA maps of SmolLM2-135M-Instruct (30 layers, 9 query heads sharing 3 K/V
+    heads) on ``text`` (plain text, no chat template; at most ``max_tokens`` tokens), run
+    with ``attn_implementation`` (fp32, no cache). Each query head has its own map ``(T, T)``,
+    lower triangular (token ``i`` attends tokens ``j <= i``). Tokens are shown as decoded, a
+    space as ``▁`` and a newline as ``⏎``. Needs the ``mha[llm]`` extra and the wheel
+    (:mod:`mha.llm.model`)."""
+    from mha.llm.model import load, require_extra
+
+    _check_text(text)
+    require_extra()
+    loaded = load("fp32", attn_implementation)
+    tok, model = loaded.tokenizer, loaded.model
+    ids = tok(text, return_tensors="pt", truncation=True,
+              max_length=max_tokens)["input_ids"]  # (1, T)
+    with recording() as rec:
+        out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    if attn_implementation == "mha" and rec.backend is None:
+        raise RuntimeError("attn_implementation='mha' is set but mha.attention never ran")
+    if not out.attentions or any(a is None for a in out.attentions):
+        raise RuntimeError(f"the model returned no attention weights with attn_implementation="
+                           f"{attn_implementation!r}")
+    weights = torch.stack([a[0] for a in out.attentions])  # L x (1, h, T, T) -> (L, h, T, T)
+    tokens = [tok.decode([i]).replace(" ", "\u2581").replace("\n", "\u23ce")
+              for i in ids[0].tolist()]
+    return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
+                         model=LLM_NAME, attn_implementation=attn_implementation,
+                         mha_backend=rec.backend, d_model=model.config.hidden_size,
+                         kv_heads=model.config.num_key_value_heads)
 
 
 def model_name(path: str | Path) -> str:

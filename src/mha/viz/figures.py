@@ -24,16 +24,20 @@ def _pyplot():
 
 def attention_grid(maps: AttentionMaps, path: str | Path, *, dpi: int = 110) -> Path:
     """A layers x heads grid of heatmaps; tokens label the first column (queries, rows) and the
-    last row (keys, columns). Every cell uses one colour scale, 0 to 1 on a square-root scale
+    last row (keys, columns) — every token, or for long texts every k-th one with its index. Every cell uses one colour scale, 0 to 1 on a square-root scale
     (the colour bar is labelled with the weights themselves)."""
     plt = _pyplot()
     L, h, T, _ = maps.weights.shape
     cell = float(np.clip(0.16 * T, 1.25, 2.6))  # inches per heatmap, grows with the token count
+    if L * h > 100:  # a deep model (SmolLM2: 30 x 9): smaller cells keep the PNG in bounds
+        cell = min(cell, 1.6)
     from matplotlib.colors import PowerNorm
 
     fig, axes = plt.subplots(L, h, figsize=(cell * h + 1.6, cell * L + 1.4), squeeze=False)
-    ticks = np.arange(T)
-    fs = float(np.clip(0.85 * cell * 72 / T, 3.0, 7.0))  # points: a token label per row
+    every = max(1, int(np.ceil(T * 7 / (cell * 72))))  # a label at least 7 points apart
+    ticks = np.arange(0, T, every)
+    labels = [maps.tokens[i] if every == 1 else f"{i} {maps.tokens[i]}" for i in ticks]
+    fs = float(np.clip(0.85 * cell * 72 / len(ticks), 3.0, 7.0))  # points per label
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # square-root scale: small weights show
     image = None
     for layer in range(L):
@@ -48,13 +52,18 @@ def attention_grid(maps: AttentionMaps, path: str | Path, *, dpi: int = 110) -> 
                 ax.set_title(f"head {head}", fontsize=8)
             if head == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=8)
-                ax.set_yticklabels(maps.tokens, fontsize=fs)
+                ax.set_yticklabels(labels, fontsize=fs)
             if layer == L - 1:
-                ax.set_xticklabels(maps.tokens, fontsize=fs, rotation=90)
-    fig.suptitle(f"{maps.model}: attention weights per layer and head "
-                 f"(rows: query token, columns: key token; run through attn_implementation="
-                 f"{maps.attn_implementation!r})", fontsize=10)
-    fig.subplots_adjust(left=0.07, right=0.93, bottom=0.1, top=0.93, wspace=0.08, hspace=0.08)
+                ax.set_xticklabels(labels, fontsize=fs, rotation=90)
+    title = fig.suptitle(f"{maps.model}: attention weights per layer and head "
+                         f"(rows: query token, columns: key token; run through attn_implementation="
+                         f"{maps.attn_implementation!r})", fontsize=10)
+    top, bottom = 0.93, 0.1
+    if L * h > 100:  # a tall figure: margins in inches, not in fractions of its height
+        height = cell * L + 1.4
+        top, bottom = 1 - 0.6 / height, 0.9 / height
+        title.set_y(1 - 0.2 / height)
+    fig.subplots_adjust(left=0.07, right=0.93, bottom=bottom, top=top, wspace=0.08, hspace=0.08)
     cax = fig.add_axes([0.945, 0.25, 0.008, 0.5])
     fig.colorbar(image, cax=cax).set_label("weight", fontsize=8)
     return _save(fig, path, dpi)
