@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import mha
 from mha.ops import linear, linear_choice
@@ -36,18 +37,20 @@ def cache_file(tmp_path, monkeypatch):
         raise AssertionError("the test did not inject a measurement")
 
     monkeypatch.setattr(linear_choice, "measure", not_injected)
+    monkeypatch.setattr(linear_choice, "measure_bf16", not_injected)
     return file
 
 
-def inject(monkeypatch, native_s: float, torch_s: float) -> list:
-    """Replace the measurement by fixed times; returns the list of shapes it was asked for."""
+def inject(monkeypatch, native_s: float, torch_s: float, which: str = "measure") -> list:
+    """Replace the measurement (``measure``, or ``measure_bf16``) by fixed times; returns the
+    list of shapes it was asked for."""
     asked = []
 
     def fake(shape):
         asked.append(shape)
         return native_s, torch_s
 
-    monkeypatch.setattr(linear_choice, "measure", fake)
+    monkeypatch.setattr(linear_choice, which, fake)
     return asked
 
 
@@ -97,8 +100,40 @@ def test_why_not_native_and_describe_say_the_measured_choice(cache_file, monkeyp
     inject(monkeypatch, 1.0, 1.5)
     assert linear.why_not_native(x, w, None) is None
     assert linear.describe(x, w, None).startswith("the native tiles: measured 1.50x faster")
+    assert "float32" in linear.why_not_native(x.bfloat16(), w.bfloat16(), None)
+    inject(monkeypatch, 3.0, 1.0, "measure_bf16")
     bf16 = linear.describe(x.bfloat16(), w.bfloat16(), None)
-    assert bf16.startswith("torch's GEMM") and "float32" in bf16
+    assert bf16.startswith("torch's bf16 GEMM: measured 3.00x faster than an fp32 GEMM on upcast")
+
+
+@pytest.mark.parametrize(("upcast_s", "torch_s", "upcast"), [(1.0, 3.0, True), (3.0, 1.0, False)])
+def test_bf16_projections_follow_their_own_measurement(cache_file, monkeypatch, upcast_s,
+                                                       torch_s, upcast):
+    """bfloat16: fp32 on upcast inputs (then the fp32 choice) or torch's bf16 GEMM, as measured
+    for the class "bf16 M.. N.. K..", stored beside the fp32 classes; the result is the fp32
+    product rounded once, or F.linear in bf16."""
+    fp32 = inject(monkeypatch, 2.0, 1.0)  # the fp32 side: torch's GEMM
+    bf16 = inject(monkeypatch, upcast_s, torch_s, "measure_bf16")
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((4, 160, 512), (1536, 512),
+                                                                   (1536,)))
+    text = linear.describe(x, w, b)
+    if upcast:
+        assert text.startswith("an fp32 GEMM on upcast inputs: measured 3.00x faster than "
+                               "torch's bf16 GEMM for (M=512, N=2048, K=512)")
+        assert "; in fp32, torch's GEMM: measured 2.00x faster than the native tiles" in text
+        want = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    else:
+        assert text.startswith("torch's bf16 GEMM: measured 3.00x faster than an fp32 GEMM")
+        want = F.linear(x, w, b)
+    with torch.no_grad():
+        got = linear.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    y = linear.linear(x, w.clone().requires_grad_(), b)  # gradients flow through the casts
+    y.float().sum().backward()
+    assert bf16 == [(512, 2048, 512)] and len(fp32) == (1 if upcast else 0)
+    entries = json.loads(cache_file.read_text())["machines"]
+    assert any("bf16 M512 N2048 K512" in e for e in entries.values())
 
 
 def test_measured_once_then_read_from_the_file(cache_file, monkeypatch):
@@ -251,6 +286,31 @@ def test_forced_value_is_checked(monkeypatch):
         linear_choice.forced()
     monkeypatch.delenv(linear_choice.ENV)
     linear_choice.forced.cache_clear()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_both_sides_forced_give_the_same_numbers_bf16(monkeypatch, bias):
+    """bfloat16: forced native (fp32 native tiles on upcast inputs) and forced torch (its bf16
+    GEMM) within bf16 rounding of each other and of the float64 reference."""
+    if linear.load() is not None:
+        pytest.skip(f"the native projections did not build: {linear.load()}")
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(512, 8, bias=bias)
+    x = torch.randn(32, 20, 512)
+    m, x = m.bfloat16(), x.bfloat16()
+    outs = {}
+    for side in ("native", "torch"):
+        monkeypatch.setattr(linear_choice, "forced", lambda side=side: side)
+        # QKV and W_O; forced native says it twice each: the upcast, then the fp32 tiles
+        assert m.explain(x).count(f"forced by MHA_LINEAR={side}") == (4 if side == "native" else 2)
+        with torch.no_grad():
+            outs[side] = m(x).double()
+    with torch.no_grad():
+        ref, _ = mha.reference.multi_head_attention(x.double(), x.double(), upcast=True,
+                                                    **m.per_head_weights())
+    for name, y in outs.items():
+        assert (y - ref).abs().max().item() < 2e-2, name
+    assert (outs["native"] - outs["torch"]).abs().max().item() < 2e-2
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -12,8 +12,9 @@ call's shape class (:mod:`mha.ops.linear_choice`: measured once per CPU model, c
 the built kernels; ``MHA_LINEAR=native|torch`` forces a side), and is
 ``torch.nn.functional.linear`` whenever the native op cannot take the call:
 
-* only float32 CPU tensors (bfloat16 and the rest: torch's GEMM), with ``N % 16 == 0`` and
-  ``K % 16 == 0``, at least ``SMALL`` multiply-adds (below that a measurement would time the
+* only float32 CPU tensors (bfloat16: torch's bf16 GEMM, or fp32 on upcast inputs where that
+  was measured faster — then the fp32 choice applies; other dtypes: torch's GEMM), with
+  ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL`` multiply-adds (below that a measurement would time the
   call overhead, and F.linear's is the smaller), and the extension built;
 * not while ``torch.compile`` traces (the op has no autograd formula registered with
   ``torch.library`` for the compiler to trace; it gets ``F.linear``).
@@ -95,8 +96,49 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return None if measured.choice == "native" else measured.describe()
 
 
+def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """For a bfloat16 CPU projection that fp32 on upcast inputs serves (measured faster, or
+    ``MHA_LINEAR=native``): the sentence why; None when it stays on torch's bf16 GEMM."""
+    choice = _bf16_choice(x, weight, bias)
+    return choice[1] if choice is not None and choice[0] else None
+
+
+def _bf16_choice(x, weight, bias) -> tuple[bool, str] | None:
+    """``(upcast?, why)`` for a bfloat16 CPU projection big enough to measure; None otherwise."""
+    if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+        return None
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors) or \
+            weight.dim() != 2 or x.shape[-1] != weight.shape[1] or \
+            x.numel() * weight.shape[0] < SMALL:
+        return None
+    side = linear_choice.forced()
+    if side is not None:
+        return side == "native", (
+            f"an fp32 GEMM on upcast inputs: forced by {linear_choice.ENV}=native"
+            if side == "native" else f"torch's bf16 GEMM: forced by {linear_choice.ENV}=torch")
+    M, (N, K) = x.numel() // x.shape[-1], weight.shape
+    measured = linear_choice.choose(M, N, K, _kernel_or_none(), bf16=True)
+    return measured.choice == "native", measured.describe()
+
+
+def _kernel_or_none() -> str:
+    """The native build's key, or ``none`` where it did not build (the bf16 choice compares
+    two torch paths, so it does not need the extension)."""
+    return kernel() if load() is None else "none"
+
+
 def describe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """Which GEMM :func:`linear` runs for these arguments, and why, in one sentence."""
+    bf16 = _bf16_choice(x, weight, bias)
+    if bf16 is not None:
+        upcast, why = bf16
+        if not upcast:
+            return why
+        M, (N, K) = x.numel() // x.shape[-1], weight.shape
+        x32 = torch.empty(()).expand(M, K)  # the fp32 call's shape, nothing allocated
+        b32 = None if bias is None else bias.float()
+        return f"{why}; in fp32, {describe(x32, weight.float(), b32)}"
     reason = why_not_native(x, weight, bias)
     if reason is None:
         if linear_choice.forced() == "native":
@@ -108,7 +150,12 @@ def describe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x ``(..., K)``, weight ``(N, K)``, bias ``(N,)`` ->
-    ``(..., N)``, on the native fp32 tiles when :func:`why_not_native` finds no reason."""
+    ``(..., N)``, on the native fp32 tiles when :func:`why_not_native` finds no reason. bfloat16
+    projections run in fp32 on upcast inputs where that was measured faster (:func:`_upcast`)."""
+    if _upcast(x, weight, bias) is not None:
+        b = None if bias is None else bias.float()
+        y = linear(x.float(), weight.float(), b)  # (..., N) fp32: exact products, fp32 sums
+        return y.to(torch.bfloat16)  # one rounding, as torch's bf16 GEMM rounds its fp32 sums
     if why_not_native(x, weight, bias) is not None:
         return F.linear(x, weight, bias)
     lead, K = x.shape[:-1], x.shape[-1]

@@ -36,8 +36,15 @@ is not valid JSON of this format (truncated, hand-edited) is treated as absent: 
 again and replaced. Without a usable cache directory the choice is measured and kept in memory
 for this process.
 
-``MHA_LINEAR`` (read once) forces a side for every fp32 projection: ``native`` or ``torch``;
-unset or ``measure`` is the measured choice.
+bfloat16 projections have a choice of their own: torch's bf16 GEMM, or upcasting x, W and b to
+fp32, the fp32 projection (itself measured as above) and one rounding back to bf16 — on CPUs
+without bf16 instructions torch's bf16 GEMM was measured 3.3x slower than that. Their classes
+are stored as ``"bf16 M.. N.. K.."``, where ``native_s`` is the upcast path's time
+(:func:`measure_bf16`).
+
+``MHA_LINEAR`` (read once) forces a side for every projection: ``native`` (the native tiles;
+bf16 upcast to them) or ``torch`` (torch's GEMM in the input's dtype); unset or ``measure`` is
+the measured choice.
 """
 
 from __future__ import annotations
@@ -108,23 +115,25 @@ class Measured:
     torch_s: float
     shape: tuple[int, int, int]  # the (M, N, K) timed
     cpu: str
+    bf16: bool = False  # a bfloat16 class: "native" is then the fp32 GEMM on upcast inputs
 
     @classmethod
-    def of(cls, native_s: float, torch_s: float, shape, cpu: str) -> Measured:
+    def of(cls, native_s: float, torch_s: float, shape, cpu: str, bf16: bool = False) -> Measured:
         choice = "native" if native_s * MARGIN <= torch_s else "torch"
-        return cls(choice, native_s, torch_s, tuple(shape), cpu)
+        return cls(choice, native_s, torch_s, tuple(shape), cpu, bf16)
 
     def describe(self) -> str:
         """One sentence: what runs and the measurement behind it."""
         M, N, K = self.shape
         where = f"for (M={M}, N={N}, K={K}) on {self.cpu}"
+        ours, theirs = (("an fp32 GEMM on upcast inputs", "torch's bf16 GEMM") if self.bf16
+                        else ("the native tiles", "torch's GEMM"))
         if self.choice == "native":
-            return (f"the native tiles: measured {self.torch_s / self.native_s:.2f}x faster "
-                    f"than torch's GEMM {where}")
+            return f"{ours}: measured {self.torch_s / self.native_s:.2f}x faster than {theirs} {where}"
         ratio = self.native_s / self.torch_s
         if ratio >= 1:
-            return f"torch's GEMM: measured {ratio:.2f}x faster than the native tiles {where}"
-        return (f"torch's GEMM: the native tiles measured only {1 / ratio:.2f}x faster "
+            return f"{theirs}: measured {ratio:.2f}x faster than {ours} {where}"
+        return (f"{theirs}: {ours} measured only {1 / ratio:.2f}x faster "
                 f"(less than the {MARGIN}x required) {where}")
 
     def record(self) -> dict:
@@ -191,7 +200,11 @@ def measure(shape: tuple[int, int, int]) -> tuple[float, float]:
     M, N, K = shape
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g) for s in ((M, K), (N, K), (N,)))
-    fns = (lambda: torch.ops.mha.linear(x, w, b), lambda: F.linear(x, w, b))
+    return _fastest((lambda: torch.ops.mha.linear(x, w, b), lambda: F.linear(x, w, b)))
+
+
+def _fastest(fns) -> tuple[float, float]:
+    """The two functions called alternately: the fastest of ``ROUNDS`` batches of each."""
     with torch.no_grad():
         reps = []
         for fn in fns:
@@ -209,19 +222,32 @@ def measure(shape: tuple[int, int, int]) -> tuple[float, float]:
     return best[0], best[1]
 
 
+def measure_bf16(shape: tuple[int, int, int]) -> tuple[float, float]:
+    """Seconds per call of ``(fp32 GEMM on upcast inputs, torch's bf16 F.linear)`` on bfloat16
+    ``x (M, K)``, ``W (N, K)`` and a bias, as :func:`measure` times its pair."""
+    M, N, K = shape
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((M, K), (N, K), (N,)))
+    return _fastest((lambda: F.linear(x.float(), w.float(), b.float()).bfloat16(),
+                     lambda: F.linear(x, w, b)))
+
+
 # ----------------------------------------------------------------------------- the choice
-def choose(M: int, N: int, K: int, kernel: str) -> Measured:
+def choose(M: int, N: int, K: int, kernel: str, *, bf16: bool = False) -> Measured:
     """The measured choice for the class of ``(M, N, K)``: from this process's memory, else the
-    cache file, else measured now (and stored). ``kernel`` names the native build measured."""
+    cache file, else measured now (and stored). ``kernel`` names the native build measured.
+    ``bf16``: the class of bfloat16 projections (fp32 GEMM on upcast inputs vs torch's bf16
+    GEMM), stored as ``"bf16 M.. N.. K.."``."""
     machine, bucket = machine_key(kernel), Bucket.of(M, N, K)
-    found = _memo.get((machine, bucket.name))
+    name = f"bf16 {bucket.name}" if bf16 else bucket.name
+    found = _memo.get((machine, name))
     if found is not None:
         return found
     with _lock:  # one thread of this process measures; the others wait for its answer
-        found = _memo.get((machine, bucket.name))
+        found = _memo.get((machine, name))
         if found is None:
-            found = _from_file_or_measure(machine, bucket)
-            _memo[machine, bucket.name] = found
+            found = _from_file_or_measure(machine, bucket, name, bf16)
+            _memo[machine, name] = found
     return found
 
 
@@ -235,31 +261,30 @@ def path() -> Path:
     return build.cache_root() / FILE
 
 
-def _from_file_or_measure(machine: str, bucket: Bucket) -> Measured:
+def _from_file_or_measure(machine: str, bucket: Bucket, name: str, bf16: bool) -> Measured:
     try:
         file = path()
     except build.BuildError:  # no cache directory (already warned by build): keep it in memory
-        return _measured(bucket)
-    found = _entry(_read(file), machine, bucket)
+        return _measured(bucket, bf16)
+    found = _entry(_read(file), machine, name, bf16)
     if found is not None:
         return found
     try:
         with build._exclusive(file.with_name(LOCK)):
             data = _read(file)  # again, under the lock: another process may have measured it
-            found = _entry(data, machine, bucket)
+            found = _entry(data, machine, name, bf16)
             if found is None:
-                found = _measured(bucket)
-                data.setdefault("machines", {}).setdefault(machine, {})[bucket.name] = \
-                    found.record()
+                found = _measured(bucket, bf16)
+                data.setdefault("machines", {}).setdefault(machine, {})[name] = found.record()
                 _write(file, data)
     except (build.BuildError, OSError):  # a lock or a file that cannot be written: not cached
-        found = found or _measured(bucket)
+        found = found or _measured(bucket, bf16)
     return found
 
 
-def _measured(bucket: Bucket) -> Measured:
-    native_s, torch_s = measure(bucket.shape)
-    return Measured.of(native_s, torch_s, bucket.shape, cpu_model())
+def _measured(bucket: Bucket, bf16: bool) -> Measured:
+    native_s, torch_s = (measure_bf16 if bf16 else measure)(bucket.shape)
+    return Measured.of(native_s, torch_s, bucket.shape, cpu_model(), bf16)
 
 
 def _read(file: Path) -> dict:
@@ -276,9 +301,9 @@ def _read(file: Path) -> dict:
     return data
 
 
-def _entry(data: dict, machine: str, bucket: Bucket) -> Measured | None:
-    """The stored choice of ``bucket`` on ``machine``, if it is whole and sane."""
-    e = data["machines"].get(machine, {}).get(bucket.name)
+def _entry(data: dict, machine: str, name: str, bf16: bool) -> Measured | None:
+    """The stored choice of the class ``name`` on ``machine``, if it is whole and sane."""
+    e = data["machines"].get(machine, {}).get(name)
     try:
         native_s, torch_s = float(e["native_s"]), float(e["torch_s"])
         shape = tuple(int(n) for n in e["shape"])
@@ -287,7 +312,7 @@ def _entry(data: dict, machine: str, bucket: Bucket) -> Measured | None:
     if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or len(shape) != 3 \
             or e.get("choice") != Measured.of(native_s, torch_s, shape, "").choice:
         return None
-    return Measured.of(native_s, torch_s, shape, cpu_model())
+    return Measured.of(native_s, torch_s, shape, cpu_model(), bf16)
 
 
 def _write(file: Path, data: dict) -> None:
