@@ -63,14 +63,12 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def native_linear(monkeypatch):
-    """``mha.linear``'s native op; where the CPU lacks AVX-512, its portable loops (same packing
-    and blocking, scalar tiles) rather than the F.linear fallback, so the op is still tested."""
-    from mha.ops import linear
+    """``mha.linear`` forced onto its native op (as ``MHA_LINEAR=native``), whatever the
+    measured choice on this CPU (where it lacks AVX-512: the portable loops, same packing and
+    blocking), so the op is tested everywhere it builds."""
+    from mha.ops import linear, linear_choice
 
     reason = linear.load()
     if reason is not None:
-        try:
-            torch.ops.mha.linear_vectorized  # noqa: B018 — present once the extension loaded
-        except (AttributeError, RuntimeError):
-            pytest.skip(f"the native projections did not build: {reason}")
-        monkeypatch.setattr(linear, "load", lambda: None)
+        pytest.skip(f"the native projections did not build: {reason}")
+    monkeypatch.setattr(linear_choice, "forced", lambda: "native")

@@ -42,8 +42,8 @@ def test_matches_float64(M, K16, N16, bias, lead, seed):
     N, K = 16 * N16, 16 * K16
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, M, K, generator=g)
-    if x.numel() * N < linear.SMALL or x.numel() < linear.ROWS * K:  # big enough to go native
-        x = torch.randn(*lead, max(linear.SMALL // (K * N) + 1, linear.ROWS), K, generator=g)
+    if x.numel() * N < linear.SMALL:  # big enough to go native
+        x = torch.randn(*lead, linear.SMALL // (K * N) + 1, K, generator=g)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
     _check(x, w, b)
@@ -108,7 +108,6 @@ def test_falls_back_with_a_reason():
     assert "N % 16" in linear.why_not_native(x, w[:500], None)
     assert "K % 16" in linear.why_not_native(x[:, :250], w[:, :250], None)
     assert "multiply-adds" in linear.why_not_native(x[:2, :16], w[:16, :16], None)
-    assert "rows" in linear.why_not_native(x[:linear.ROWS - 1], torch.randn(4096, 256), None)
 
 
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -120,7 +119,7 @@ def test_gradients_match_float64(M, K16, N16, bias, need_x, seed):
     yardstick; x without requires_grad gets no gradient."""
     N, K = 16 * N16, 16 * K16
     g = torch.Generator().manual_seed(seed)
-    M = max(M, linear.SMALL // (K * N) + 1, linear.ROWS)
+    M = max(M, linear.SMALL // (K * N) + 1)
     x, w, gy = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((M, K), (N, K), (M, N)))
     b = torch.randn(N, generator=g, dtype=torch.float64) if bias else None
 

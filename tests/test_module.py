@@ -133,3 +133,37 @@ def test_bf16_module_close_to_fp64():
 def test_empty_sequence_module():
     m = mha.MultiHeadAttention(16, 4)
     assert m(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+
+
+@pytest.mark.parametrize(("native_s", "torch_s", "side"), [(1.0, 2.0, "the native tiles"),
+                                                           (2.0, 1.0, "torch's GEMM")])
+def test_explain_names_each_projections_gemm_and_the_backend(tmp_path, monkeypatch, native_s,
+                                                             torch_s, side):
+    """explain(): one line per GEMM with the (injected) measurement behind it, then the attention
+    backends' verdicts for the same call; the projections the native op cannot take say why."""
+    from mha.ops import linear, linear_choice
+
+    if linear.load() is not None:
+        pytest.skip(f"the native projections did not build: {linear.load()}")
+    monkeypatch.setattr(linear_choice, "path", lambda: tmp_path / linear_choice.FILE)
+    monkeypatch.setattr(linear_choice, "forced", lambda: None)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "measure", lambda shape: (native_s, torch_s))
+    monkeypatch.setattr(linear_choice, "measure_bf16", lambda shape: (3.0, 1.0))
+    m = mha.MultiHeadAttention(512, 8)
+    x = torch.randn(32, 20, 512)
+    text = m.explain(x, causal=True)
+    lines = text.splitlines()
+    assert lines[0] == "projections:" and lines[3] == "attention:"
+    assert lines[1].startswith(f"  Q, K, V (one GEMM): {side}: measured 2.00x faster")
+    assert "(M=512, N=2048, K=512)" in lines[1] and "(M=512, N=512, K=512)" in lines[2]
+    assert lines[2].startswith(f"  W_O: {side}")
+    chosen = mha.explain(*(t.transpose(1, 2) for t in torch.randn(3, 32, 20, 8, 64)),
+                         causal=True).chosen
+    assert f"{chosen} " in text and "chosen" in text
+    cross = mha.MultiHeadAttention(512, 8, kdim=256, vdim=256).bfloat16()
+    text = cross.explain(x.bfloat16(), torch.randn(32, 7, 256).bfloat16())
+    assert [ln.split(":")[0] for ln in text.splitlines()[1:5]] == ["  Q", "  K", "  V", "  W_O"]
+    assert text.count("torch's bf16 GEMM: measured 3.00x faster than an fp32 GEMM") == 4
+    with pytest.raises(ValueError, match="query"):
+        m.explain(torch.randn(2, 3, 100))

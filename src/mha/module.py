@@ -11,7 +11,11 @@ Every mode (plain, cached, packed) passes them to :func:`mha.attention` /
 :func:`mha.varlen_attention`; the cached mode keeps them aligned to the cache positions.
 
 The fast path projects Q, K and V with one GEMM (packed weight) for self-attention, splits the
-heads, calls :func:`mha.attention`, merges the heads and applies W_O. The seed-000 view — one
+heads (views of the GEMM's output), calls :func:`mha.attention`, merges the heads (a view:
+the attention kernels write their output as ``(B, Tq, h, d_v)`` in memory) and applies W_O.
+Each projection runs on whichever GEMM was measured faster on this CPU for its shape class —
+mha.linear's native tiles or torch's (:mod:`mha.ops.linear_choice`);
+:meth:`MultiHeadAttention.explain` says which, and why. The seed-000 view — one
 independent ``W_i^Q, W_i^K, W_i^V`` of shape ``(d_model, d_k)`` per head — is available through
 :meth:`MultiHeadAttention.per_head_weights` and :func:`mha.reference.multi_head_attention`.
 """
@@ -35,7 +39,8 @@ from mha.checks import (
     check_tensor,
 )
 from mha.functional import attention
-from mha.linear import linear
+from mha.functional import explain as explain_attention
+from mha.linear import describe, linear
 from mha.mods import check_mod
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
@@ -345,6 +350,38 @@ class MultiHeadAttention(nn.Module):
         rec.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
         rec.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
         return y
+
+    def explain(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, **kwargs) -> str:
+        """What ``self(query, key, value, **kwargs)`` (the plain mode) would run, in words: the
+        GEMM of each projection with the reason (:func:`mha.linear.describe`: the native tiles
+        or torch's, as measured on this CPU) and every attention backend's verdict
+        (:func:`mha.explain`, with the module's score variants). No projection or attention is
+        computed; the first fp32 call of a shape class on a machine may time both GEMMs
+        (:mod:`mha.ops.linear_choice`)."""
+        self_attention = key is None and value is None
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        B, Tq, _ = query.shape
+        Tk = key.shape[1]
+        if self.packed and self_attention:
+            w, b = self.in_proj.weight, self.in_proj.bias
+            lines = ["projections:", f"  Q, K, V (one GEMM): {describe(query, w, b)}"]
+        else:
+            lines = ["projections:"] + [
+                f"  {n}: {describe(x, w, b)}" for n, x, (w, b)
+                in zip("QKV", (query, key, value), self.projection_weights(), strict=True)]
+        concat = query.new_empty(B, Tq, self.num_heads * self.v_head_dim)  # (B, Tq, h*d_v)
+        lines.append(f"  W_O: {describe(concat, self.out_proj.weight, self.out_proj.bias)}")
+        variants = self._variants(kwargs.pop("bias", None), kwargs.pop("mask_mod", None),
+                                  kwargs.pop("score_mod", None))
+        q = query.new_empty(B, Tq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, Tq, d_k)
+        k = query.new_empty(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_k)
+        v = query.new_empty(B, Tk, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_v)
+        verdicts = explain_attention(q, k, v, **kwargs, **variants)
+        lines += ["attention:"] + [f"  {line}" for line in str(verdicts).splitlines()]
+        return "\n".join(lines)
 
     def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``

@@ -80,6 +80,7 @@ def grid(quick: bool) -> tuple[list[Shape], list[Shape]]:
         S(1, 1, 65536, 64, "fp32", True),  # bounded memory: the scores alone would be 16 GiB
     ]
     modules = [S(32, 8, 20, 64, "fp32", False), S(32, 8, 20, 64, "bf16", False),
+               S(8, 16, 512, 64, "fp32", False), S(8, 16, 512, 64, "bf16", False),
                S(1, 8, 2048, 64, "fp32", True)]
     return attn, modules
 
@@ -270,7 +271,8 @@ def module_case(s: Shape, ctx: Context) -> Case:
             tol = 1e-4 if s.dtype == "fp32" else 5e-2
             if not err <= tol:  # also catches NaN
                 raise RuntimeError(f"wrong result: max |out - nn.MultiheadAttention| = {err:.3g}")
-            return f"same weights as nn.MultiheadAttention: max err {err:.1e}"
+            return (f"same weights as nn.MultiheadAttention: max err {err:.1e}; "
+                    f"projections: {_gemms(m, x)}")
 
         if s.scores_bytes(1) <= _CHECK_MAX:
             fn.verify = verify
@@ -284,6 +286,16 @@ def module_case(s: Shape, ctx: Context) -> Case:
                 params=dict(B=s.B, T=s.T, d_model=d_model, h=s.h, dtype=s.dtype,
                             causal=s.causal, module=True),
                 teardown=state.clear)
+
+
+def _gemms(m, x: torch.Tensor) -> str:
+    """Which GEMM the module's QKV and W_O projections ran (mha.linear.describe, first words)."""
+    from mha.linear import describe
+
+    w_o = m.out_proj.weight
+    sides = [describe(inp, w, None).split(":")[0] for inp, w in
+             ((x, m.in_proj.weight), (x.new_empty(()).expand(*x.shape[:-1], w_o.shape[1]), w_o))]
+    return f"QKV on {sides[0]}, W_O on {sides[1]}"
 
 
 def train_grid(quick: bool) -> list[Shape]:

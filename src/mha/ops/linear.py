@@ -3,16 +3,24 @@
 Shape legend: x ``(..., K)``, weight ``(N, K)`` (``nn.Linear`` layout), bias ``(N,)``; the result
 is ``(..., N)``.
 
-torch's fp32 matmul runs MKL's AVX2 path on AMD CPUs (about 40 % of the FMA peak of the Zen 5
-cores mha is measured on), so for the seeds' module (B = 32, T = 20, d_model = 512, where the
-four projections are ~98 % of the FLOPs) the projections, not attention, set the speed.
-:func:`linear` runs them on the flash kernels' AVX-512 register tiles (``csrc/linear/linear.cpp``,
-extension ``mha_linear``) when it can, and is ``torch.nn.functional.linear`` otherwise:
+For the seeds' module (B = 32, T = 20, d_model = 512, where the four projections are ~98 % of
+the FLOPs) the projections, not attention, set the speed, and which GEMM is faster depends on
+the CPU: the flash kernels' register tiles (``csrc/linear/linear.cpp``, extension
+``mha_linear``) beat MKL's AVX2 path on the AVX-512 EPYC, MKL's AVX-512 path beats them on the
+Intel Xeon. :func:`linear` therefore runs on whichever was measured faster on this CPU for the
+call's shape class (:mod:`mha.ops.linear_choice`: measured once per CPU model, cached beside
+the built kernels; ``MHA_LINEAR=native|torch`` forces a side), and is
+``torch.nn.functional.linear`` whenever the native op cannot take the call:
 
-* only float32 CPU tensors, with ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL``
-  multiply-adds and ``ROWS`` rows of x, and the native extension built with AVX-512;
+* only float32 CPU tensors (bfloat16: torch's bf16 GEMM, or fp32 on upcast inputs where that
+  was measured faster — then the fp32 choice applies; other dtypes: torch's GEMM), with
+  ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL`` multiply-adds (below that a measurement would time the
+  call overhead, and F.linear's is the smaller), and the extension built;
 * not while ``torch.compile`` traces (the op has no autograd formula registered with
   ``torch.library`` for the compiler to trace; it gets ``F.linear``).
+
+:func:`describe` says in one sentence which GEMM a call gets and why (the measured ratio, the
+shape and the CPU); :func:`why_not_native` is that sentence when it is not the native tiles.
 
 When a gradient is needed it runs under an autograd function whose backward is native too
 (``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles, no transposes). With
@@ -32,32 +40,31 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mha.ops import build
+from mha.ops import build, linear_choice
 
 NAME = "mha_linear"
 SOURCES = ("linear/linear.cpp",)
-SMALL = 1 << 20  # M N K below this: F.linear (7 x 33 x 32 ran at 0.4x F.linear; 5 x 512 x 512
-                 # at 3x with the weight packed ahead of the call)
-ROWS = 16  # M below this: F.linear, since each call packs W (O(N K)) for only M rows of GEMM
-           # (8 x 512 x 1536 ran at 0.5x F.linear; benchmarks/probes/linear.py)
+SMALL = 1 << 20  # M N K below this: F.linear without measuring (7 x 33 x 32 ran at 0.4x
+                 # F.linear: the call's fixed cost, not the GEMM, decides there)
 
 
 def load() -> str | None:
     """Build (or reuse) and load the extension. Returns the reason it is unavailable, or None
-    (no warning: :func:`linear` then is ``F.linear``, which is always correct)."""
-    reason = build.load_extension(NAME, SOURCES, register=_register)
-    if reason is None and not _vectorized():
-        return "the native projections need AVX-512 (this build has the portable loops only)"
-    return reason
+    (no warning: :func:`linear` then is ``F.linear``, which is always correct). Where the CPU
+    lacks AVX-512 the extension has its portable loops; the measurement decides whether they
+    are worth calling."""
+    return build.load_extension(NAME, SOURCES, register=_register)
+
+
+@functools.cache
+def kernel() -> str:
+    """The native build's cache key (sources, flags, toolchain, CPU): a new build is measured
+    again. Only after :func:`load` returned None."""
+    return build.load(NAME, SOURCES).parent.name
 
 
 def _register() -> None:
     torch.library.register_fake("mha::linear")(_fake)
-
-
-@functools.cache
-def _vectorized() -> bool:
-    return bool(torch.ops.mha.linear_vectorized())
 
 
 def _fake(x, weight, bias):
@@ -65,25 +72,90 @@ def _fake(x, weight, bias):
 
 
 def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """The reason :func:`linear` falls back to ``F.linear`` for these arguments, or None."""
+    """Why :func:`linear` runs ``F.linear`` (torch's GEMM) for these arguments, or None when it
+    runs the native tiles. The first fp32 call of a shape class on a machine may measure both
+    (see :mod:`mha.ops.linear_choice`); later ones read the answer."""
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
     tensors = [t for t in (x, weight, bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return "float32 CPU tensors only"
+        return "torch's GEMM: the native tiles take float32 CPU tensors only"
     if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 16 or \
             x.shape[-1] != weight.shape[1]:
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     if x.numel() * weight.shape[0] < SMALL:
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
-    if x.numel() < ROWS * x.shape[-1]:
-        return f"fewer than {ROWS} rows of x (packing the weight would dominate)"
-    return load()
+    reason = load()
+    if reason is not None:
+        return reason
+    side = linear_choice.forced()
+    if side is not None:
+        return None if side == "native" else f"torch's GEMM: forced by {linear_choice.ENV}=torch"
+    M, (N, K) = x.numel() // x.shape[-1], weight.shape
+    measured = linear_choice.choose(M, N, K, kernel())
+    return None if measured.choice == "native" else measured.describe()
+
+
+def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """For a bfloat16 CPU projection that fp32 on upcast inputs serves (measured faster, or
+    ``MHA_LINEAR=native``): the sentence why; None when it stays on torch's bf16 GEMM."""
+    choice = _bf16_choice(x, weight, bias)
+    return choice[1] if choice is not None and choice[0] else None
+
+
+def _bf16_choice(x, weight, bias) -> tuple[bool, str] | None:
+    """``(upcast?, why)`` for a bfloat16 CPU projection big enough to measure; None otherwise."""
+    if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+        return None
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors) or \
+            weight.dim() != 2 or x.shape[-1] != weight.shape[1] or \
+            x.numel() * weight.shape[0] < SMALL:
+        return None
+    side = linear_choice.forced()
+    if side is not None:
+        return side == "native", (
+            f"an fp32 GEMM on upcast inputs: forced by {linear_choice.ENV}=native"
+            if side == "native" else f"torch's bf16 GEMM: forced by {linear_choice.ENV}=torch")
+    M, (N, K) = x.numel() // x.shape[-1], weight.shape
+    measured = linear_choice.choose(M, N, K, _kernel_or_none(), bf16=True)
+    return measured.choice == "native", measured.describe()
+
+
+def _kernel_or_none() -> str:
+    """The native build's key, or ``none`` where it did not build (the bf16 choice compares
+    two torch paths, so it does not need the extension)."""
+    return kernel() if load() is None else "none"
+
+
+def describe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Which GEMM :func:`linear` runs for these arguments, and why, in one sentence."""
+    bf16 = _bf16_choice(x, weight, bias)
+    if bf16 is not None:
+        upcast, why = bf16
+        if not upcast:
+            return why
+        M, (N, K) = x.numel() // x.shape[-1], weight.shape
+        x32 = torch.empty(()).expand(M, K)  # the fp32 call's shape, nothing allocated
+        b32 = None if bias is None else bias.float()
+        return f"{why}; in fp32, {describe(x32, weight.float(), b32)}"
+    reason = why_not_native(x, weight, bias)
+    if reason is None:
+        if linear_choice.forced() == "native":
+            return f"the native tiles: forced by {linear_choice.ENV}=native"
+        M, (N, K) = x.numel() // x.shape[-1], weight.shape
+        return linear_choice.choose(M, N, K, kernel()).describe()
+    return reason if reason.startswith("torch's GEMM") else f"torch's GEMM (F.linear): {reason}"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x ``(..., K)``, weight ``(N, K)``, bias ``(N,)`` ->
-    ``(..., N)``, on the native fp32 tiles when :func:`why_not_native` finds no reason."""
+    ``(..., N)``, on the native fp32 tiles when :func:`why_not_native` finds no reason. bfloat16
+    projections run in fp32 on upcast inputs where that was measured faster (:func:`_upcast`)."""
+    if _upcast(x, weight, bias) is not None:
+        b = None if bias is None else bias.float()
+        y = linear(x.float(), weight.float(), b)  # (..., N) fp32: exact products, fp32 sums
+        return y.to(torch.bfloat16)  # one rounding, as torch's bf16 GEMM rounds its fp32 sums
     if why_not_native(x, weight, bias) is not None:
         return F.linear(x, weight, bias)
     lead, K = x.shape[:-1], x.shape[-1]

@@ -1,0 +1,126 @@
+"""The seeds' module against ``torch.nn.MultiheadAttention``, and where its time goes.
+
+Shape legend: B batch, T sequence length, d_model model width, h heads, d = d_model / h.
+
+For each shape and dtype: ``nn.MHA`` (eval, no_grad: torch's fast path) and
+``mha.MultiHeadAttention`` with the same weights, then the module's pieces timed alone — the
+QKV projection ``(B T, d_model) -> (B T, 3 d_model)``, attention on ``(B, h, T, d)`` views, the
+head merge + output projection — and torch's GEMMs vs mha.linear's native tiles on the same
+products. One process, calls interleaved round-robin, medians.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
+        benchmarks/probes/module.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import mha
+from _timing import interleaved
+from mha.ops import linear, linear_choice
+
+SHAPES = ((32, 20, 512, 8), (8, 512, 1024, 16))  # (B, T, d_model, h)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def pieces(m: mha.MultiHeadAttention, x: torch.Tensor) -> dict:
+    """The module's steps, each alone, on the tensors the module makes."""
+    B, T, D = x.shape
+    h = m.num_heads
+    W, b = m.in_proj.weight, m.in_proj.bias
+    qkv = F.linear(x, W, b)  # (B, T, d_model) -> (B, T, 3 d_model)
+    q, k, v = (t.view(B, T, h, D // h).transpose(1, 2)  # (B, T, h, d) -> (B, h, T, d)
+               for t in qkv.split(D, dim=-1))
+    out = mha.attention(q, k, v)  # (B, h, T, d)
+    return {
+        "qkv proj": lambda: m.project(x, x, x, True),
+        "attention": lambda: mha.attention(q, k, v),
+        "merge+out proj": lambda: m._output(out, None, _Off()),
+    }
+
+
+class _Off:
+    on = False
+
+    def record(self, *a, **k):
+        pass
+
+
+def gemms(M: int, N: int, K: int, dtype) -> dict:
+    x, w, b = torch.randn(M, K).to(dtype), torch.randn(N, K).to(dtype), torch.randn(N).to(dtype)
+    out = {f"F.linear {M}x{N}x{K}": lambda: F.linear(x, w, b)}
+    if dtype == torch.float32 and _native_built():
+        out[f"native tiles {M}x{N}x{K}"] = lambda: torch.ops.mha.linear(x, w, b)
+    return out
+
+
+def _native_built() -> bool:
+    """Whether the native op is loaded (its portable loops count: they are what runs here)."""
+    linear.load()
+    try:
+        torch.ops.mha.linear_vectorized  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _forcing(side: str, fn):
+    """``fn`` with every fp32 projection forced to ``side`` (as ``MHA_LINEAR=side``)."""
+    def run():
+        measured = linear_choice.forced
+        linear_choice.forced = lambda: side
+        try:
+            return fn()
+        finally:
+            linear_choice.forced = measured
+    return run
+
+
+def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool) -> None:
+    dtype = DTYPES[dname]
+    ref = torch.nn.MultiheadAttention(D, h, batch_first=True, dtype=dtype).eval()
+    m = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval()
+    x = torch.randn(B, T, D).to(dtype)  # (B, T, d_model)
+    fns = {"nn.MHA": lambda: ref(x, x, x, need_weights=False), "mha module": lambda: m(x)}
+    if dtype == torch.float32 and _native_built():
+        for side in ("torch", "native"):
+            fns[f"module, {side} forced"] = _forcing(side, lambda: m(x))
+    if with_pieces:
+        fns.update(pieces(m, x))
+        fns.update(gemms(B * T, 3 * D, D, dtype))
+        fns.update(gemms(B * T, D, D, dtype))
+    with torch.no_grad():
+        t = interleaved(fns, rounds, min_time=0.05)
+    base = t["nn.MHA"]
+    print(f"B{B} T{T} d_model{D} h{h} {dname}: nn.MHA {base * 1e3:.3f} ms, "
+          f"mha {t['mha module'] * 1e3:.3f} ms = {base / t['mha module']:.2f}x")
+    for w, width in (("QKV", 3 * D), ("out", D)):
+        weight = torch.empty(width, D, dtype=dtype)
+        print(f"    {w} projection: {mha.linear.describe(x, weight, None)}")
+    for name, sec in t.items():
+        if "forced" in name:
+            print(f"    {name}: {sec * 1e3:.3f} ms = {base / sec:.2f}x nn.MHA")
+        elif name not in ("nn.MHA", "mha module"):
+            print(f"    {name:28s} {sec * 1e3:8.3f} ms ({sec / t['mha module']:5.1%} of the module)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--pieces", action="store_true", help="also time the module's steps")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
+                    help="only these dtypes (default: all)")
+    ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for B, T, D, h in SHAPES[:1] if args.small else SHAPES:
+        for dname in args.dtype or DTYPES:
+            case(B, T, D, h, dname, args.rounds, args.pieces)
+
+
+if __name__ == "__main__":
+    main()
