@@ -24,6 +24,11 @@ from _timing import interleaved
 from mha.masks import causal_mask
 
 
+def _backward(f) -> None:
+    """One forward + backward of the timed call ``f``."""
+    f().sum().backward()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=2048)
@@ -59,7 +64,7 @@ def main() -> None:
         got = fns[f"flash_cpu {n}"]()[:, :1].detach().double()
         print(f"  check {n:<12} max |flash_cpu - float64| = {(got - ref).abs().max().item():.1e}")
     if a.train:
-        fns = {n: (lambda f: lambda: f().sum().backward())(f) for n, f in fns.items()}
+        fns = {n: functools.partial(_backward, f) for n, f in fns.items()}
     ctx = torch.enable_grad() if a.train else torch.no_grad()
     with ctx:
         ms = {n: t * 1e3 for n, t in interleaved(fns, a.rounds).items()}
