@@ -14,6 +14,7 @@ import torch
 import mha
 from mha.masks import MaskSpec
 from mha.ops import build, decode
+from threads import with_threads
 
 from oracle import assert_within_budget
 
@@ -98,12 +99,7 @@ def test_rows_without_keys_are_zeros():
 def test_deterministic_and_thread_count_independent(dtype):
     q, k, v, kw = _problem((1, 8, 2, 2, 3000, 64, 64), dtype, "all", seed=3)
     first = decode.flash_decode(q, k, v, **kw)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = decode.flash_decode(q, k, v, **kw)
-    finally:
-        torch.set_num_threads(threads)
+    single = with_threads(1, lambda: decode.flash_decode(q, k, v, **kw))
     for _ in range(3):
         assert torch.equal(decode.flash_decode(q, k, v, **kw), first)
     assert torch.equal(single, first)

@@ -20,6 +20,7 @@ from mha import reference
 from mha.masks import MaskSpec
 from mha.ops import decode
 from test_decode import NEEDS_KERNEL, SHAPES, _problem
+from threads import with_threads
 
 from oracle import FLOOR, max_err
 
@@ -239,12 +240,7 @@ def test_deterministic_and_thread_count_independent_with_variants(dtype):
     variants = _variants(VARIANT_ARGS, 1, 8, 2, 3000, dtype, torch.Generator().manual_seed(4))
     with torch.no_grad():
         first = decode.flash_decode(q, k, v, **kw, **variants)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            single = decode.flash_decode(q, k, v, **kw, **variants)
-        finally:
-            torch.set_num_threads(threads)
+        single = with_threads(1, lambda: decode.flash_decode(q, k, v, **kw, **variants))
         assert torch.equal(decode.flash_decode(q, k, v, **kw, **variants), first)
     assert torch.equal(single, first)
 

@@ -25,6 +25,7 @@ from kernel_inputs import qkv as _inputs
 from mha import reference
 from mha.masks import MaskSpec
 from mha.ops import flash
+from threads import with_threads
 
 EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
@@ -203,12 +204,7 @@ def test_deterministic_across_runs_and_thread_counts(dtype):
     q, k, v = _inputs(2, 4, 2, 150, 170, 64, 64, dtype)
     first = flash.flash_attention(q, k, v, causal=True)
     again = flash.flash_attention(q, k, v, causal=True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = flash.flash_attention(q, k, v, causal=True)
-    finally:
-        torch.set_num_threads(threads)
+    single = with_threads(1, lambda: flash.flash_attention(q, k, v, causal=True))
     for a, b, c in zip(first, again, single, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 

@@ -19,6 +19,7 @@ from mha.ops import flash
 from test_flash_bwd import _cancellation
 from test_mods import _Counting, _dense, _mod
 from test_variants import _allowed
+from threads import with_threads
 
 from oracle import FLOOR, max_err
 
@@ -259,13 +260,6 @@ def test_plans_are_deterministic_across_thread_counts():
         out.square().sum().backward()
         return [out.detach()] + [t.grad for t in ts]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(1, run), with_threads(2, run)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)

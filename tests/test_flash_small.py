@@ -21,6 +21,7 @@ from kernel_inputs import qkv as _inputs
 from mha import reference
 from mha.masks import MaskSpec
 from mha.ops import flash
+from threads import with_threads
 
 EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 MAX_KEYS = 64  # kSmallMaxKeys in flash_small.h
@@ -108,12 +109,7 @@ def test_deterministic_and_layout_independent(dtype):
     first = flash.flash_attention(q, k, v, causal=True, mask=m)
     contig = flash.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
                                     mask=m)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = flash.flash_attention(q, k, v, causal=True, mask=m)
-    finally:
-        torch.set_num_threads(threads)
+    single = with_threads(1, lambda: flash.flash_attention(q, k, v, causal=True, mask=m))
     for a, b, c in zip(first, contig, single, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 

@@ -17,6 +17,7 @@ from mha import reference
 from mha.ops import flash
 from test_flash_bwd import _cancellation
 from test_variants import _allowed, _within_budget, differentiable
+from threads import with_threads
 
 from oracle import FLOOR, max_err
 
@@ -169,14 +170,7 @@ def test_the_variants_are_deterministic_across_thread_counts():
         out.sum().backward()
         return [out.detach()] + [t.grad for t in ts]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(1, run), with_threads(2, run)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
 

@@ -70,21 +70,29 @@ def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") ->
     """Run ``model`` on ``text`` and keep every layer's attention weights as returned."""
     _check_text(text)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
-    with recording() as rec:  # mha.attention names the backend it ran, if it ran
-        out = model(**enc, output_attentions=True, output_hidden_states=True)
     impl = model.config._attn_implementation
+    out, weights, backend = _run_with_weights(model, impl, **enc, output_hidden_states=True)
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
+                         model=name or model_name(model.config._name_or_path),
+                         attn_implementation=impl, mha_backend=backend,
+                         d_model=model.config.hidden_size,
+                         hidden_states=list(out.hidden_states))
+
+
+def _run_with_weights(model, impl: str, **inputs):
+    """``model(**inputs, output_attentions=True)``: ``(outputs, weights (L, h, T, T), the mha
+    backend that ran or None)``. Refuses a model that returned no weights, or that never
+    reached mha.attention while set to ``"mha"``."""
+    with recording() as rec:  # mha.attention names the backend it ran, if it ran
+        out = model(**inputs, output_attentions=True)
     if impl == "mha" and rec.backend is None:
         raise RuntimeError("attn_implementation='mha' is set but mha.attention never ran")
     if not out.attentions or any(a is None for a in out.attentions):
         raise RuntimeError(f"the model returned no attention weights with attn_implementation="
                            f"{impl!r}")
     weights = torch.stack([a[0] for a in out.attentions])  # L x (1, h, T, T) -> (L, h, T, T)
-    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-    return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
-                         model=name or model_name(model.config._name_or_path),
-                         attn_implementation=impl, mha_backend=rec.backend,
-                         d_model=model.config.hidden_size,
-                         hidden_states=list(out.hidden_states))
+    return out, weights, rec.backend
 
 
 def extract(text: str, model_dir: str | Path | None = None, *, attn_implementation: str = "mha",
@@ -115,19 +123,13 @@ def extract_llm(text: str, *, max_tokens: int = 256,
     tok, model = loaded.tokenizer, loaded.model
     ids = tok(text, return_tensors="pt", truncation=True,
               max_length=max_tokens)["input_ids"]  # (1, T)
-    with recording() as rec:
-        out = model(input_ids=ids, output_attentions=True, use_cache=False)
-    if attn_implementation == "mha" and rec.backend is None:
-        raise RuntimeError("attn_implementation='mha' is set but mha.attention never ran")
-    if not out.attentions or any(a is None for a in out.attentions):
-        raise RuntimeError(f"the model returned no attention weights with attn_implementation="
-                           f"{attn_implementation!r}")
-    weights = torch.stack([a[0] for a in out.attentions])  # L x (1, h, T, T) -> (L, h, T, T)
+    _, weights, backend = _run_with_weights(model, attn_implementation, input_ids=ids,
+                                            use_cache=False)
     tokens = [tok.decode([i]).replace(" ", "\u2581").replace("\n", "\u23ce")
               for i in ids[0].tolist()]
     return AttentionMaps(tokens=tokens, weights=weights.float().numpy(), text=text,
                          model=LLM_NAME, attn_implementation=attn_implementation,
-                         mha_backend=rec.backend, d_model=model.config.hidden_size,
+                         mha_backend=backend, d_model=model.config.hidden_size,
                          kv_heads=model.config.num_key_value_heads)
 
 
