@@ -191,3 +191,16 @@ def test_cli_end_to_end_tiny_grid(tmp_path):
     assert main(["bench", "--from-json", str(tmp_path / f"latest-{kind}.json"), "--out", "",
                  "--markdown", str(md2)]) == 0
     assert report.markdown(run) in md2.read_text()
+
+
+def test_mm_peak_shrinks_the_product_that_would_take_too_long():
+    """``torch.mm``'s peak is timed on the requested size unless one product would take longer
+    than ``longest`` (bf16 on a CPU without bf16 arithmetic): then on a smaller power of two."""
+    import torch
+
+    from mha.bench.peaks import _mm_peak
+
+    rate, m = _mm_peak(torch.float32, 512, 0.0, longest=1e9)
+    assert m == 512 and rate > 0
+    rate, m = _mm_peak(torch.float32, 512, 0.0, longest=0.0)
+    assert m == 256 and rate > 0
