@@ -38,6 +38,7 @@ def cache_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(linear_choice, "measure", not_injected)
     monkeypatch.setattr(linear_choice, "measure_bf16", not_injected)
+    monkeypatch.setattr(linear_choice, "measure_bf16_tiles", not_injected)
     return file
 
 
@@ -102,16 +103,20 @@ def test_why_not_native_and_describe_say_the_measured_choice(cache_file, monkeyp
     assert linear.describe(x, w, None).startswith("the native tiles: measured 1.50x faster")
     assert "float32" in linear.why_not_native(x.bfloat16(), w.bfloat16(), None)
     inject(monkeypatch, 3.0, 1.0, "measure_bf16")
+    inject(monkeypatch, 3.0, 1.0, "measure_bf16_tiles")
     bf16 = linear.describe(x.bfloat16(), w.bfloat16(), None)
-    assert bf16.startswith("torch's bf16 GEMM: measured 3.00x faster than an fp32 GEMM on upcast")
+    ours = "the native bf16 tiles" if linear.bf16_tiles() else "an fp32 GEMM on upcast inputs"
+    assert bf16.startswith(f"torch's bf16 GEMM: measured 3.00x faster than {ours}")
 
 
 @pytest.mark.parametrize(("upcast_s", "torch_s", "upcast"), [(1.0, 3.0, True), (3.0, 1.0, False)])
 def test_bf16_projections_follow_their_own_measurement(cache_file, monkeypatch, upcast_s,
                                                        torch_s, upcast):
-    """bfloat16: fp32 on upcast inputs (then the fp32 choice) or torch's bf16 GEMM, as measured
-    for the class "bf16 M.. N.. K..", stored beside the fp32 classes; the result is the fp32
-    product rounded once, or F.linear in bf16."""
+    """bfloat16 where the build has no bf16 tiles (as on a CPU without AVX512_BF16): fp32 on
+    upcast inputs (then the fp32 choice) or torch's bf16 GEMM, as measured for the class
+    "bf16 M.. N.. K..", stored beside the fp32 classes; the result is the fp32 product rounded
+    once, or F.linear in bf16."""
+    monkeypatch.setattr(linear, "bf16_tiles", lambda: False)
     fp32 = inject(monkeypatch, 2.0, 1.0)  # the fp32 side: torch's GEMM
     bf16 = inject(monkeypatch, upcast_s, torch_s, "measure_bf16")
     g = torch.Generator().manual_seed(3)
@@ -288,10 +293,41 @@ def test_forced_value_is_checked(monkeypatch):
     linear_choice.forced.cache_clear()
 
 
+@pytest.mark.parametrize(("tiles_s", "torch_s", "tiles"), [(1.0, 3.0, True), (3.0, 1.0, False)])
+def test_bf16_tiles_follow_their_measurement(cache_file, monkeypatch, tiles_s, torch_s, tiles):
+    """bfloat16 where the build has the bf16 tiles: they or torch's bf16 GEMM, as measured for
+    the class "bf16 tiles M.. N.. K.." (no fp32 class measured); either result is within one
+    bf16 rounding of the float64 product, and the tiles' autograd function is in the graph
+    exactly when they were chosen."""
+    if not linear.bf16_tiles():
+        pytest.skip("the native op has no bf16 tiles here (its build lacks AVX512_BF16)")
+    fp32 = inject(monkeypatch, 2.0, 1.0)
+    asked = inject(monkeypatch, tiles_s, torch_s, "measure_bf16_tiles")
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((4, 160, 512), (1536, 512),
+                                                                   (1536,)))
+    text = linear.describe(x, w, b)
+    if tiles:
+        assert text == ("the native bf16 tiles: measured 3.00x faster than torch's bf16 GEMM "
+                        "for (M=512, N=2048, K=512) on " + linear_choice.cpu_model())
+    else:
+        assert text.startswith("torch's bf16 GEMM: measured 3.00x faster than the native bf16")
+    with torch.no_grad():
+        got = linear.linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, w, b))  # bf16 tolerances: one rounding apart
+    y = linear.linear(x, w.clone().requires_grad_(), b)
+    assert ("_LinearBf16Backward" in _graph(y)) == tiles
+    assert asked == [(512, 2048, 512)] and fp32 == []
+    entries = json.loads(cache_file.read_text())["machines"]
+    assert any("bf16 tiles M512 N2048 K512" in e for e in entries.values())
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_both_sides_forced_give_the_same_numbers_bf16(monkeypatch, bias):
-    """bfloat16: forced native (fp32 native tiles on upcast inputs) and forced torch (its bf16
-    GEMM) within bf16 rounding of each other and of the float64 reference."""
+    """bfloat16: forced native (the bf16 tiles, or fp32 native tiles on upcast inputs where the
+    build has no bf16 tiles) and forced torch (its bf16 GEMM) within bf16 rounding of each
+    other and of the float64 reference."""
     if linear.load() is not None:
         pytest.skip(f"the native projections did not build: {linear.load()}")
     torch.manual_seed(0)
@@ -301,8 +337,9 @@ def test_both_sides_forced_give_the_same_numbers_bf16(monkeypatch, bias):
     outs = {}
     for side in ("native", "torch"):
         monkeypatch.setattr(linear_choice, "forced", lambda side=side: side)
-        # QKV and W_O; forced native says it twice each: the upcast, then the fp32 tiles
-        assert m.explain(x).count(f"forced by MHA_LINEAR={side}") == (4 if side == "native" else 2)
+        # QKV and W_O; forced native upcast says it twice each: the upcast, then the fp32 tiles
+        twice = side == "native" and not linear.bf16_tiles()
+        assert m.explain(x).count(f"forced by MHA_LINEAR={side}") == (4 if twice else 2)
         with torch.no_grad():
             outs[side] = m(x).double()
     with torch.no_grad():

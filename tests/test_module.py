@@ -150,6 +150,7 @@ def test_explain_names_each_projections_gemm_and_the_backend(tmp_path, monkeypat
     monkeypatch.setattr(linear_choice, "_memo", {})
     monkeypatch.setattr(linear_choice, "measure", lambda shape: (native_s, torch_s))
     monkeypatch.setattr(linear_choice, "measure_bf16", lambda shape: (3.0, 1.0))
+    monkeypatch.setattr(linear_choice, "measure_bf16_tiles", lambda shape: (3.0, 1.0))
     m = mha.MultiHeadAttention(512, 8)
     x = torch.randn(32, 20, 512)
     text = m.explain(x, causal=True)
@@ -164,6 +165,7 @@ def test_explain_names_each_projections_gemm_and_the_backend(tmp_path, monkeypat
     cross = mha.MultiHeadAttention(512, 8, kdim=256, vdim=256).bfloat16()
     text = cross.explain(x.bfloat16(), torch.randn(32, 7, 256).bfloat16())
     assert [ln.split(":")[0] for ln in text.splitlines()[1:5]] == ["  Q", "  K", "  V", "  W_O"]
-    assert text.count("torch's bf16 GEMM: measured 3.00x faster than an fp32 GEMM") == 4
+    ours = "the native bf16 tiles" if linear.bf16_tiles() else "an fp32 GEMM on upcast inputs"
+    assert text.count(f"torch's bf16 GEMM: measured 3.00x faster than {ours}") == 4
     with pytest.raises(ValueError, match="query"):
         m.explain(torch.randn(2, 3, 100))

@@ -65,6 +65,8 @@ def kernel() -> str:
 
 def _register() -> None:
     torch.library.register_fake("mha::linear")(_fake)
+    if torch.ops.mha.linear_bf16_tiles():
+        torch.library.register_fake("mha::linear_bf16")(_fake)
 
 
 def _fake(x, weight, bias):
@@ -96,15 +98,19 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return None if measured.choice == "native" else measured.describe()
 
 
-def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """For a bfloat16 CPU projection that fp32 on upcast inputs serves (measured faster, or
-    ``MHA_LINEAR=native``): the sentence why; None when it stays on torch's bf16 GEMM."""
-    choice = _bf16_choice(x, weight, bias)
-    return choice[1] if choice is not None and choice[0] else None
+@functools.cache
+def bf16_tiles() -> bool:
+    """Whether the native op has its bf16 tiles (``vdpbf16ps``: a build for a CPU with
+    AVX512_BF16), ``torch.ops.mha.linear_bf16``."""
+    return load() is None and bool(torch.ops.mha.linear_bf16_tiles())
 
 
-def _bf16_choice(x, weight, bias) -> tuple[bool, str] | None:
-    """``(upcast?, why)`` for a bfloat16 CPU projection big enough to measure; None otherwise."""
+def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
+    """``(side, why)`` for a bfloat16 CPU projection big enough to measure, side ``"tiles"``
+    (the native bf16 tiles), ``"upcast"`` (fp32 on upcast inputs, then the fp32 choice) or
+    ``"torch"`` (torch's bf16 GEMM); None for any other call. The native side is the bf16 tiles
+    where the build has them and the shape suits them (``N % 16 == 0``, ``K % 16 == 0``), else
+    the upcast."""
     if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
         return None
     tensors = [t for t in (x, weight, bias) if t is not None]
@@ -112,14 +118,17 @@ def _bf16_choice(x, weight, bias) -> tuple[bool, str] | None:
             weight.dim() != 2 or x.shape[-1] != weight.shape[1] or \
             x.numel() * weight.shape[0] < SMALL:
         return None
+    tiles = bf16_tiles() and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    native = "tiles" if tiles else "upcast"
     side = linear_choice.forced()
     if side is not None:
-        return side == "native", (
-            f"an fp32 GEMM on upcast inputs: forced by {linear_choice.ENV}=native"
-            if side == "native" else f"torch's bf16 GEMM: forced by {linear_choice.ENV}=torch")
+        if side == "torch":
+            return "torch", f"torch's bf16 GEMM: forced by {linear_choice.ENV}=torch"
+        ours = "the native bf16 tiles" if tiles else "an fp32 GEMM on upcast inputs"
+        return native, f"{ours}: forced by {linear_choice.ENV}=native"
     M, (N, K) = x.numel() // x.shape[-1], weight.shape
-    measured = linear_choice.choose(M, N, K, _kernel_or_none(), bf16=True)
-    return measured.choice == "native", measured.describe()
+    measured = linear_choice.choose(M, N, K, _kernel_or_none(), bf16=True, tiles=tiles)
+    return (native if measured.choice == "native" else "torch"), measured.describe()
 
 
 def _kernel_or_none() -> str:
@@ -130,10 +139,10 @@ def _kernel_or_none() -> str:
 
 def describe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """Which GEMM :func:`linear` runs for these arguments, and why, in one sentence."""
-    bf16 = _bf16_choice(x, weight, bias)
+    bf16 = _bf16_side(x, weight, bias)
     if bf16 is not None:
-        upcast, why = bf16
-        if not upcast:
+        side, why = bf16
+        if side != "upcast":
             return why
         M, (N, K) = x.numel() // x.shape[-1], weight.shape
         x32 = torch.empty(()).expand(M, K)  # the fp32 call's shape, nothing allocated
@@ -151,12 +160,18 @@ def describe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x ``(..., K)``, weight ``(N, K)``, bias ``(N,)`` ->
     ``(..., N)``, on the native fp32 tiles when :func:`why_not_native` finds no reason. bfloat16
-    projections run in fp32 on upcast inputs where that was measured faster (:func:`_upcast`)."""
-    if _upcast(x, weight, bias) is not None:
+    projections run on the native bf16 tiles, or in fp32 on upcast inputs, where that was
+    measured faster than torch's bf16 GEMM (:func:`_bf16_side`)."""
+    side = _bf16_side(x, weight, bias)
+    if side is not None and side[0] == "upcast":
         b = None if bias is None else bias.float()
         y = linear(x.float(), weight.float(), b)  # (..., N) fp32: exact products, fp32 sums
         return y.to(torch.bfloat16)  # one rounding, as torch's bf16 GEMM rounds its fp32 sums
-    if why_not_native(x, weight, bias) is not None:
+    if side is not None and side[0] == "tiles":
+        op, function = torch.ops.mha.linear_bf16, _LinearBf16
+    elif side is None and why_not_native(x, weight, bias) is None:
+        op, function = torch.ops.mha.linear, _Linear
+    else:
         return F.linear(x, weight, bias)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)  # (..., K) -> (M, K)
@@ -164,9 +179,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, weight, bias)):
-        out = _Linear.apply(x2, weight, bias)
+        out = function.apply(x2, weight, bias)
     else:
-        out = torch.ops.mha.linear(x2, weight, bias)
+        out = op(x2, weight, bias)
     return out.view(*lead, weight.shape[0])  # (M, N) -> (..., N)
 
 
@@ -176,11 +191,14 @@ class _Linear(torch.autograd.Function):
     Under ``create_graph=True`` (grad mode on inside backward) the same three products are torch
     ops, so the gradients are themselves differentiable."""
 
-    @staticmethod
-    def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
+    op, backward_op = "linear", "linear_backward"  # torch.ops.mha.<name>
+
+    @classmethod
+    def forward(cls, ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mha.linear(x2, weight, bias)
+        ctx.backward_op = cls.backward_op
+        return getattr(torch.ops.mha, cls.op)(x2, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (M, N)
@@ -191,8 +209,15 @@ class _Linear(torch.autograd.Function):
             gx = grad_out @ weight if need_x else None  # (M, N) @ (N, K) -> (M, K)
             gw = grad_out.t() @ x2 if need_w else None  # (N, M) @ (M, K) -> (N, K)
             return gx, gw, gb
-        gx, gw = torch.ops.mha.linear_backward(grad_out, x2, weight, need_x, need_w)
+        gx, gw = getattr(torch.ops.mha, ctx.backward_op)(grad_out, x2, weight, need_x, need_w)
         return (gx if need_x else None), (gw if need_w else None), gb
+
+
+class _LinearBf16(_Linear):
+    """The same function on the bf16 tiles: products of bf16 values summed in fp32, each
+    gradient rounded to bf16 once (as torch's bf16 GEMM rounds its own)."""
+
+    op, backward_op = "linear_bf16", "linear_bf16_backward"
 
 
 def linear_module(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

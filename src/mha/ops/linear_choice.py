@@ -36,15 +36,17 @@ is not valid JSON of this format (truncated, hand-edited) is treated as absent: 
 again and replaced. Without a usable cache directory the choice is measured and kept in memory
 for this process.
 
-bfloat16 projections have a choice of their own: torch's bf16 GEMM, or upcasting x, W and b to
-fp32, the fp32 projection (itself measured as above) and one rounding back to bf16 — on CPUs
-without bf16 instructions torch's bf16 GEMM was measured 3.3x slower than that. Their classes
-are stored as ``"bf16 M.. N.. K.."``, where ``native_s`` is the upcast path's time
-(:func:`measure_bf16`).
+bfloat16 projections have a choice of their own: torch's bf16 GEMM, or mha's native side —
+the native op's bf16 tiles (``vdpbf16ps``, fp32 sums rounded once) where the build has them
+(AVX512_BF16), else upcasting x, W and b to fp32, the fp32 projection (itself measured as
+above) and one rounding back to bf16 (on CPUs without bf16 instructions torch's bf16 GEMM was
+measured 3.3x slower than that). Their classes are stored as ``"bf16 tiles M.. N.. K.."``
+(``native_s``: the bf16 tiles' time, :func:`measure_bf16_tiles`) and ``"bf16 M.. N.. K.."``
+(``native_s``: the upcast path's time, :func:`measure_bf16`).
 
 ``MHA_LINEAR`` (read once) forces a side for every projection: ``native`` (the native tiles;
-bf16 upcast to them) or ``torch`` (torch's GEMM in the input's dtype); unset or ``measure`` is
-the measured choice.
+bf16: the bf16 tiles, or upcast to the fp32 tiles where the build lacks them) or ``torch``
+(torch's GEMM in the input's dtype); unset or ``measure`` is the measured choice.
 """
 
 from __future__ import annotations
@@ -115,18 +117,21 @@ class Measured:
     torch_s: float
     shape: tuple[int, int, int]  # the (M, N, K) timed
     cpu: str
-    bf16: bool = False  # a bfloat16 class: "native" is then the fp32 GEMM on upcast inputs
+    bf16: bool = False  # a bfloat16 class: "native" is the fp32 GEMM on upcast inputs ...
+    tiles: bool = False  # ... or, with tiles, the native op's bf16 tiles
 
     @classmethod
-    def of(cls, native_s: float, torch_s: float, shape, cpu: str, bf16: bool = False) -> Measured:
+    def of(cls, native_s: float, torch_s: float, shape, cpu: str, bf16: bool = False,
+           tiles: bool = False) -> Measured:
         choice = "native" if native_s * MARGIN <= torch_s else "torch"
-        return cls(choice, native_s, torch_s, tuple(shape), cpu, bf16)
+        return cls(choice, native_s, torch_s, tuple(shape), cpu, bf16, bf16 and tiles)
 
     def describe(self) -> str:
         """One sentence: what runs and the measurement behind it."""
         M, N, K = self.shape
         where = f"for (M={M}, N={N}, K={K}) on {self.cpu}"
-        ours, theirs = (("an fp32 GEMM on upcast inputs", "torch's bf16 GEMM") if self.bf16
+        ours, theirs = (("the native bf16 tiles", "torch's bf16 GEMM") if self.tiles
+                        else ("an fp32 GEMM on upcast inputs", "torch's bf16 GEMM") if self.bf16
                         else ("the native tiles", "torch's GEMM"))
         if self.choice == "native":
             return f"{ours}: measured {self.torch_s / self.native_s:.2f}x faster than {theirs} {where}"
@@ -232,21 +237,35 @@ def measure_bf16(shape: tuple[int, int, int]) -> tuple[float, float]:
                      lambda: F.linear(x, w, b)))
 
 
+def measure_bf16_tiles(shape: tuple[int, int, int]) -> tuple[float, float]:
+    """Seconds per call of ``(the native op's bf16 tiles, torch's bf16 F.linear)`` on bfloat16
+    ``x (M, K)``, ``W (N, K)`` and a bias, as :func:`measure` times its pair. The native op must
+    be loaded with its bf16 tiles."""
+    M, N, K = shape
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((M, K), (N, K), (N,)))
+    return _fastest((lambda: torch.ops.mha.linear_bf16(x, w, b), lambda: F.linear(x, w, b)))
+
+
 # ----------------------------------------------------------------------------- the choice
-def choose(M: int, N: int, K: int, kernel: str, *, bf16: bool = False) -> Measured:
+def choose(M: int, N: int, K: int, kernel: str, *, bf16: bool = False,
+           tiles: bool = False) -> Measured:
     """The measured choice for the class of ``(M, N, K)``: from this process's memory, else the
     cache file, else measured now (and stored). ``kernel`` names the native build measured.
-    ``bf16``: the class of bfloat16 projections (fp32 GEMM on upcast inputs vs torch's bf16
-    GEMM), stored as ``"bf16 M.. N.. K.."``."""
+    ``bf16``: the class of bfloat16 projections, torch's bf16 GEMM against the native op's bf16
+    tiles (``tiles``, stored as ``"bf16 tiles M.. N.. K.."``) or against the fp32 GEMM on upcast
+    inputs (stored as ``"bf16 M.. N.. K.."``)."""
     machine, bucket = machine_key(kernel), Bucket.of(M, N, K)
-    name = f"bf16 {bucket.name}" if bf16 else bucket.name
+    tiles = bf16 and tiles
+    name = (f"bf16 tiles {bucket.name}" if tiles else f"bf16 {bucket.name}" if bf16
+            else bucket.name)
     found = _memo.get((machine, name))
     if found is not None:
         return found
     with _lock:  # one thread of this process measures; the others wait for its answer
         found = _memo.get((machine, name))
         if found is None:
-            found = _from_file_or_measure(machine, bucket, name, bf16)
+            found = _from_file_or_measure(machine, bucket, name, bf16, tiles)
             _memo[machine, name] = found
     return found
 
@@ -261,30 +280,32 @@ def path() -> Path:
     return build.cache_root() / FILE
 
 
-def _from_file_or_measure(machine: str, bucket: Bucket, name: str, bf16: bool) -> Measured:
+def _from_file_or_measure(machine: str, bucket: Bucket, name: str, bf16: bool,
+                          tiles: bool) -> Measured:
     try:
         file = path()
     except build.BuildError:  # no cache directory (already warned by build): keep it in memory
-        return _measured(bucket, bf16)
-    found = _entry(_read(file), machine, name, bf16)
+        return _measured(bucket, bf16, tiles)
+    found = _entry(_read(file), machine, name, bf16, tiles)
     if found is not None:
         return found
     try:
         with build._exclusive(file.with_name(LOCK)):
             data = _read(file)  # again, under the lock: another process may have measured it
-            found = _entry(data, machine, name, bf16)
+            found = _entry(data, machine, name, bf16, tiles)
             if found is None:
-                found = _measured(bucket, bf16)
+                found = _measured(bucket, bf16, tiles)
                 data.setdefault("machines", {}).setdefault(machine, {})[name] = found.record()
                 _write(file, data)
     except (build.BuildError, OSError):  # a lock or a file that cannot be written: not cached
-        found = found or _measured(bucket, bf16)
+        found = found or _measured(bucket, bf16, tiles)
     return found
 
 
-def _measured(bucket: Bucket, bf16: bool) -> Measured:
-    native_s, torch_s = (measure_bf16 if bf16 else measure)(bucket.shape)
-    return Measured.of(native_s, torch_s, bucket.shape, cpu_model(), bf16)
+def _measured(bucket: Bucket, bf16: bool, tiles: bool) -> Measured:
+    timer = measure_bf16_tiles if tiles else measure_bf16 if bf16 else measure
+    native_s, torch_s = timer(bucket.shape)
+    return Measured.of(native_s, torch_s, bucket.shape, cpu_model(), bf16, tiles)
 
 
 def _read(file: Path) -> dict:
@@ -301,7 +322,7 @@ def _read(file: Path) -> dict:
     return data
 
 
-def _entry(data: dict, machine: str, name: str, bf16: bool) -> Measured | None:
+def _entry(data: dict, machine: str, name: str, bf16: bool, tiles: bool) -> Measured | None:
     """The stored choice of the class ``name`` on ``machine``, if it is whole and sane."""
     e = data["machines"].get(machine, {}).get(name)
     try:
@@ -312,7 +333,7 @@ def _entry(data: dict, machine: str, name: str, bf16: bool) -> Measured | None:
     if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or len(shape) != 3 \
             or e.get("choice") != Measured.of(native_s, torch_s, shape, "").choice:
         return None
-    return Measured.of(native_s, torch_s, shape, cpu_model(), bf16)
+    return Measured.of(native_s, torch_s, shape, cpu_model(), bf16, tiles)
 
 
 def _write(file: Path, data: dict) -> None:

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -176,6 +177,163 @@ std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_out,
   return {gx, gw};
 }
 
+#if defined(MHA_GEMM_BF16)
+// ---------------------------------------------------------------------------- bf16 operands
+// The same GEMM on vdpbf16ps: bf16 operands, products summed in fp32 (exact products of bf16
+// values, fp32 sums as torch's bf16 GEMM makes them), each output rounded to bf16 once. K runs
+// over pairs (K2 = K / 2, K even). The weight is packed inside the parallel region, one panel
+// at a time by the thread that uses it (items run panel-major, so a thread's range of items
+// covers a few panels, each packed once into its own buffer while it is hot in L2): the packing
+// is spread over the threads without a second parallel region.
+
+// dst (K2, 64, 2) = panel p of W^T as bf16 pairs, zero past N: dst[k2][j][e] = W(64 p + j,
+// 2 k2 + e) with W(n, k) = w[n sn + k]. A pair is 32 bits, so this is the fp32 packing of
+// the (N, K2) matrix of pairs (8 x 8 register transposes of bits, never computed on).
+void pack_panel_bf16(const uint16_t* w, int64_t N, int64_t K2, int64_t sn, int64_t p,
+                     uint16_t* dst) {
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w + n0 * sn);  // pairs, row sn / 2
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  int64_t k = 0;
+#if defined(__AVX2__)
+  if (cols % 8 == 0)
+    for (; k + 8 <= K2; k += 8)
+      for (int64_t j = 0; j < cols; j += 8)
+        transpose8(reinterpret_cast<const float*>(src + j * (sn / 2) + k), sn / 2,
+                   reinterpret_cast<float*>(out + k * kPanel + j), kPanel);
+#endif
+  for (; k < K2; ++k)
+    for (int64_t j = 0; j < cols; ++j) out[k * kPanel + j] = src[j * (sn / 2) + k];
+  for (k = 0; k < K2; ++k)
+    for (int64_t j = cols; j < kPanel; ++j) out[k * kPanel + j] = 0;
+}
+
+// out (M, N, bf16, row stride ldc) = bf16(A (M, 2 K2) W^T + bias): A(r, k) = a[r sam + k],
+// W (N, 2 K2) rows sn apart (sn even, 4-byte aligned: pairs read as 32 bits), bias fp32 (N,)
+// or null. Items are (panel, 96-row block) pairs, panel-major; each sums into an fp32 block
+// (96 x 64, 24 KB) over K chunks of 128 pairs (the panel's 128 x 64 pair slice, 32 KB, stays
+// in L1) and rounds it once. Each output is summed in the same order whatever the threads.
+void blocked_gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_t sam,
+                       const uint16_t* w, int64_t sn, const float* bias, uint16_t* out,
+                       int64_t ldc) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, blocks = (M + kRows - 1) / kRows;
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float cb[kRows * kPanel];         // (rows, 64) fp32 sums of this item
+    std::vector<uint16_t> wp(K2 * kPanel * 2);    // (K2, 64, 2) the current panel
+    int64_t packed = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / blocks, m0 = (t % blocks) * kRows, rows = std::min(kRows, M - m0);
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      if (p != packed) pack_panel_bf16(w, N, K2, sn, p, wp.data()), packed = p;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) cb[r * kPanel + j] = bias ? bias[n0 + j] : 0.f;
+      for (int64_t k0 = 0; k0 < K2; k0 += kChunk) {  // C += A[:, pairs k0:k1] W^T[k0:k1, panel]
+        const int64_t kc = std::min(kChunk, K2 - k0);
+        mha_gemm::gemm<uint16_t>(rows, cols, kc, a + m0 * sam + 2 * k0, sam, 0,
+                                 wp.data() + k0 * kPanel * 2, kPanel, cb, kPanel, true);
+      }
+      for (int64_t r = 0; r < rows; ++r)  // one rounding per output
+        for (int64_t j = 0; j < cols; j += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldc + n0 + j),
+                              mha_tiles::to_bf16(_mm512_loadu_ps(cb + r * kPanel + j)));
+    }
+  });
+}
+
+void check_bf16_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, "mha linear_bf16: ", name,
+              " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+const uint16_t* bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+uint16_t* bits_mut(at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// Rows of `t` (2-D) with a contiguous last dim, an even row stride and a 4-byte aligned start
+// (its bf16 pairs can be read as 32 bits): t itself, or a contiguous copy.
+at::Tensor pair_rows(const at::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && (t.stride(0) % 2 == 0 || t.size(0) <= 1) &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  return ok ? t : t.contiguous();
+}
+
+// out (M, N) bf16 = x (M, K) W^T + bias on the bf16 tiles: x with a contiguous last dim, K
+// even, W (N, K) with N % 16 == 0 (copied when its rows are not pairs in place).
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias) {
+  check_bf16_cpu(x, "x");
+  check_bf16_cpu(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "mha linear_bf16: x must be 2-D (M, K) with a contiguous last dim and K even, got ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.size(0) % 16 == 0,
+              "mha linear_bf16: weight must be (N, K) with K=", K, " and N % 16 == 0, got ",
+              w.sizes());
+  const int64_t N = w.size(0);
+  at::Tensor b;
+  if (bias.has_value()) {
+    check_bf16_cpu(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N,
+                "mha linear_bf16: bias must be (N,) = (", N, ",), got ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();  // exact: every bf16 is an fp32
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xp = pair_rows(x), wr = pair_rows(w);
+  blocked_gemm_bf16(M, N, K / 2, bits(xp), xp.stride(0), bits(wr), wr.stride(0),
+                    b.defined() ? b.data_ptr<float>() : nullptr, bits_mut(out), N);
+  return out;
+}
+
+// The gradients of out = x W^T + b on the same tiles, each rounded to bf16 once:
+// grad_x (M, K) = grad_out (M, N) W (N, K), with W^T (K, N) copied as the "weight";
+// grad_w (N, K) = grad_out^T (N, M) x (M, K), with grad_out^T and x^T copied to rows of even
+// length (M rounded up, zero-padded: the pairs run over M). N and K % 16 == 0. The copies are
+// O(M N + M K + N K) against the products' O(M N K).
+std::tuple<at::Tensor, at::Tensor> linear_bf16_backward(const at::Tensor& grad_out,
+                                                        const at::Tensor& x, const at::Tensor& w,
+                                                        bool need_x, bool need_w) {
+  check_bf16_cpu(grad_out, "grad_out");
+  check_bf16_cpu(x, "x");
+  check_bf16_cpu(w, "weight");
+  TORCH_CHECK(grad_out.dim() == 2 && x.dim() == 2 && w.dim() == 2 &&
+                  grad_out.size(0) == x.size(0) && grad_out.size(1) == w.size(0) &&
+                  x.size(1) == w.size(1) && w.size(1) % 16 == 0 && w.size(0) % 16 == 0,
+              "mha linear_bf16 backward: expected grad_out (M, N), x (M, K), weight (N, K) with "
+              "N, K % 16 == 0, got ", grad_out.sizes(), ", ", x.sizes(), ", ", w.sizes());
+  const at::Tensor g = grad_out.contiguous();
+  const int64_t M = g.size(0), N = g.size(1), K = x.size(1);
+  at::Tensor gx, gw;
+  if (need_x) gx = linear_bf16(g, w.t().contiguous(), std::nullopt);  // (M, N) x (K, N)^T
+  if (need_w) {
+    gw = at::zeros({N, K}, w.options());
+    if (M > 0) {
+      const int64_t Mp = (M + 1) / 2 * 2;
+      at::Tensor gt = at::zeros({N, Mp}, g.options());  // (N, Mp) = grad_out^T, zero-padded
+      gt.narrow(1, 0, M).copy_(g.t());
+      at::Tensor xt = at::zeros({K, Mp}, x.options());  // (K, Mp) = x^T, zero-padded
+      xt.narrow(1, 0, M).copy_(x.t());
+      blocked_gemm_bf16(N, K, Mp / 2, bits(gt), Mp, bits(xt), Mp, nullptr, bits_mut(gw), K);
+    }
+  }
+  return {gx, gw};
+}
+#endif  // MHA_GEMM_BF16
+
+// Whether the bf16 tiles (vdpbf16ps) are compiled in: mha::linear_bf16 exists.
+bool linear_bf16_tiles() {
+#if defined(MHA_GEMM_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether the tiles are the AVX-512 ones (else the portable loops of gemm_tiles.h).
 bool linear_vectorized() {
 #if defined(__AVX512F__)
@@ -193,9 +351,17 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("linear_backward(Tensor grad_out, Tensor x, Tensor w, bool need_x, bool need_w) -> "
         "(Tensor, Tensor)");
   m.def("linear_vectorized() -> bool", &mha_linear::linear_vectorized);
+  m.def("linear_bf16_tiles() -> bool", &mha_linear::linear_bf16_tiles);
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_backward(Tensor grad_out, Tensor x, Tensor w, bool need_x, bool need_w) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("linear", &mha_linear::linear);
   m.impl("linear_backward", &mha_linear::linear_backward);
+#if defined(MHA_GEMM_BF16)
+  m.impl("linear_bf16", &mha_linear::linear_bf16);
+  m.impl("linear_bf16_backward", &mha_linear::linear_bf16_backward);
+#endif
 }
