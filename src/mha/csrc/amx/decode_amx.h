@@ -12,11 +12,13 @@
 #define MHA_DECODE_AMX 1
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
 
 #include "amx/amx_tiles.h"
+#include "common/kernel_choice.h"
 
 namespace mha_decode_amx {
 
@@ -26,8 +28,20 @@ namespace mha_decode_amx {
 // (16 keys, G) fp32. Products of bf16 are exact in fp32 and accumulate in fp32, as with
 // vdpbf16ps; NaN and Inf pass through the tile products into the scores like any other value
 // (flash_decode.cpp's softmax and merge handle them, one rule for every q.k path). Tiles: 0-1 = C, 2-3 = A, 4..4+dk/32 = B (d_k % 32 == 0, d_k <= 128).
-using mha_amx::amx_permitted;
 using mha_amx::TileConfig;
+
+// Whether bf16 q.k runs on AMX: the OS grants the tile state and MHA_DECODE_BF16 is unset or
+// `amx`; `avx512bf16` keeps q.k on vdpbf16ps (to test and measure that path on an AMX CPU).
+// Read once per process; any other value is refused.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    const auto& env = mha_common::decode_bf16_override();
+    TORCH_CHECK(!env || *env == "amx" || *env == "avx512bf16", "MHA_DECODE_BF16=", *env,
+                ": expected amx or avx512bf16 (unset: amx where the CPU allows it)");
+    return (!env || *env == "amx") && mha_amx::amx_permitted();
+  }();
+  return ok;
+}
 
 inline bool amx_fits(int64_t G, int64_t dk) { return G <= 16 && dk % 32 == 0 && dk <= 128; }
 

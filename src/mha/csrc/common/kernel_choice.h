@@ -1,5 +1,6 @@
 // The CPU's kernel choice for bf16 inputs, shared by the flash forward and backward: the
-// user's MHA_FLASH_BF16 (read here only, once per process) and the vendor rule.
+// user's MHA_FLASH_BF16 (read here only, once per process) and the vendor rule; and the decode
+// kernel's MHA_DECODE_BF16 (read here only, once per process).
 #pragma once
 
 #include <cstdlib>
@@ -13,6 +14,16 @@ namespace mha_common {
 inline const std::optional<std::string>& flash_bf16_override() {
   static const std::optional<std::string> value = []() -> std::optional<std::string> {
     if (const char* env = std::getenv("MHA_FLASH_BF16")) return std::string(env);
+    return std::nullopt;
+  }();
+  return value;
+}
+
+// MHA_DECODE_BF16 as set when first asked (nothing when unset): the decode kernel's bf16 q.k,
+// `amx` or `avx512bf16`. Fixed for the process, like MHA_FLASH_BF16.
+inline const std::optional<std::string>& decode_bf16_override() {
+  static const std::optional<std::string> value = []() -> std::optional<std::string> {
+    if (const char* env = std::getenv("MHA_DECODE_BF16")) return std::string(env);
     return std::nullopt;
   }();
   return value;

@@ -1,0 +1,234 @@
+"""Every kernel path this CPU can run, forced one at a time, against the float64 oracle.
+
+The native kernels pick their path once per process from the CPU and a few environment
+variables (README, "Environment variables"): ``MHA_FLASH_BF16`` (the flash forward's bf16 tile
+kernel; the fused backward takes bf16 products for ``avx512bf16``, fp32 products otherwise),
+``MHA_DECODE_BF16`` (the decode kernel's bf16 q.k: AMX or vdpbf16ps) and ``MHA_LINEAR`` (the
+module's projections: mha.linear's tiles or torch's GEMM). Because they are read once, each
+row of ``PATHS`` runs in a subprocess of its own with its variables set, and that one process
+runs every check of the row: the forcing took effect (for the forward, whose choice can be
+read back), then the forward, the backward, decoding and the bf16 projections against the
+float64 oracle with the repository's rule (tests/oracle.py: at most 2x the naive bf16 error
+plus a floor).
+
+A row runs where the CPU has the instruction sets it needs, read from the CPU's flags (never
+its vendor); elsewhere it is skipped with the reason ("no amx_bf16 on this CPU"), so an AMX
+machine runs the AMX rows and an AVX2-only machine only the portable one.
+
+Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One forced configuration: the variables that force it, the CPU flags it executes on,
+    the forward tile kernel the forcing must select, and the checks its process runs."""
+
+    name: str
+    env: dict = field(hash=False)
+    needs: frozenset
+    forward: str  # flash.kernels()["bfloat16"] when forced
+    checks: tuple = ("forward", "backward", "decode")
+
+
+PATHS = [
+    KernelPath("avx512bf16", {"MHA_FLASH_BF16": "avx512bf16", "MHA_DECODE_BF16": "avx512bf16",
+                              "MHA_LINEAR": "native"},
+               frozenset({"avx512f", "avx512_bf16"}), "avx512bf16",
+               ("forward", "backward", "decode", "linear_bf16_tiles")),
+    KernelPath("avx512f", {"MHA_FLASH_BF16": "avx512f", "MHA_LINEAR": "torch"},
+               frozenset({"avx512f"}), "avx512f",
+               ("forward", "backward", "decode", "linear_torch")),
+    KernelPath("portable", {"MHA_FLASH_BF16": "portable"}, frozenset(), "portable",
+               ("forward", "backward", "decode_portable")),
+    KernelPath("amx", {"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"},
+               frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}), "amx"),
+]
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's flags in /proc/cpuinfo (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
+def test_forced_path(path: KernelPath):
+    missing = sorted(path.needs - cpu_flags())
+    if missing:
+        pytest.skip(f"no {' / '.join(missing)} on this CPU: the {path.name} path cannot run here")
+    import subprocess
+
+    env = dict(os.environ, **path.env)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    for name in {"MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR"} - path.env.keys():
+        env.pop(name, None)  # the row's defaults, not the caller's forcing
+    res = subprocess.run([sys.executable, __file__, path.forward, *path.checks], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"the {path.name} process failed:\n{res.stderr[-4000:]}"
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert list(results) == ["selected", *path.checks]
+    not_built = {k: v for k, v in results.items() if v.startswith("not built:")}
+    if not_built and len(not_built) == len(results):
+        pytest.skip(f"{path.name}: {next(iter(not_built.values()))}")
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    assert not failed, f"{path.name}: {failed}"
+
+
+# ----------------------------------------------------------------------------- the subprocess
+def _inputs(B, h, h_kv, Tq, Tk, d, seed, grad=False):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, T, d, generator=g).bfloat16().requires_grad_(grad)
+               for n, T in ((h, Tq), (h_kv, Tk), (h_kv, Tk)))
+    return q, k, v
+
+
+def _allowed(B, h, Tq, Tk, causal):
+    import mha
+
+    return mha.causal_mask(Tq, Tk) if causal else None
+
+
+def check_selected(forward: str) -> str:
+    from mha.ops import flash
+
+    if forward not in flash.isa().split(","):
+        return f"not built: the {forward} kernel is not compiled in (isa {flash.isa()})"
+    got = flash.kernels()["bfloat16"]
+    return "ok" if got == forward else f"expected the {forward} kernel, the process runs {got}"
+
+
+def check_forward() -> str:
+    import mha
+
+    from oracle import assert_within_budget
+
+    for B, h, h_kv, Tq, Tk, d, causal in ((2, 4, 4, 70, 70, 64, False),
+                                         (1, 8, 2, 33, 129, 64, True),
+                                         (2, 2, 2, 200, 200, 128, True)):
+        q, k, v = _inputs(B, h, h_kv, Tq, Tk, d, seed=Tq)
+        out = mha.attention(q, k, v, causal=causal, backend="flash_cpu")
+        kr, vr = (t.repeat_interleave(h // h_kv, 1) for t in (k, v))
+        assert_within_budget(out, q, kr, vr, _allowed(B, h, Tq, Tk, causal),
+                             what=f"forward {B}x{h}/{h_kv}x{Tq}x{Tk}x{d} causal={causal}")
+    return "ok"
+
+
+def check_backward() -> str:
+    import torch
+
+    import mha
+    from mha import reference
+
+    for B, h, Tq, Tk, d, causal in ((2, 4, 64, 64, 64, False), (1, 2, 40, 97, 64, True)):
+        q, k, v = _inputs(B, h, h, Tq, Tk, d, seed=d + Tk, grad=True)
+        g = torch.Generator().manual_seed(7)
+        dout = torch.randn(B, h, Tq, d, generator=g).bfloat16()
+        allowed = _allowed(B, h, Tq, Tk, causal)
+        got = torch.autograd.grad(mha.attention(q, k, v, causal=causal, backend="flash_cpu"),
+                                  (q, k, v), dout)
+        ins64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        exact = torch.autograd.grad(reference.attention(*ins64, allowed=allowed, upcast=True)[0],
+                                    ins64, dout.double())
+        ins16 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        naive = torch.autograd.grad(reference.attention(*ins16, allowed=allowed, upcast=False)[0],
+                                    ins16, dout)
+        for name, a, e, n in zip("qkv", got, exact, naive, strict=True):
+            err = (a.double() - e).abs().max().item()
+            budget = 2 * (n.double() - e).abs().max().item() + 1e-2
+            assert err <= budget, \
+                f"grad_{name} ({Tq}x{Tk} causal={causal}): {err:.3e} > {budget:.3e}"
+    return "ok"
+
+
+def _decode(portable: bool) -> str:
+    import torch
+
+    from mha.ops import decode
+
+    from oracle import assert_within_budget
+
+    if decode.unavailable() is not None:
+        return f"not built: {decode.unavailable()}"
+    for B, h, h_kv, Tq, Tk, d, causal in ((2, 8, 2, 1, 300, 64, False),
+                                         (1, 4, 4, 4, 77, 128, True),
+                                         (3, 16, 1, 1, 1000, 64, False)):
+        q, k, v = _inputs(B, h, h_kv, Tq, Tk, d, seed=Tk)
+        out = decode.flash_decode(q, k, v, causal=causal, portable=portable)
+        kr, vr = (t.repeat_interleave(h // h_kv, 1) for t in (k, v))
+        assert out.dtype == torch.bfloat16
+        assert_within_budget(out, q, kr, vr, _allowed(B, h, Tq, Tk, causal),
+                             what=f"decode {B}x{h}/{h_kv}x{Tq}x{Tk}x{d} portable={portable}")
+    return "ok"
+
+
+def _module_bf16(expect: str) -> str:
+    import torch
+
+    import mha
+
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(256, 4).bfloat16()
+    x = torch.randn(16, 24, 256).bfloat16()
+    said = m.explain(x).splitlines()[1:3]
+    assert all(expect in line for line in said), said
+    with torch.no_grad():
+        y = m(x).double()
+        ref, _ = mha.reference.multi_head_attention(x.double(), x.double(), upcast=True,
+                                                    **m.per_head_weights())
+    err = (y - ref).abs().max().item()
+    assert err < 2e-2 * max(1.0, ref.abs().max().item()), f"module bf16: error {err:.3e}"
+    return "ok"
+
+
+CHECKS = {
+    "forward": check_forward,
+    "backward": check_backward,
+    "decode": lambda: _decode(False),
+    "decode_portable": lambda: _decode(True),
+    "linear_bf16_tiles": lambda: _module_bf16("the native bf16 tiles: forced by MHA_LINEAR=native"),
+    "linear_torch": lambda: _module_bf16("torch's bf16 GEMM: forced by MHA_LINEAR=torch"),
+}
+
+
+def main(forward: str, checks: list[str]) -> None:
+    """Run the checks in this process (its variables already set); print one JSON line,
+    check -> "ok" | the failure | "not built: ..."."""
+    results = {"selected": check_selected(forward)}
+    for name in checks:
+        if results["selected"].startswith("not built:"):
+            results[name] = results["selected"]
+            continue
+        try:
+            results[name] = CHECKS[name]()
+        except AssertionError as e:
+            results[name] = f"failed: {e}"
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+            results[name] = f"error: {type(e).__name__}: {e}"
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
