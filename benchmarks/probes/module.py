@@ -15,6 +15,7 @@ products. One process, calls interleaved round-robin, medians.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ def gemms(M: int, N: int, K: int, dtype) -> dict:
     out = {f"F.linear {M}x{N}x{K}": lambda: F.linear(x, w, b)}
     if dtype == torch.float32 and _native_built():
         out[f"native tiles {M}x{N}x{K}"] = lambda: torch.ops.mha.linear(x, w, b)
+    if dtype == torch.bfloat16 and _native_built() and linear.bf16_tiles():
+        out[f"native bf16 tiles {M}x{N}x{K}"] = lambda: torch.ops.mha.linear_bf16(x, w, b)
     return out
 
 
@@ -69,7 +72,7 @@ def _native_built() -> bool:
 
 
 def _forcing(side: str, fn):
-    """``fn`` with every fp32 projection forced to ``side`` (as ``MHA_LINEAR=side``)."""
+    """``fn`` with every projection forced to ``side`` (as ``MHA_LINEAR=side``)."""
     def run():
         measured = linear_choice.forced
         linear_choice.forced = lambda: side
@@ -86,7 +89,7 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
     m = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval()
     x = torch.randn(B, T, D).to(dtype)  # (B, T, d_model)
     fns = {"nn.MHA": lambda: ref(x, x, x, need_weights=False), "mha module": lambda: m(x)}
-    if dtype == torch.float32 and _native_built():
+    if _native_built():
         for side in ("torch", "native"):
             fns[f"module, {side} forced"] = _forcing(side, lambda: m(x))
     if with_pieces:
@@ -115,7 +118,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
                     help="only these dtypes (default: all)")
     ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's intra-op threads (default: torch's own); 1 keeps a loaded "
+                         "machine's descheduled second thread out of the times")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     torch.manual_seed(0)
     for B, T, D, h in SHAPES[:1] if args.small else SHAPES:
         for dname in args.dtype or DTYPES:

@@ -1,4 +1,4 @@
-"""The module's projections ``x W^T + b`` on mha's own fp32 tiles, forward and backward.
+"""The module's projections ``x W^T + b`` on mha's own fp32 and bf16 tiles, forward and backward.
 
 Shape legend: x ``(..., K)``, weight ``(N, K)`` (``nn.Linear`` layout), bias ``(N,)``; the result
 is ``(..., N)``.
@@ -12,10 +12,12 @@ call's shape class (:mod:`mha.ops.linear_choice`: measured once per CPU model, c
 the built kernels; ``MHA_LINEAR=native|torch`` forces a side), and is
 ``torch.nn.functional.linear`` whenever the native op cannot take the call:
 
-* only float32 CPU tensors (bfloat16: torch's bf16 GEMM, or fp32 on upcast inputs where that
-  was measured faster — then the fp32 choice applies; other dtypes: torch's GEMM), with
-  ``N % 16 == 0`` and ``K % 16 == 0``, at least ``SMALL`` multiply-adds (below that a measurement would time the
-  call overhead, and F.linear's is the smaller), and the extension built;
+* only float32 and bfloat16 CPU tensors (other dtypes: torch's GEMM), with ``N % 16 == 0`` and
+  ``K % 16 == 0``, at least ``SMALL`` multiply-adds (below that a measurement would time the
+  call overhead, and F.linear's is the smaller), and the extension built. bfloat16 has its own
+  measured choice (:func:`_bf16_side`): the native op's bf16 tiles (``vdpbf16ps``, fp32 sums,
+  each output rounded once; where the build has AVX512_BF16) or, without them, fp32 on upcast
+  inputs (then the fp32 choice applies), against torch's bf16 GEMM;
 * not while ``torch.compile`` traces (the op has no autograd formula registered with
   ``torch.library`` for the compiler to trace; it gets ``F.linear``).
 
@@ -23,12 +25,15 @@ the built kernels; ``MHA_LINEAR=native|torch`` forces a side), and is
 shape and the CPU); :func:`why_not_native` is that sentence when it is not the native tiles.
 
 When a gradient is needed it runs under an autograd function whose backward is native too
-(``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles, no transposes). With
+(``grad_x = grad_out W``, ``grad_w = grad_out^T x`` on the same tiles: no transposes in fp32;
+the bf16 tiles copy ``W^T``, ``grad_out^T`` and ``x^T`` once, as their pairs run over the
+summed dimension). With
 ``create_graph=True`` the backward is written with differentiable torch ops instead, so double
 backward (a gradient penalty, Hessian-vector products) works.
 
 Nothing derived from a weight is kept between calls: the native op packs ``W^T`` into 64-column
-panels (``(ceil(N / 64), K, 64)``) inside every call, O(N K) against the GEMM's O(M N K). So a
+panels (``(ceil(N / 64), K, 64)``; bf16: ``(K / 2, 64, 2)`` pairs per panel, packed by the thread
+that uses the panel) inside every call, O(N K) against the GEMM's O(M N K). So a
 weight changed by any route — an optimizer step, ``load_state_dict``, ``w.data.mul_(2)``,
 ``p.data = t``, writes through ``w.numpy()`` or ``w.untyped_storage()`` — is read as it is now.
 """
