@@ -104,7 +104,12 @@ def test_falls_back_with_a_reason():
     w = torch.randn(512, 256)
     x = torch.randn(64, 256)
     assert linear.why_not_native(x, w, None) is None
-    assert "float32" in linear.why_not_native(x.bfloat16(), w.bfloat16(), None)
+    if linear.bf16_tiles():  # forced native: bf16 goes to the bf16 tiles
+        assert linear.why_not_native(x.bfloat16(), w.bfloat16(), None) is None
+    assert "float32 or bfloat16" in linear.why_not_native(x.half(), w.half(), None)
+    assert "one dtype" in linear.why_not_native(x.bfloat16(), w, None)
+    assert "multiply-adds" in linear.why_not_native(x[:2, :16].bfloat16(), w[:16, :16].bfloat16(),
+                                                    None)
     assert "N % 16" in linear.why_not_native(x, w[:500], None)
     assert "K % 16" in linear.why_not_native(x[:, :250], w[:, :250], None)
     assert "multiply-adds" in linear.why_not_native(x[:2, :16], w[:16, :16], None)

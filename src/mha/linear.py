@@ -1,5 +1,6 @@
-"""``mha.linear``: the module's projections ``x W^T + b`` on mha's own fp32 tiles or torch's
-GEMM, whichever was measured faster on this CPU (:mod:`mha.ops.linear_choice`).
+"""``mha.linear``: the module's projections ``x W^T + b`` on mha's own tiles (fp32; bf16 on
+``vdpbf16ps`` where the CPU has AVX512_BF16) or torch's GEMM, whichever was measured faster on
+this CPU (:mod:`mha.ops.linear_choice`).
 
 The public face of :mod:`mha.ops.linear` (the op, its build and its autograd live there):
 

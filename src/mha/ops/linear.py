@@ -80,13 +80,24 @@ def _fake(x, weight, bias):
 
 def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why :func:`linear` runs ``F.linear`` (torch's GEMM) for these arguments, or None when it
-    runs the native tiles. The first fp32 call of a shape class on a machine may measure both
-    (see :mod:`mha.ops.linear_choice`); later ones read the answer."""
+    runs native tiles (bfloat16: the bf16 tiles, or the fp32 tiles on upcast inputs). The first
+    call of a shape class on a machine may measure both (see :mod:`mha.ops.linear_choice`);
+    later ones read the answer."""
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
+    bf16 = _bf16_side(x, weight, bias)
+    if bf16 is not None:
+        side, why = bf16
+        if side != "upcast":
+            return None if side == "tiles" else why
+        M, K = x.numel() // x.shape[-1], x.shape[-1]
+        x32 = torch.empty(()).expand(M, K)  # the fp32 call's shape, nothing allocated
+        return why_not_native(x32, weight.float(), None if bias is None else bias.float())
     tensors = [t for t in (x, weight, bias) if t is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return "torch's GEMM: the native tiles take float32 CPU tensors only"
+    if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16)
+           for t in tensors) or len({t.dtype for t in tensors}) > 1:
+        return ("torch's GEMM: the native tiles take float32 or bfloat16 CPU tensors "
+                "(all of one dtype) only")
     if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 16 or \
             x.shape[-1] != weight.shape[1]:
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
@@ -174,7 +185,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.to(torch.bfloat16)  # one rounding, as torch's bf16 GEMM rounds its fp32 sums
     if side is not None and side[0] == "tiles":
         op, function = torch.ops.mha.linear_bf16, _LinearBf16
-    elif side is None and why_not_native(x, weight, bias) is None:
+    elif side is None and x.dtype == torch.float32 and why_not_native(x, weight, bias) is None:
         op, function = torch.ops.mha.linear, _Linear
     else:
         return F.linear(x, weight, bias)
