@@ -1,8 +1,10 @@
-// The module's projections (x W^T + b) in fp32 on AVX-512 register tiles, forward and backward.
+// The module's projections (x W^T + b) on AVX-512 register tiles, forward and backward: fp32
+// (mha::linear) and, where the CPU has AVX512_BF16, bf16 on vdpbf16ps (mha::linear_bf16, the
+// section "bf16 operands" below).
 //
 // Shape legend: M rows of x (B * T), K input features, N output features, P = ceil(N / 64)
 // column panels. x (M, K) with a contiguous last dim (any row stride), the weight W (N, K) in
-// nn.Linear layout (any strides), bias (N,) or none; out (M, N) contiguous, fp32.
+// nn.Linear layout (any strides), bias (N,) or none; out (M, N) contiguous, in x's dtype.
 //
 // torch's fp32 matmul runs MKL's AVX2 path on AMD CPUs (~40 % of the FMA peak here); these are
 // the 6 x 64 FMA tiles of the flash kernels (gemm_tiles.h). Each call first packs W^T into
