@@ -144,3 +144,46 @@ def test_gradients_match_float64(M, K16, N16, bias, need_x, seed):
             continue
         assert a.dtype == torch.bfloat16
         _assert_close_to_float64(a, e, r, sums[name], n, what=f"grad_{name}")
+
+
+def test_module_gradients_match_float64(monkeypatch):
+    """The bf16 module on the tiles (QKV and W_O through the bf16 autograd function): its
+    parameter gradients within 2x the error of the same module on torch's bf16 GEMM, both
+    against the float64 module."""
+    import mha
+
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(256, 4)
+    x = torch.randn(8, 40, 256)
+    dy = torch.randn(8, 40, 256)
+
+    def grads(module, inp, out_grad, proj):
+        monkeypatch.setattr("mha.module.linear", proj)
+        module.zero_grad()
+        y = module(inp)
+        y.backward(out_grad)
+        return {n: p.grad.double() for n, p in module.named_parameters()}, _graph(y)
+
+    m64 = mha.MultiHeadAttention(256, 4).double()
+    m64.load_state_dict(m.state_dict())
+    m16 = m.bfloat16()
+    want, _ = grads(m64, x.double(), dy.double(), F.linear)
+    ref, _ = grads(m16, x.bfloat16(), dy.bfloat16(), F.linear)
+    got, nodes = grads(m16, x.bfloat16(), dy.bfloat16(), linear.linear)
+    assert "_LinearBf16Backward" in nodes  # the tiles' autograd function ran
+    for name, e in want.items():
+        err = (got[name] - e).abs().max().item()
+        ref_err = (ref[name] - e).abs().max().item()
+        assert err <= 2 * ref_err + 1e-3 * e.abs().max().item(), \
+            f"grad {name}: {err:.3e} vs torch's bf16 {ref_err:.3e}"
+
+
+def _graph(y: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind ``y``."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.add(type(node).__name__)
+            todo.extend(n for n, _ in node.next_functions)
+    return seen
