@@ -108,7 +108,12 @@ template <class K, class Parts = AllParts, typename T>
 void run_forward(const Problem<T>& P) {
   const int nth = std::max(1, at::get_num_threads());
   const std::vector<Item> items = make_items(P, nth);
-  const double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  if (P.cu_q) {  // paged: ragged rows, the items' (rows x keys seen) rather than B N max_len
+    double pairs = 0.0;
+    for (const Item& it : items) pairs += it.cost;
+    flops = 4.0 * pairs * double(P.h / P.hkv) * double(P.dk);
+  }
   const int64_t workers = flops < 2e6 ? 1 : std::min<int64_t>(nth, int64_t(items.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
