@@ -382,19 +382,23 @@ class PagedKVCache:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        out = q.new_empty(q.shape[0], q.shape[1], self.v.shape[4])  # (N, h, d_v)
         rows = [i for i, n in enumerate(counts) if n == 1]
+        chunks = [i for i, n in enumerate(counts) if n > 1]
+        reason = self._prefill_reason(q, variants) if chunks else None
+        if chunks and not rows and reason is None:  # prefill only: the forward's output as is
+            return self._attend_paged_prefill(layer, q, seqs, counts, variants)  # (N, h, d_v)
+        out = q.new_empty(q.shape[0], q.shape[1], self.v.shape[4])  # (N, h, d_v)
         if rows:
             at = torch.tensor([starts[i] for i in rows], device=q.device)  # (S1,)
             qd = q[at].unsqueeze(2)  # (S1, h, d_k) -> (S1, h, 1, d_k)
             out[at] = self.attend(layer, qd, [seqs[i] for i in rows], **variants)[:, :, 0]
-        chunks = [i for i, n in enumerate(counts) if n > 1]
         if not chunks:
             return out
-        reason = self._prefill_reason(q, variants)
         if reason is None:
-            self._attend_paged_prefill(layer, q, out, [seqs[i] for i in chunks],
-                                       [(starts[i], starts[i + 1]) for i in chunks], variants)
+            spans = [(starts[i], starts[i + 1]) for i in chunks]
+            at = torch.cat([torch.arange(a, b, device=q.device) for a, b in spans])  # (N',)
+            out[at] = self._attend_paged_prefill(layer, q[at], [seqs[i] for i in chunks],
+                                                 [counts[i] for i in chunks], variants)  # (N', h, d_v)
             return out
         _warn_once(f"PagedKVCache.attend_varlen: prefill chunks run on gathered K/V copies: "
                    f"{reason}")
@@ -431,27 +435,20 @@ class PagedKVCache:
             return "q requires grad: the paged forward is inference only"
         return flash.unavailable()
 
-    def _attend_paged_prefill(self, layer: int, q: torch.Tensor, out: torch.Tensor,
-                              seqs: list[int], spans: list[tuple[int, int]],
-                              variants: dict) -> None:
-        """The chunks ``q[a:b]`` of sequences ``seqs`` (spans ``(a, b)``) in one paged forward
-        call, written into ``out`` at the same rows."""
+    def _attend_paged_prefill(self, layer: int, q: torch.Tensor, seqs: list[int],
+                              counts: list[int], variants: dict) -> torch.Tensor:
+        """``(N', h, d_v)``: the chunks of sequences ``seqs``, ``counts[i]`` queries each,
+        packed in ``q (N', h, d_k)``, in one call of the paged flash forward."""
         from mha.ops import flash
 
         dev = q.device
-        rows = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])  # (N',)
-        counts = torch.tensor([b - a for a, b in spans], device=dev)
-        cu = torch.zeros(len(spans) + 1, dtype=torch.int64, device=dev)  # (S' + 1,)
-        cu[1:] = torch.cumsum(counts, 0)
         idx = torch.tensor(seqs, dtype=torch.long, device=dev)  # (S',)
-        qc = q if len(rows) == q.shape[0] else q[rows]  # (N', h, d_k)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=dev)  # (S' + 1,)
+        cu[1:] = torch.cumsum(torch.tensor(counts, device=dev), 0)
         o, _ = flash.flash_attention_paged(
-            qc.to(self.kv_dtype), self.k[layer], self.v[layer], self.block_table[idx], cu,
+            q.to(self.kv_dtype), self.k[layer], self.v[layer], self.block_table[idx], cu,
             self.lengths[idx], causal=True, **variants)  # (N', h, d_v)
-        if len(rows) == q.shape[0]:
-            out.copy_(o)
-        else:
-            out[rows] = o.to(out.dtype)
+        return o.to(q.dtype)
 
     def _attend_gathered(self, layer: int, q: torch.Tensor, seq: int, variants: dict):
         """``q (1, h, n, d_k)``, the last n tokens of ``seq``, on its gathered K/V with
