@@ -1,10 +1,11 @@
 // Packing one item's K and V into the kernels' layouts (Worker::pack_kv and its row helpers):
 // K transposed per key block, V by rows, bf16 in pairs where the kernel takes pairs.
 // Rows are read through Problem::k_row / v_row, so paged K/V (a block table) packs from its
-// pages in the same pass, no gathered copy: fp32 transposes 16 key rows wherever each lives
-// (any page size); the bf16 pair gathers take 16 keys at one stride, so paged they need a page
-// size that is a multiple of 16 (else the scalar loop packs them); the strided fp32 gathers
-// serve dense K only (pages are contiguous rows). Keys at or past kend are never addressed.
+// pages in the same pass, no gathered copy: fp32 transposes 16 key rows wherever each lives,
+// and the bf16 pair gathers take each row's offset (one stride when p is a multiple of 16, so
+// 16 keys lie in one page; else the 16 offsets from the block table), so any page size packs
+// with vectors; the strided fp32 gathers serve dense K only (pages are contiguous rows). Keys
+// at or past kend are never addressed.
 #pragma once
 
 #include "flash/worker.h"
@@ -62,17 +63,31 @@ void Worker<K, T, Parts>::pack_kv(int64_t b, int64_t kh, int64_t kbeg, int64_t k
   // bf16 pair layouts: a (d, d+1) pair of K is one 32-bit word of a K row, so K^T pairs are
   // 32-bit gathers; V pairs interleave two rows 16 columns at a time.
   if constexpr (std::is_same_v<T, at::BFloat16> && K::kPairs) {
-    if (P.dk % 2 == 0 && P.ks[3] == 1 && P.vs[3] == 1 && P.ks[2] * 2 * kLanes < (int64_t(1) << 30) &&
-        (!paged || P.page % kLanes == 0)) {  // paged: 16 keys (j a multiple of 16) in one page
-      const __m512i idx = _mm512_mullo_epi32(
+    if (P.dk % 2 == 0 && P.ks[3] == 1 && P.vs[3] == 1 && P.ks[2] * 2 * kLanes < (int64_t(1) << 30)) {
+      const __m512i rows16 = _mm512_mullo_epi32(  // byte offsets of 16 rows at K's row stride
           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
           _mm512_set1_epi32(int32_t(P.ks[2] * 2)));
+      // paged with p a multiple of 16: the 16 keys (j a multiple of 16) lie in one page
+      const bool one_page = !paged || P.page % kLanes == 0;
       for (; j < nkeys; j += kLanes) {
-        const __mmask16 real = lanes_below(int(std::min<int64_t>(kend - j, kLanes)));
+        const int nreal = int(std::clamp<int64_t>(kend - j, 0, kLanes));
+        const __mmask16 real = lanes_below(nreal);
         uint16_t* kblk =
             reinterpret_cast<uint16_t*>(kt) + ((j - kbeg) / Nb) * dkp * Nb + (j % Nb) * 2;
         // key j's row (AMX packs 32 keys: a last 16 past kend gathers nothing, any row serves)
         const char* kbj = reinterpret_cast<const char*>(P.k_row(b, kh, j < kend ? j : kbeg));
+        __m512i idx = rows16;
+        if (!one_page) {  // the 16 rows may span pages: each row's byte offset from key j's
+          alignas(64) int32_t off[kLanes] = {};
+          bool fits = true;
+          for (int t = 0; t < nreal; ++t) {
+            const int64_t o = reinterpret_cast<const char*>(P.k_row(b, kh, j + t)) - kbj;
+            fits = fits && o >= INT32_MIN && o <= INT32_MAX;
+            off[t] = int32_t(o);
+          }
+          if (!fits) break;  // pages over 2 GiB apart: the scalar loop packs from key j on
+          idx = _mm512_load_si512(off);
+        }
         for (int64_t pr = 0; pr < dkp / 2; ++pr) {
           const __m512i w = pr < P.dk / 2
               ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, idx, kbj + pr * 4, 1)
