@@ -18,7 +18,7 @@ def test_listed_and_importable():
 
 @pytest.mark.parametrize("quick, contexts", [(True, {128}), (False, {512, 2048, 8000})])
 def test_cases_cover_contexts_dtypes_phases(quick, contexts):
-    cases = llm.all_cases(Context(quick=quick))
+    cases = [c for c in llm.all_cases(Context(quick=quick)) if c.params["phase"] != "serving"]
     got = {(c.params["phase"], c.params["context"], c.params["dtype"]) for c in cases}
     assert got == {(p, C, d) for p in ("prefill", "decode") for C in contexts
                    for d in ("fp32", "bf16")}
@@ -35,7 +35,7 @@ def test_llama_cpp_absent_is_a_skipped_row(monkeypatch):
                         lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     cases = llm.all_cases(Context(quick=True))
     rows = llm.llama_cpp_rows(Context(quick=True), cases)
-    assert len(rows) == 2 * len(cases)
+    assert len(rows) == 2 * (len(cases) - 1)  # none for the serving case
     assert {r.impl for r in rows} == {"llama.cpp fa=on", "llama.cpp fa=off"}
     assert all(r.status == "skipped" and "not installed" in r.reason for r in rows)
 
@@ -50,3 +50,12 @@ def test_logit_check_refuses_another_greedy_token_in_fp32():
         llm._compare(ref, "mha", b, "fp32")
     assert "differs" in llm._compare(ref, "mha", b, "bf16")  # bf16: reported, not an error
     assert "differs" in llm._compare(ref, "mha kv int8", b, "fp32")  # int8 K/V: reported
+
+
+@pytest.mark.parametrize("quick, requests, new", [(True, 4, 4), (False, 16, 32)])
+def test_serving_case(quick, requests, new):
+    (case,) = [c for c in llm.all_cases(Context(quick=quick)) if c.params["phase"] == "serving"]
+    assert [i.name for i in case.impls] == ["sdpa one-by-one", "mha serving"]
+    assert case.baseline == "sdpa one-by-one" and case.items == requests * new
+    assert case.params["requests"] == requests and case.params["new_tokens"] == new
+

@@ -17,6 +17,10 @@ they read a dense cache's run of ``p`` keys, and an item streams only its own he
 vLLM's ``(P, p, h_kv, d)`` would interleave heads (row stride ``h_kv * d``) and make each
 head's read strided. The int8 scales follow the same layout, ``(P, h_kv, p)``.
 
+Reading: :meth:`attend` (decode rows, ``flash_decode`` through the block table) and
+:meth:`attend_varlen` (ragged prefill chunks mixed with decode rows: the paged flash forward,
+K/V packed from the pages, or a gathered copy where it does not apply, :meth:`explain`).
+
 Copy-on-write: :meth:`fork` makes a child that shares every page of its parent (refcounts).
 Full pages are never written again (appends go to the end), so only a shared partial last
 page is copied, by the next :meth:`extend` of either sequence that writes into it.
@@ -30,12 +34,24 @@ later (what :mod:`mha.serving`'s scheduler does).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mha.checks import check_float_dtype, check_int, check_tensor
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+_NATIVE_VARIANTS = ("scale", "softcap", "sinks")  # what the paged flash forward applies
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 class PagePoolExhausted(RuntimeError):
@@ -278,7 +294,7 @@ class PagedKVCache:
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``seq_id``'s K/V of ``layer`` as new contiguous tensors ``(1, h_kv, n,
         d_k)`` / ``(1, h_kv, n, d_v)`` in :attr:`dtype` (int8 dequantized): a copy, for the
-        prefill path and for debugging."""
+        fallback prefill path (:meth:`explain`) and for debugging."""
         layer, s = self._check_layer(layer), self._check_seq("seq_id", seq_id)
         n = int(self.lengths[s])
         pages = self.block_table[s, :self.pages_for(n)].long()  # (m,)
@@ -335,29 +351,104 @@ class PagedKVCache:
                       **variants) -> torch.Tensor:
         """``(N, h, d_v)``: packed queries ``q (N, h, d_k)``, sequence ``seq_ids[i]`` owning
         rows ``cu_seqlens[i]:cu_seqlens[i+1]`` (its last n_i tokens, written first), causal
-        bottom-right per sequence. Decode rows (one query) go to the native paged decode
-        kernel in one call; chunks of several queries run :func:`mha.attention` on that
-        sequence's K/V gathered from its pages (:meth:`gather`, a copy)."""
+        bottom-right per sequence: a chunk of a longer sequence sees its cached prefix. For
+        n_i = 2 queries of a 5-token sequence::
+
+            1 1 1 1 0
+            1 1 1 1 1
+
+        Decode rows (one query) go to the native paged decode kernel in one call; chunks of
+        several queries, all of them, to one call of the paged flash forward
+        (:func:`mha.ops.flash.flash_attention_paged`), which packs each key block straight from
+        the pages (ragged rows, no gathered copy). Where that forward does not serve the call
+        (:meth:`explain` gives the reason; warned once), each chunk runs :func:`mha.attention`
+        on its sequence's K/V gathered from the pages (:meth:`gather`, a copy): int8 pages,
+        ``bias`` / ``alibi_slopes``, q that requires grad, or no native kernel.
+        ``variants``: ``scale``, ``softcap``, ``sinks`` natively, plus those of
+        :func:`mha.attention` on the gathered path."""
         seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
         check_tensor("q", q, 3, f"(N, h, d_k) = ({sum(counts)}, h, {self.k.shape[4]})")
         if q.shape[0] != sum(counts):
             raise ValueError(f"q must hold N = {sum(counts)} packed queries (cu_seqlens), got "
                              f"{tuple(q.shape)}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q must be {self.dtype} like the cache's K/V, got {q.dtype}")
+        held = [int(self.lengths[s]) for s in seqs]
+        short = [(s, n, m) for s, n, m in zip(seqs, counts, held, strict=True) if n > m]
+        if short:
+            s, n, m = short[0]
+            raise ValueError(f"attend_varlen: sequence {s} holds {m} tokens, fewer than its {n} "
+                             "queries (write their K/V first)")
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        out = q.new_empty(q.shape[0], q.shape[1], self.v.shape[4])  # (N, h, d_v)
         rows = [i for i, n in enumerate(counts) if n == 1]
+        chunks = [i for i, n in enumerate(counts) if n > 1]
+        reason = self._prefill_reason(q, variants) if chunks else None
+        if chunks and not rows and reason is None:  # prefill only: the forward's output as is
+            return self._attend_paged_prefill(layer, q, seqs, counts, variants)  # (N, h, d_v)
+        out = q.new_empty(q.shape[0], q.shape[1], self.v.shape[4])  # (N, h, d_v)
         if rows:
             at = torch.tensor([starts[i] for i in rows], device=q.device)  # (S1,)
             qd = q[at].unsqueeze(2)  # (S1, h, d_k) -> (S1, h, 1, d_k)
             out[at] = self.attend(layer, qd, [seqs[i] for i in rows], **variants)[:, :, 0]
-        for i, n in enumerate(counts):
-            if n > 1:
-                qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, h, n, d_k)
-                o = self._attend_gathered(layer, qs, seqs[i], variants)  # (1, h, n, d_v)
-                out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)  # (n, h, d_v)
+        if not chunks:
+            return out
+        if reason is None:
+            spans = [(starts[i], starts[i + 1]) for i in chunks]
+            at = torch.cat([torch.arange(a, b, device=q.device) for a, b in spans])  # (N',)
+            out[at] = self._attend_paged_prefill(layer, q[at], [seqs[i] for i in chunks],
+                                                 [counts[i] for i in chunks], variants)  # (N', h, d_v)
+            return out
+        _warn_once(f"PagedKVCache.attend_varlen: prefill chunks run on gathered K/V copies: "
+                   f"{reason}")
+        for i in chunks:
+            qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, h, n, d_k)
+            o = self._attend_gathered(layer, qs, seqs[i], variants)  # (1, h, n, d_v)
+            out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)  # (n, h, d_v)
         return out
+
+    def explain(self, q: torch.Tensor, **variants) -> str:
+        """Which path :meth:`attend_varlen` takes for prefill chunks of queries like ``q`` with
+        these variants, and why: the native paged forward, or gathered copies (the reason)."""
+        reason = self._prefill_reason(q, variants)
+        if reason is None:
+            return ("prefill chunks: native paged flash forward (K/V packed from the pages "
+                    "through the block table); decode rows: native paged decode kernel")
+        return f"prefill chunks: gathered K/V copies + mha.attention, because {reason}"
+
+    def _prefill_reason(self, q: torch.Tensor, variants: dict) -> str | None:
+        """Why the paged flash forward does not serve this call, or None."""
+        from mha.ops import flash
+
+        other = sorted(name for name, val in variants.items()
+                       if val is not None and name not in _NATIVE_VARIANTS)
+        if self.kv_dtype == torch.int8:
+            return ("int8 pages: the flash forward packs float32 / bfloat16 K/V only (int8 "
+                    "is dequantized into the gathered copy)")
+        if other:
+            return (f"{', '.join(other)}: the paged forward applies scale, softcap and sinks "
+                    "only (position-dependent variants run on the gathered copy)")
+        if self.k.device.type != "cpu":
+            return f"K/V on {self.k.device}: the paged forward is a CPU kernel"
+        if torch.is_grad_enabled() and q.requires_grad:
+            return "q requires grad: the paged forward is inference only"
+        return flash.unavailable()
+
+    def _attend_paged_prefill(self, layer: int, q: torch.Tensor, seqs: list[int],
+                              counts: list[int], variants: dict) -> torch.Tensor:
+        """``(N', h, d_v)``: the chunks of sequences ``seqs``, ``counts[i]`` queries each,
+        packed in ``q (N', h, d_k)``, in one call of the paged flash forward."""
+        from mha.ops import flash
+
+        dev = q.device
+        idx = torch.tensor(seqs, dtype=torch.long, device=dev)  # (S',)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=dev)  # (S' + 1,)
+        cu[1:] = torch.cumsum(torch.tensor(counts, device=dev), 0)
+        o, _ = flash.flash_attention_paged(
+            q.to(self.kv_dtype), self.k[layer], self.v[layer], self.block_table[idx], cu,
+            self.lengths[idx], causal=True, **variants)  # (N', h, d_v)
+        return o.to(q.dtype)
 
     def _attend_gathered(self, layer: int, q: torch.Tensor, seq: int, variants: dict):
         """``q (1, h, n, d_k)``, the last n tokens of ``seq``, on its gathered K/V with

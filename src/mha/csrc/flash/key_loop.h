@@ -12,9 +12,9 @@ void Worker<K, T, Parts>::zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i
   // no key: zeros; the log-sum-exp is the sink's logit (the only term left), else -inf
   const double lse = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;
   for (int64_t i = i0; i < i1; ++i) {
-    T* orow = P.out + b * P.os[0] + hq * P.os[1] + i * P.os[2];
+    T* orow = P.out_row(b, hq, i);
     for (int64_t c = 0; c < P.dv; ++c) orow[c * P.os[3]] = T(0);
-    P.lse[(b * P.h + hq) * P.Tq + i] = lse;
+    P.lse_at(b, hq, i) = lse;
   }
 }
 
@@ -71,9 +71,8 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
   float* alpha = sc.alpha.get(rows);
   float* lsum = sc.lsum.get(rows * kLanes);
   uint16_t* bits = sc.bits.get(rows * kMaxVecsPerBlock);
-  const T* qbase = P.q + b * P.qs[0] + hq * P.qs[1];
   for (int r = 0; r < rows; ++r) {
-    const T* qrow = qbase + (i0 + r) * P.qs[2];
+    const T* qrow = P.q_row(b, hq, i0 + r);
     constexpr bool same_bits =  // packing copies the bits (fp32, or bf16 kept as bf16)
         std::is_same_v<T, packed_t> ||
         (std::is_same_v<T, at::BFloat16> && std::is_same_v<packed_t, uint16_t>);
@@ -110,10 +109,9 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
       inv = shrink / l;
       mr = mn;
     }
-    T* orow = P.out + b * P.os[0] + hq * P.os[1] + (i0 + r) * P.os[2];
-    store_row(o + r * dvp, inv, orow);
+    store_row(o + r * dvp, inv, P.out_row(b, hq, i0 + r));
     const double none = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;  // no key: the sink alone
-    P.lse[(b * P.h + hq) * P.Tq + i0 + r] =
+    P.lse_at(b, hq, i0 + r) =
         l != 0.f ? (double(mr) + std::log2(double(l))) * kLn2d : none;
   }
 }

@@ -52,11 +52,45 @@ struct Problem {
   int64_t window;  // > 0: sliding window (the left edge); <= 0: none
   mha_common::ScoreMods mods;  // softcap, sinks, bias, ALiBi (common/score_mods.h)
   mha_common::PlanView plan;   // a mask_mod's block plan (common/block_plan.h), or off
+  // Paged K/V (flash/paged.h), else nullptr: k, v are page pools (P, h_kv, p, d) and key j of
+  // row b lives in page block_table[b * bt_stride + j / page], slot j % page; q and out are
+  // packed (N, h, d) tokens (qs[0] = os[0] = 0, Tq = N), row b owning tokens
+  // [cu_q[b], cu_q[b + 1]), causal aligned to its own length key_lengths[b].
+  const int32_t* block_table = nullptr;
+  const int64_t* cu_q = nullptr;
+  int64_t bt_stride = 0, page = 1;
+
+  // The query rows of batch row b, and the packed token of its first one.
+  int64_t rows(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : Tq; }
+  int64_t row0(int64_t b) const { return cu_q ? cu_q[b] : 0; }
+  const T* q_row(int64_t b, int64_t hq, int64_t i) const {
+    return q + b * qs[0] + hq * qs[1] + (row0(b) + i) * qs[2];
+  }
+  T* out_row(int64_t b, int64_t hq, int64_t i) const {
+    return out + b * os[0] + hq * os[1] + (row0(b) + i) * os[2];
+  }
+  double& lse_at(int64_t b, int64_t hq, int64_t i) const {  // (B, h, Tq), paged (h, N)
+    return lse[cu_q ? hq * Tq + cu_q[b] + i : (b * h + hq) * Tq + i];
+  }
+  // Key / value row j of (b, K/V head kh): through the block table when paged (j < the row's
+  // key length there: entries past it are not pages).
+  const T* k_row(int64_t b, int64_t kh, int64_t j) const {
+    if (block_table)
+      return k + int64_t(block_table[b * bt_stride + j / page]) * ks[0] + kh * ks[1] +
+             (j % page) * ks[2];
+    return k + b * ks[0] + kh * ks[1] + j * ks[2];
+  }
+  const T* v_row(int64_t b, int64_t kh, int64_t j) const {
+    if (block_table)
+      return v + int64_t(block_table[b * bt_stride + j / page]) * vs[0] + kh * vs[1] +
+             (j % page) * vs[2];
+    return v + b * vs[0] + kh * vs[1] + j * vs[2];
+  }
 
   // Keys [0, limit) may be visible to query row i of batch b (before the bool mask).
   int64_t key_limit(int64_t b, int64_t i) const {
     int64_t lim = key_lengths ? key_lengths[b] : Tk;
-    if (causal) lim = std::min(lim, i + Tk - Tq + 1);
+    if (causal) lim = std::min(lim, i + (cu_q ? lim - rows(b) : Tk - Tq) + 1);
     return std::max<int64_t>(lim, 0);
   }
   // Keys j < start are left of query row i's window (0 without a window); grows with i.

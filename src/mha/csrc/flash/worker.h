@@ -37,8 +37,9 @@ struct Worker {
                packed_t* vp) const;
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-  // V rows j, j + 1 (j even) into [(j - kbeg)/2][dvp][2]; rows at or past kend are zeros.
-  void pack_v_pair_bf16(const T* vbase, int64_t j, int64_t kbeg, int64_t kend,
+  // V rows j, j + 1 (j even) of (b, K/V head kh) into [(j - kbeg)/2][dvp][2]; rows at or past
+  // kend are zeros.
+  void pack_v_pair_bf16(int64_t b, int64_t kh, int64_t j, int64_t kbeg, int64_t kend,
                         packed_t* vp) const;
 #endif
 

@@ -1,0 +1,91 @@
+"""``MhaCache(..., static=True)``: static shapes for ``torch.compile`` generation.
+
+Shape legend: B batch, h_kv K/V heads, T_max capacity, P prompt length, N new tokens, d head dim.
+
+On a small Llama with seeded random weights (nothing downloaded): eager ``generate`` through the
+static cache gives eager attention's greedy tokens (plain and left-padded prompts); attention is
+handed the whole ``(B, h_kv, T_max, d)`` storage, written in place; refusals. And the compiled
+decode step (transformers' ``compile_config``; on a CPU only with its
+``_compile_all_devices`` flag) gives the eager tokens, with the compile checked to have run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+import mha.integrations.hf_cache as hc  # noqa: E402
+
+CFG = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
+                     max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     initializer_range=0.2)
+PLAIN = (torch.tensor([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14]]), None)
+PADDED = (torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]),
+          torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+N = 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    hc.register()
+    torch.manual_seed(0)
+    weights = tf.LlamaForCausalLM(copy.deepcopy(CFG)).state_dict()
+    out = {}
+    for impl in ("eager", "mha"):
+        m = tf.LlamaForCausalLM(copy.deepcopy(CFG))
+        m.load_state_dict(weights)
+        m.set_attn_implementation(impl)
+        out[impl] = m.eval()
+    return out
+
+
+def _gen(model, prompt, **kw):
+    ids, mask = prompt
+    args = dict(max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0, **kw)
+    if mask is not None:
+        args["attention_mask"] = mask
+    with torch.no_grad():
+        return model.generate(ids, **args)
+
+
+@pytest.mark.parametrize("prompt", [PLAIN, PADDED], ids=["plain", "left padded"])
+def test_eager_tokens_equal_and_storage_is_whole(models, prompt):
+    cache = hc.MhaCache(models["mha"].config, max_cache_len=32, static=True)
+    assert cache.is_compileable
+    got = _gen(models["mha"], prompt, cache=cache)
+    assert torch.equal(got, _gen(models["eager"], prompt))
+    layer = cache.layers[0]
+    assert layer.keys.shape == (2, 2, 32, 16)  # (B, h_kv, T_max, d): the whole storage
+    assert layer.keys.data_ptr() == layer.kv.k.data_ptr()
+    assert int(cache.get_seq_length()) == 6 + N - 1  # the last token is never fed back
+
+
+def test_refusals(models):
+    with pytest.raises(ValueError, match="does not take kv_dtype='int8'"):
+        hc.MhaCache(models["mha"].config, max_cache_len=32, static=True, kv_dtype="int8")
+    cache = hc.MhaCache(models["mha"].config, max_cache_len=8, static=True)
+    with pytest.raises(ValueError, match="MhaCache is full"):
+        _gen(models["mha"], PLAIN, cache=cache)
+    # the prompt (6) and two decode steps filled it; the refused third step wrote nothing
+    assert int(cache.get_seq_length()) == 8
+
+
+@pytest.mark.slow
+def test_compiled_decode_tokens_equal_eager(models):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    torch._dynamo.reset()
+    cc = CompileConfig(fullgraph=True, dynamic=False)
+    cc._compile_all_devices = True  # transformers compiles on a CPU only with this flag
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    cache = hc.MhaCache(models["mha"].config, max_cache_len=32, static=True)
+    got = _gen(models["mha"], PLAIN, cache=cache, compile_config=cc)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it compiled
+    assert torch.equal(got, _gen(models["eager"], PLAIN))
