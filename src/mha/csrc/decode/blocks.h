@@ -163,14 +163,44 @@ void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t 
   }
 }
 
-// scores for R query rows against blocks of KB = 16 / R keys (fp32 q; K fp32 or int8): the
-// R * KB dot products of a block accumulate side by side in 16-lane registers, so each K vector
-// is loaded (and int8 widened) once for the R rows, and each q vector once for the KB keys; one
-// reduce16 then gives the block's R * KB totals in one vector (lane r * KB + t: row r, key t).
-// q: (R, dk) rows; scores: row r at scores + r * kChunk.
-template <int R, typename KT>
-void qk_rows(const float* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float scale,
+// One step of a q.k dot product, W elements: fp32 q against fp32 or int8 K (widened; FMAs),
+// or bf16 q against bf16 K (vdpbf16ps, pairs of products, exact in fp32).
+template <typename QT, typename KT>
+struct QkStep {
+  static constexpr int64_t W = 16;
+  using M = __mmask16;
+  static M mask(int64_t left) { return tail16(left); }
+  static __m512 q(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 q(const float* p, M m) { return _mm512_maskz_loadu_ps(m, p); }
+  static __m512 k(const KT* p) { return load_f32(p); }
+  static __m512 k(const KT* p, M m) { return load_f32(p, m); }
+  static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+#ifdef __AVX512BF16__
+template <>
+struct QkStep<bf16, bf16> {
+  static constexpr int64_t W = 32;
+  using M = __mmask32;
+  static M mask(int64_t left) {
+    return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1ull);
+  }
+  static __m512bh q(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh q(const bf16* p, M m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+  static __m512bh k(const bf16* p) { return q(p); }
+  static __m512bh k(const bf16* p, M m) { return q(p, m); }
+  static __m512 madd(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#endif
+
+// scores for R query rows against blocks of KB = 16 / R keys (fp32 q with fp32 or int8 K; bf16
+// q and K): the R * KB dot products of a block accumulate side by side in 16-lane registers, so
+// each K vector is loaded (int8: widened) once for the R rows, and each q vector once for the KB
+// keys; one reduce16 then gives the block's R * KB totals in one vector (lane r * KB + t: row r,
+// key t). q: (R, dk) rows; scores: row r at scores + r * kChunk.
+template <int R, typename QT, typename KT>
+void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float scale,
              float* scores) {
+  using S = QkStep<QT, KT>;
   constexpr int KB = 16 / R;  // keys per block (R * KB <= 16 dot products)
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -178,39 +208,37 @@ void qk_rows(const float* q, int64_t dk, const KT* k, int64_t kst, int64_t n, fl
     const int64_t nt = std::min<int64_t>(KB, n - j);
     __m512 acc[16];
     MHA_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    if (nt == KB && dk % 16 == 0) {
+    if (nt == KB && dk % S::W == 0) {
       // a whole block, whole vectors: one pointer walks the KB rows (no per-row pointers to
       // keep in registers), unmasked loads (int8: the widening load takes its memory operand)
       const KT* kb = k + j * kst;
       if (j + 3 * KB < n)
         MHA_UNROLL for (int t = 0; t < KB; ++t) prefetch_row(kb + (3 * KB + t) * kst, dk);
-      for (int64_t c = 0; c < dk; c += 16) {
-        __m512 qv[R];
-        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_ps(q + r * dk + c);
+      for (int64_t c = 0; c < dk; c += S::W) {
+        decltype(S::q(q)) qv[R];
+        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = S::q(q + r * dk + c);
         const KT* kt = kb + c;
         MHA_UNROLL for (int t = 0; t < KB; ++t, kt += kst) {
-          const __m512 x = load_f32(kt);
+          const auto x = S::k(kt);
+          // dot product s = r * KB + t sits where reduce16 puts its total in lane s
           MHA_UNROLL for (int r = 0; r < R; ++r) {
             const int sl = r * KB + t;
-            acc[4 * (sl % 4) + sl / 4] = _mm512_fmadd_ps(qv[r], x, acc[4 * (sl % 4) + sl / 4]);
+            acc[4 * (sl % 4) + sl / 4] = S::madd(acc[4 * (sl % 4) + sl / 4], qv[r], x);
           }
         }
       }
     } else {  // the last keys, or a d_k with a partial vector: clamped row pointers, masks
       const KT* kp[KB];
       MHA_UNROLL for (int t = 0; t < KB; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
-      if (j + 3 * KB < n)  // blocks ahead: keeps the memory stream ahead of the loads
-        MHA_UNROLL for (int t = 0; t < KB; ++t) prefetch_row(kp[t] + 3 * KB * kst, dk);
-      for (int64_t c = 0; c < dk; c += 16) {
-        const __mmask16 mk = tail16(dk - c);
-        __m512 qv[R];
-        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = _mm512_maskz_loadu_ps(mk, q + r * dk + c);
+      for (int64_t c = 0; c < dk; c += S::W) {
+        const auto mk = S::mask(dk - c);
+        decltype(S::q(q)) qv[R];
+        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = S::q(q + r * dk + c, mk);
         MHA_UNROLL for (int t = 0; t < KB; ++t) {
-          const __m512 x = load_f32(kp[t] + c, mk);
-          // dot product s = r * KB + t sits where reduce16 puts its total in lane s
+          const auto x = S::k(kp[t] + c, mk);
           MHA_UNROLL for (int r = 0; r < R; ++r) {
             const int sl = r * KB + t;
-            acc[4 * (sl % 4) + sl / 4] = _mm512_fmadd_ps(qv[r], x, acc[4 * (sl % 4) + sl / 4]);
+            acc[4 * (sl % 4) + sl / 4] = S::madd(acc[4 * (sl % 4) + sl / 4], qv[r], x);
           }
         }
       }
@@ -225,9 +253,9 @@ void qk_rows(const float* q, int64_t dk, const KT* k, int64_t kst, int64_t n, fl
   }
 }
 
-// fp32 q (G rows) against int8 (or fp32) K: groups of up to 4 rows (qk_rows).
-template <typename KT>
-void qk_vec_rows(const float* q, int64_t G, int64_t dk, const KT* k, int64_t kst, int64_t n,
+// G query rows in groups of up to 4 (qk_rows): fp32 q against int8 or fp32 K, bf16 against bf16.
+template <typename QT, typename KT>
+void qk_vec_rows(const QT* q, int64_t G, int64_t dk, const KT* k, int64_t kst, int64_t n,
                  float scale, float* scores) {
   int64_t r = 0;
   for (; r + 4 <= G; r += 4) qk_rows<4>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk);
@@ -403,16 +431,22 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
 }
 #endif  // __AVX512F__
 
-// int8 K/V (KV = int8_t): q.k on AVX-512 takes fp32 q (a bf16 q is widened once per split by
-// the caller, split_item), p.v widens V in registers; both portable without AVX-512.
+// q.k on AVX-512: qk_rows for fp32 q against fp32 or int8 K (a bf16 q with int8 K is widened
+// once per split by the caller, split_item) and, with AVX512_BF16, bf16 against bf16; p.v:
+// pv_vec (int8 V widened in registers, its v_scale already in p). Portable loops otherwise.
 template <typename T, bool kVec, typename KV>
 inline void qk(const T* q, int64_t G, int64_t dk, const KV* k, int64_t kst, int64_t n,
                float scale, float* scores) {
 #ifdef __AVX512F__
   if constexpr (kVec && std::is_same_v<T, float>)  // fp32 or int8 K
     return qk_vec_rows(q, G, dk, k, kst, n, scale, scores);
-  else if constexpr (kVec && std::is_same_v<T, KV>)  // bf16
-    return qk_vec(q, G, dk, k, kst, n, scale, scores);
+  else if constexpr (kVec && std::is_same_v<T, KV>) {  // bf16
+#ifdef __AVX512BF16__
+    return qk_vec_rows(q, G, dk, k, kst, n, scale, scores);
+#else
+    return qk_vec(q, G, dk, k, kst, n, scale, scores);  // widened to fp32
+#endif
+  }
 #endif
   qk_portable(q, G, dk, k, kst, n, scale, scores);
 }

@@ -28,7 +28,7 @@
 // k_scale per key before the variants, and each weight p_j by v_scale_j before p . v. On
 // AVX-512 the int8 rows are widened to fp32 in registers (q.k: qk_rows, R query rows of the
 // group per block of 16 / R keys, with a bf16 q widened once per split; p.v: pv_tile), fp32 K
-// takes the same q.k; without AVX-512 the portable loops.
+// takes the same q.k, bf16 K its vdpbf16ps form; without AVX-512 the portable loops.
 //
 // Score variants (optional; decode/variants.h, the order of mha/scores.py): softcap, bias
 // (fp32, read through its broadcast strides) and ALiBi (-slope * (i + Tk - Tq - j)) change each
