@@ -191,3 +191,29 @@ def test_bench_int8_rows_count_the_bytes_they_read():
     relative_to_read(rows)
     assert rows[0].bytes == int8 and rows[1].bytes == bf16
     assert rows[0].pct_peak == pytest.approx(100 * (int8 / 0.01) / (bf16 / 0.02))
+
+
+@NEEDS_KERNEL
+def test_bf16_query_rows_of_wide_range_stay_within_the_bf16_rule():
+    """A bf16 q row against int8 K runs as int16 (one scale per row): a row mixing 1000 with
+    1e-3 loses its small elements' low bits, far below what bf16 itself keeps."""
+    q, kv, (k32, v32), kw = _problem((1, 9, 3, 1, 700, 64, 64), torch.bfloat16, "causal", seed=7)
+    q = q.float() * 1e-3
+    q[0, 2, 0, 5] = 1000.0
+    q[0, 4, 0, :] *= 1e6
+    q = q.bfloat16()
+    got = _int8(q, kv, **kw)
+    _check(got, q, k32, v32, _allowed(q, 700, kw), torch.bfloat16)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_bf16_query_row_gives_the_portable_loops_result(bad):
+    """NaN / Inf in a bf16 q row (which the int16 form cannot hold): that row's result is the
+    IEEE one of the portable loops (NaN), the other rows unchanged."""
+    q, kv, _, kw = _problem((1, 9, 3, 1, 300, 64, 64), torch.bfloat16, "none", seed=8)
+    q[0, 4, 0, 10] = bad
+    got, portable = _int8(q, kv), _int8(q, kv, portable=True)
+    assert torch.equal(got.isnan(), portable.isnan()) and got[0, 4].isnan().all()
+    fin = ~portable.isnan()
+    assert (got.float()[fin] - portable.float()[fin]).abs().max() <= 2e-2

@@ -175,7 +175,29 @@ struct QkStep {
   static __m512 k(const KT* p) { return load_f32(p); }
   static __m512 k(const KT* p, M m) { return load_f32(p, m); }
   static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static __m512 fin(__m512 acc) { return acc; }
 };
+// int16 q (a bf16 q row quantized, see split_item) against int8 K widened to int16:
+// vpdpwssd, pairs of exact integer products into int32 lanes; `fin` converts them to fp32.
+template <>
+struct QkStep<int16_t, int8_t> {
+  static constexpr int64_t W = 32;
+  using M = __mmask32;
+  static M mask(int64_t left) {
+    return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1ull);
+  }
+  static __m512i q(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i q(const int16_t* p, M m) { return _mm512_maskz_loadu_epi16(m, p); }
+  static __m512i k(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m512i k(const int8_t* p, M m) { return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, p)); }
+  static __m512 madd(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), a, b));
+  }
+  static __m512 fin(__m512 acc) { return _mm512_cvtepi32_ps(_mm512_castps_si512(acc)); }
+};
+
 #ifdef __AVX512BF16__
 template <>
 struct QkStep<bf16, bf16> {
@@ -189,6 +211,7 @@ struct QkStep<bf16, bf16> {
   static __m512bh k(const bf16* p) { return q(p); }
   static __m512bh k(const bf16* p, M m) { return q(p, m); }
   static __m512 madd(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static __m512 fin(__m512 acc) { return acc; }
 };
 #endif
 
@@ -196,13 +219,16 @@ struct QkStep<bf16, bf16> {
 // q and K): the R * KB dot products of a block accumulate side by side in 16-lane registers, so
 // each K vector is loaded (int8: widened) once for the R rows, and each q vector once for the KB
 // keys; one reduce16 then gives the block's R * KB totals in one vector (lane r * KB + t: row r,
-// key t). q: (R, dk) rows; scores: row r at scores + r * kChunk.
+// key t). q: (R, dk) rows; scores: row r at scores + r * kChunk; row r's sums are multiplied
+// by scale * rs[r] (rs: the int16 q rows' scales) or by scale (rs == nullptr).
 template <int R, typename QT, typename KT>
 void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float scale,
-             float* scores) {
+             float* scores, const float* rs = nullptr) {
   using S = QkStep<QT, KT>;
   constexpr int KB = 16 / R;  // keys per block (R * KB <= 16 dot products)
-  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) float sl_scale[16];  // lane r * KB + t: row r's
+  for (int i = 0; i < 16; ++i) sl_scale[i] = rs && i < R * KB ? scale * rs[i / KB] : scale;
+  const __m512 vscale = _mm512_load_ps(sl_scale);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t j = 0; j < n; j += KB) {
     const int64_t nt = std::min<int64_t>(KB, n - j);
@@ -243,6 +269,7 @@ void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float
         }
       }
     }
+    MHA_UNROLL for (int i = 0; i < 16; ++i) acc[i] = S::fin(acc[i]);
     const __m512 tot = _mm512_mul_ps(reduce16(acc), vscale);
     MHA_UNROLL for (int r = 0; r < R; ++r) {  // row r's keys: lanes r * KB + t, moved to t
       const __m512 row = r == 0 ? tot
@@ -254,14 +281,17 @@ void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float
 }
 
 // G query rows in groups of up to 4 (qk_rows): fp32 q against int8 or fp32 K, bf16 against bf16.
+// int16 q against int8 K: rs (G,) the q rows' scales.
 template <typename QT, typename KT>
 void qk_vec_rows(const QT* q, int64_t G, int64_t dk, const KT* k, int64_t kst, int64_t n,
-                 float scale, float* scores) {
+                 float scale, float* scores, const float* rs = nullptr) {
   int64_t r = 0;
-  for (; r + 4 <= G; r += 4) qk_rows<4>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk);
-  if (G - r == 3) qk_rows<3>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk);
-  if (G - r == 2) qk_rows<2>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk);
-  if (G - r == 1) qk_rows<1>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk);
+  auto at = [&](int64_t r0) { return rs ? rs + r0 : nullptr; };
+  for (; r + 4 <= G; r += 4)
+    qk_rows<4>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 3) qk_rows<3>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 2) qk_rows<2>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 1) qk_rows<1>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
 }
 
 // O[r0:r0+R, col:col+16*NV] += p[r0:r0+R, :n] @ v[:n, col:col+16*NV]; accumulators in
