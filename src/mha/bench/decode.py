@@ -24,6 +24,18 @@ P prompt length, N new tokens.
     bandwidth measured in the same interleaved rounds. The "% peak" column of every row of
     the case is its GB/s relative to the faster of the two.
 
+* ``step B1 h32 d128 Tk… int8 vs bf16`` (and ``h9/3 d64``, SmolLM2's heads): the int8 K/V
+  cache against the bf16 one, bf16 queries in both, in GB/s of the bytes each step actually
+  reads (``bytes``: the bf16 K/V; the int8 row's own ``bytes``: int8 values plus the two fp32
+  scales per token and K/V head). Implementations:
+
+  - ``mha int8 K/V`` — :meth:`mha.KVCache.attend` on a ``kv_dtype="int8"`` cache: the decode
+    kernel dequantizing in its loops (checked against SDPA on the dequantized K/V);
+  - ``mha bf16 K/V`` — ``mha.attention`` on the bf16 cache's views (the ratio column's
+    baseline: the int8 row's ratio is its speed over the bf16 step);
+  - ``onnxruntime GQA`` — as above (fp16, no bf16 CPU kernel), and the two read rows over the
+    bf16 K/V bytes, for "% peak".
+
 * ``generate …``: greedy :meth:`mha.models.TinyDecoder.generate` (seeded random weights) in
   tokens/s: ``mha cache`` (preallocated, in place) against ``torch.cat + sdpa`` (the baseline:
   cache grown by concatenation, attention forced to SDPA) and ``torch.cat`` (same growth, mha's
@@ -154,6 +166,110 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
                 note="% peak = GB/s relative to the faster read row", teardown=shared.clear)
 
 
+INT8 = "mha int8 K/V"
+BF16 = "mha bf16 K/V"
+
+
+def _int8_case(Tk: int, ctx: Context, B: int = 1, h: int = 32, h_kv: int = 32,
+               d: int = 128) -> Case:
+    """int8 vs bf16 K/V (bf16 queries), bytes per row: see the module docstring."""
+    bf16_bytes = 2 * B * h_kv * Tk * d * 2
+    int8_bytes = 2 * B * h_kv * Tk * (d + 4)  # int8 K and V, fp32 k_scale and v_scale
+    shared: dict = {}
+
+    def inputs():
+        if "bf16" not in shared:
+            import mha
+
+            if 2 * bf16_bytes + int8_bytes > ctx.mem_budget:  # both caches, ORT's copy
+                raise Skip(f"would need {(2 * bf16_bytes + int8_bytes) / 2**30:.1f} GiB (budget "
+                           f"{ctx.mem_budget / 2**30:.1f} GiB)")
+            g = torch.Generator().manual_seed(0)
+            c16 = mha.KVCache(B, h_kv, Tk, d, dtype=torch.bfloat16)
+            c8 = mha.KVCache(B, h_kv, Tk, d, dtype=torch.bfloat16, kv_dtype="int8")
+            with torch.no_grad():
+                for i in range(0, Tk, 4096):  # in slices: no full-size fp32 temporary
+                    n = min(4096, Tk - i)
+                    k, v = (torch.randn(B, h_kv, n, d, generator=g).bfloat16() for _ in range(2))
+                    c16.append(k, v)  # (B, h_kv, n, d) each
+                    c8.append(k, v)
+            q = torch.randn(B, h, 1, d, generator=g).bfloat16()  # (B, h, 1, d)
+            shared.update(bf16=c16, int8=c8, q=q)
+        return shared["bf16"], shared["int8"], shared["q"]
+
+    def checked(fn, k, v, what):
+        _, _, q = inputs()
+        out = fn()
+        out = fn.result() if hasattr(fn, "result") else out
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                 enable_gqa=h_kv != h)
+        err = (out.float() - ref).abs().max().item()
+        if not err <= 3e-2:
+            raise RuntimeError(f"output differs from SDPA fp32 on {what}: max error {err:.2e}")
+        fn.check = f"max |out - SDPA fp32 on {what}| = {err:.1e}"
+        return fn
+
+    def make_int8():
+        _, c8, q = inputs()
+
+        def step():
+            with torch.no_grad():
+                return c8.attend(q)
+        return checked(step, c8.keys(), c8.values(), "the dequantized K/V")
+
+    def make_bf16():
+        import mha
+
+        c16, _, q = inputs()
+        k, v = c16.keys(), c16.values()  # (B, h_kv, Tk, d) views
+        return checked(lambda: mha.attention(q, k, v), k, v, "the bf16 K/V")
+
+    def make_ort():
+        from mha.bench import peers
+
+        c16, _, q = inputs()
+        fn = peers.ort_gqa_decode(q, c16.keys(), c16.values())
+        fn = checked(fn, c16.keys(), c16.values(), "the bf16 K/V")
+        fn.note = "ORT's fp16 step (no bf16 CPU kernel), reading the bf16 row's bytes"
+        return fn
+
+    def make_read():
+        c16, _, _ = inputs()
+        kf, vf = c16.k.view(torch.float32), c16.v.view(torch.float32)  # the same bytes
+        return lambda: (kf.sum(), vf.sum())
+
+    def make_native_read():
+        from mha.ops import build
+
+        try:
+            build.load("mha_stream_read", ("bench/stream_read.cpp",))
+        except build.BuildError as e:
+            raise Skip(f"native read probe not built: {e}") from e
+        c16, _, _ = inputs()
+        kf, vf = c16.k.view(torch.float32), c16.v.view(torch.float32)  # the same bytes
+        op = torch.ops.mha.stream_read
+        return lambda: (op(kf), op(vf))
+
+    heads = f"h{h}" if h_kv == h else f"h{h}/{h_kv}"
+    return Case(name=f"step B{B} {heads} d{d} Tk{Tk} int8 vs bf16",
+                impls=[Impl(INT8, make_int8), Impl(BF16, make_bf16),
+                       Impl("onnxruntime GQA", make_ort), Impl(READ_SUM, make_read),
+                       Impl(READ_NATIVE, make_native_read)],
+                bytes=bf16_bytes, metric="gbs", baseline=BF16,
+                params=dict(B=B, h=h, h_kv=h_kv, Tq=1, Tk=Tk, d=d, dtype="bfloat16",
+                            kv="int8 vs bf16", int8_bytes=int8_bytes),
+                note="GB/s of the bytes each row reads (int8: values + scales); "
+                     "% peak = GB/s relative to the faster read row", teardown=shared.clear)
+
+
+def int8_bytes_read(rows: list[Row]) -> None:
+    """The int8 rows read their own bytes (int8 values + scales), not the case's bf16 bytes."""
+    for r in rows:
+        if r.impl == INT8 and "int8_bytes" in r.params:
+            r.bytes = r.params["int8_bytes"]
+
+
 def _generate_case(label: str, cfg: dict, B: int, P: int, N: int,
                    dtype: torch.dtype = torch.float32) -> Case:
     shared: dict = {}
@@ -205,11 +321,14 @@ def all_cases(ctx: Context) -> list[Case]:
     out = [_step_case(Tk, dt, ctx) for dt in (torch.float32, torch.bfloat16) for Tk in lengths]
     if ctx.quick:
         out.append(_step_case(4096, torch.bfloat16, ctx, h_kv=8))
+        out.append(_int8_case(4096, ctx))
         small = dict(vocab_size=512, d_model=128, n_layers=2, num_heads=4)
         out.append(_generate_case("2x128", small, B=1, P=64, N=16))
     else:
         out.append(_step_case(4096, torch.float32, ctx, h_kv=8))
         out.append(_step_case(4096, torch.bfloat16, ctx, h_kv=8))
+        out += [_int8_case(Tk, ctx) for Tk in (4096, 8192, 16384, 32768)]
+        out.append(_int8_case(8192, ctx, h=9, h_kv=3, d=64))  # SmolLM2-135M's attention
         mid = dict(vocab_size=1024, d_model=512, n_layers=4, num_heads=8)
         wide = dict(vocab_size=1024, d_model=1024, n_layers=2, num_heads=16)
         out += [_generate_case("4x512", mid, B=1, P=512, N=64),
@@ -243,6 +362,7 @@ def run(ctx: Context) -> list[Row]:
             continue
         got = ctx.measure(case, suite="decode")
         if case.metric == "gbs":
+            int8_bytes_read(got)
             relative_to_read(got)
         rows += got
         if ctx.on_row is not None:
@@ -251,4 +371,4 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-__all__ = ["TITLE", "READS", "all_cases", "run", "relative_to_read"]
+__all__ = ["TITLE", "READS", "all_cases", "int8_bytes_read", "run", "relative_to_read"]

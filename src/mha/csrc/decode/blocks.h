@@ -81,22 +81,16 @@ MHA_INLINE __m512 load_f32(const bf16* p, __mmask16 mk) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 MHA_INLINE __m512 load_f32(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-
-// One dot product's partial sums (16 lanes): q . k over d elements.
-MHA_INLINE __m512 dot_lanes(const float* q, const float* k, int64_t d) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 32 <= d; c += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(k + c + 16), a1);
-  }
-  for (; c < d; c += 16) {
-    const __mmask16 mk = tail16(d - c);
-    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + c), _mm512_maskz_loadu_ps(mk, k + c), a0);
-  }
-  return _mm512_add_ps(a0, a1);
+MHA_INLINE __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+// 16 int8 values -> 16 fp32 (exact): sign-extended to int32, then converted.
+MHA_INLINE __m512 load_f32(const int8_t* p, __mmask16 mk) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, p)));
+}
+MHA_INLINE __m512 load_f32(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// One dot product's partial sums (16 lanes): q . k over d elements (bf16; qk_vec).
 MHA_INLINE __m512 dot_lanes(const bf16* q, const bf16* k, int64_t d) {
 #ifdef __AVX512BF16__
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -169,29 +163,163 @@ void qk_vec(const T* q, int64_t G, int64_t dk, const T* k, int64_t kst, int64_t 
   }
 }
 
+// One step of a q.k dot product, W elements: fp32 q against fp32 or int8 K (widened; FMAs),
+// or bf16 q against bf16 K (vdpbf16ps, pairs of products, exact in fp32).
+template <typename QT, typename KT>
+struct QkStep {
+  static constexpr int64_t W = 16;
+  using M = __mmask16;
+  static M mask(int64_t left) { return tail16(left); }
+  static __m512 q(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 q(const float* p, M m) { return _mm512_maskz_loadu_ps(m, p); }
+  static __m512 k(const KT* p) { return load_f32(p); }
+  static __m512 k(const KT* p, M m) { return load_f32(p, m); }
+  static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static __m512 fin(__m512 acc) { return acc; }
+};
+// int16 q (a bf16 q row quantized, see split_item) against int8 K widened to int16:
+// vpdpwssd, pairs of exact integer products into int32 lanes; `fin` converts them to fp32.
+template <>
+struct QkStep<int16_t, int8_t> {
+  static constexpr int64_t W = 32;
+  using M = __mmask32;
+  static M mask(int64_t left) {
+    return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1ull);
+  }
+  static __m512i q(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i q(const int16_t* p, M m) { return _mm512_maskz_loadu_epi16(m, p); }
+  static __m512i k(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m512i k(const int8_t* p, M m) { return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, p)); }
+  static __m512 madd(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), a, b));
+  }
+  static __m512 fin(__m512 acc) { return _mm512_cvtepi32_ps(_mm512_castps_si512(acc)); }
+};
+
+#ifdef __AVX512BF16__
+template <>
+struct QkStep<bf16, bf16> {
+  static constexpr int64_t W = 32;
+  using M = __mmask32;
+  static M mask(int64_t left) {
+    return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1ull);
+  }
+  static __m512bh q(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh q(const bf16* p, M m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+  static __m512bh k(const bf16* p) { return q(p); }
+  static __m512bh k(const bf16* p, M m) { return q(p, m); }
+  static __m512 madd(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static __m512 fin(__m512 acc) { return acc; }
+};
+#endif
+
+// scores for R query rows against blocks of KB = 16 / R keys (fp32 q with fp32 or int8 K; bf16
+// q and K): the R * KB dot products of a block accumulate side by side in 16-lane registers, so
+// each K vector is loaded (int8: widened) once for the R rows, and each q vector once for the KB
+// keys; one reduce16 then gives the block's R * KB totals in one vector (lane r * KB + t: row r,
+// key t). q: (R, dk) rows; scores: row r at scores + r * kChunk; row r's sums are multiplied
+// by scale * rs[r] (rs: the int16 q rows' scales) or by scale (rs == nullptr).
+template <int R, typename QT, typename KT>
+void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float scale,
+             float* scores, const float* rs = nullptr) {
+  using S = QkStep<QT, KT>;
+  constexpr int KB = 16 / R;  // keys per block (R * KB <= 16 dot products)
+  alignas(64) float sl_scale[16];  // lane r * KB + t: row r's
+  for (int i = 0; i < 16; ++i) sl_scale[i] = rs && i < R * KB ? scale * rs[i / KB] : scale;
+  const __m512 vscale = _mm512_load_ps(sl_scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t j = 0; j < n; j += KB) {
+    const int64_t nt = std::min<int64_t>(KB, n - j);
+    __m512 acc[16];
+    MHA_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    if (nt == KB && dk % S::W == 0) {
+      // a whole block, whole vectors: one pointer walks the KB rows (no per-row pointers to
+      // keep in registers), unmasked loads (int8: the widening load takes its memory operand)
+      const KT* kb = k + j * kst;
+      if (j + 3 * KB < n)
+        MHA_UNROLL for (int t = 0; t < KB; ++t) prefetch_row(kb + (3 * KB + t) * kst, dk);
+      for (int64_t c = 0; c < dk; c += S::W) {
+        decltype(S::q(q)) qv[R];
+        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = S::q(q + r * dk + c);
+        const KT* kt = kb + c;
+        MHA_UNROLL for (int t = 0; t < KB; ++t, kt += kst) {
+          const auto x = S::k(kt);
+          // dot product s = r * KB + t sits where reduce16 puts its total in lane s
+          MHA_UNROLL for (int r = 0; r < R; ++r) {
+            const int sl = r * KB + t;
+            acc[4 * (sl % 4) + sl / 4] = S::madd(acc[4 * (sl % 4) + sl / 4], qv[r], x);
+          }
+        }
+      }
+    } else {  // the last keys, or a d_k with a partial vector: clamped row pointers, masks
+      const KT* kp[KB];
+      MHA_UNROLL for (int t = 0; t < KB; ++t) kp[t] = k + (j + std::min<int64_t>(t, nt - 1)) * kst;
+      for (int64_t c = 0; c < dk; c += S::W) {
+        const auto mk = S::mask(dk - c);
+        decltype(S::q(q)) qv[R];
+        MHA_UNROLL for (int r = 0; r < R; ++r) qv[r] = S::q(q + r * dk + c, mk);
+        MHA_UNROLL for (int t = 0; t < KB; ++t) {
+          const auto x = S::k(kp[t] + c, mk);
+          MHA_UNROLL for (int r = 0; r < R; ++r) {
+            const int sl = r * KB + t;
+            acc[4 * (sl % 4) + sl / 4] = S::madd(acc[4 * (sl % 4) + sl / 4], qv[r], x);
+          }
+        }
+      }
+    }
+    MHA_UNROLL for (int i = 0; i < 16; ++i) acc[i] = S::fin(acc[i]);
+    const __m512 tot = _mm512_mul_ps(reduce16(acc), vscale);
+    MHA_UNROLL for (int r = 0; r < R; ++r) {  // row r's keys: lanes r * KB + t, moved to t
+      const __m512 row = r == 0 ? tot
+                                : _mm512_permutexvar_ps(
+                                      _mm512_add_epi32(_mm512_set1_epi32(r * KB), lane), tot);
+      _mm512_mask_storeu_ps(scores + r * kChunk + j, tail16(nt), row);
+    }
+  }
+}
+
+// G query rows in groups of up to 4 (qk_rows): fp32 q against int8 or fp32 K, bf16 against bf16.
+// int16 q against int8 K: rs (G,) the q rows' scales.
+template <typename QT, typename KT>
+void qk_vec_rows(const QT* q, int64_t G, int64_t dk, const KT* k, int64_t kst, int64_t n,
+                 float scale, float* scores, const float* rs = nullptr) {
+  int64_t r = 0;
+  auto at = [&](int64_t r0) { return rs ? rs + r0 : nullptr; };
+  for (; r + 4 <= G; r += 4)
+    qk_rows<4>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 3) qk_rows<3>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 2) qk_rows<2>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+  if (G - r == 1) qk_rows<1>(q + r * dk, dk, k, kst, n, scale, scores + r * kChunk, at(r));
+}
+
 // O[r0:r0+R, col:col+16*NV] += p[r0:r0+R, :n] @ v[:n, col:col+16*NV]; accumulators in
-// registers, each V vector loaded once for the R rows.
-template <typename T, int R, int NV>
+// registers, each V vector loaded once for the R rows. They start from O and add the keys in
+// order, so O's sums do not depend on how the keys were cut into runs (paged K/V: the same
+// bits as contiguous).
+template <typename T, int R, int NV, bool kFull = false>
 void pv_tile(const float* p, int64_t n, const T* v, int64_t vst, int64_t col, __mmask16 last,
              float* O, int64_t dv) {
   __m512 acc[R][NV];
   MHA_UNROLL for (int r = 0; r < R; ++r)
-    MHA_UNROLL for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+    MHA_UNROLL for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF),
+                                        O + r * dv + col + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
     __m512 pr[R];
     MHA_UNROLL for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * kChunk + t]);
     const T* vt = v + t * vst + col;
     if (t + 16 < n) prefetch_row(vt + 16 * vst, 16 * NV);
     MHA_UNROLL for (int c = 0; c < NV; ++c) {
-      const __m512 x = load_f32(vt + 16 * c, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF));
+      const __m512 x = kFull || c < NV - 1 ? load_f32(vt + 16 * c) : load_f32(vt + 16 * c, last);
       MHA_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
     }
   }
   MHA_UNROLL for (int r = 0; r < R; ++r)
     MHA_UNROLL for (int c = 0; c < NV; ++c) {
       float* o = O + r * dv + col + 16 * c;
-      const __mmask16 mk = c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
-      _mm512_mask_storeu_ps(o, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), acc[r][c]));
+      _mm512_mask_storeu_ps(o, c == NV - 1 ? last : static_cast<__mmask16>(0xFFFF), acc[r][c]);
     }
 }
 
@@ -240,28 +368,36 @@ void pv_tile_bf16(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t
 }
 
 // Column tiles: 128 columns for up to 2 query rows, 64 for 3-4 (16 accumulators either way).
-template <int R>
-void pv_rows(const float* p, int64_t n, const float* v, int64_t vst, int64_t dv, float* O) {
+// T: fp32, or int8 (widened per vector; its per-key scale is already in p).
+template <int R, typename T>
+void pv_rows(const float* p, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
   constexpr int64_t kW = R <= 2 ? 128 : 64;
   for (int64_t col = 0; col < dv; col += kW) {
     const int64_t w = std::min<int64_t>(kW, dv - col);
     const int nv = static_cast<int>((w + 15) / 16);
     const __mmask16 last = tail16(w - 16 * (nv - 1));
+    // int8: whole vectors take the widening load with its memory operand (no mask)
+    const bool full = std::is_same_v<T, int8_t> && last == 0xFFFF;
+    auto tile = [&](auto nvc) {
+      constexpr int NVC = decltype(nvc)::value;
+      if (full) pv_tile<T, R, NVC, true>(p, n, v, vst, col, last, O, dv);
+      else pv_tile<T, R, NVC>(p, n, v, vst, col, last, O, dv);
+    };
     switch (nv) {
-      case 1: pv_tile<float, R, 1>(p, n, v, vst, col, last, O, dv); break;
-      case 2: pv_tile<float, R, 2>(p, n, v, vst, col, last, O, dv); break;
-      case 3: pv_tile<float, R, 3>(p, n, v, vst, col, last, O, dv); break;
-      case 4: pv_tile<float, R, 4>(p, n, v, vst, col, last, O, dv); break;
-      case 5: pv_tile<float, R, 5>(p, n, v, vst, col, last, O, dv); break;
-      case 6: pv_tile<float, R, 6>(p, n, v, vst, col, last, O, dv); break;
-      case 7: pv_tile<float, R, 7>(p, n, v, vst, col, last, O, dv); break;
-      default: pv_tile<float, R, 8>(p, n, v, vst, col, last, O, dv); break;
+      case 1: tile(std::integral_constant<int, 1>{}); break;
+      case 2: tile(std::integral_constant<int, 2>{}); break;
+      case 3: tile(std::integral_constant<int, 3>{}); break;
+      case 4: tile(std::integral_constant<int, 4>{}); break;
+      case 5: tile(std::integral_constant<int, 5>{}); break;
+      case 6: tile(std::integral_constant<int, 6>{}); break;
+      case 7: tile(std::integral_constant<int, 7>{}); break;
+      default: tile(std::integral_constant<int, 8>{}); break;
     }
   }
 }
 
 template <int R>
-void pv_rows(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t dv, float* O) {
+void pv_rows_bf16(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t dv, float* O) {
   constexpr int64_t kW = R <= 2 ? 128 : 64;
   for (int64_t col = 0; col < dv; col += kW) {
     const int64_t w = std::min<int64_t>(kW, dv - col);
@@ -274,13 +410,20 @@ void pv_rows(const float* p, int64_t n, const bf16* v, int64_t vst, int64_t dv, 
   }
 }
 
+template <int R, typename T>
+void pv_rows_any(const float* p, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
+  if constexpr (std::is_same_v<T, bf16>) pv_rows_bf16<R>(p, n, v, vst, dv, O);
+  else pv_rows<R, T>(p, n, v, vst, dv, O);
+}
+
+// T: fp32, bf16 or int8 V.
 template <typename T>
 void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64_t dv, float* O) {
   int64_t r = 0;
-  for (; r + 4 <= G; r += 4) pv_rows<4>(p + r * kChunk, n, v, vst, dv, O + r * dv);
-  if (G - r == 3) pv_rows<3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
-  if (G - r == 2) pv_rows<2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
-  if (G - r == 1) pv_rows<1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  for (; r + 4 <= G; r += 4) pv_rows_any<4>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 3) pv_rows_any<3>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 2) pv_rows_any<2>(p + r * kChunk, n, v, vst, dv, O + r * dv);
+  if (G - r == 1) pv_rows_any<1>(p + r * kChunk, n, v, vst, dv, O + r * dv);
 }
 
 using mha_exp2::exp2_avx512;  // 2^x, shared with the flash kernels
@@ -318,12 +461,22 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
 }
 #endif  // __AVX512F__
 
-// int8 K/V (KV = int8_t) runs the portable loops on every target.
+// q.k on AVX-512: qk_rows for fp32 q against fp32 or int8 K (a bf16 q with int8 K is widened
+// once per split by the caller, split_item) and, with AVX512_BF16, bf16 against bf16; p.v:
+// pv_vec (int8 V widened in registers, its v_scale already in p). Portable loops otherwise.
 template <typename T, bool kVec, typename KV>
 inline void qk(const T* q, int64_t G, int64_t dk, const KV* k, int64_t kst, int64_t n,
                float scale, float* scores) {
 #ifdef __AVX512F__
-  if constexpr (kVec && std::is_same_v<T, KV>) return qk_vec(q, G, dk, k, kst, n, scale, scores);
+  if constexpr (kVec && std::is_same_v<T, float>)  // fp32 or int8 K
+    return qk_vec_rows(q, G, dk, k, kst, n, scale, scores);
+  else if constexpr (kVec && std::is_same_v<T, KV>) {  // bf16
+#ifdef __AVX512BF16__
+    return qk_vec_rows(q, G, dk, k, kst, n, scale, scores);
+#else
+    return qk_vec(q, G, dk, k, kst, n, scale, scores);  // widened to fp32
+#endif
+  }
 #endif
   qk_portable(q, G, dk, k, kst, n, scale, scores);
 }
@@ -332,7 +485,7 @@ template <typename KV, bool kVec>
 inline void pv(const float* p, int64_t G, int64_t n, const KV* v, int64_t vst, int64_t dv,
                float* O) {
 #ifdef __AVX512F__
-  if constexpr (kVec && !std::is_same_v<KV, int8_t>) return pv_vec(p, G, n, v, vst, dv, O);
+  if constexpr (kVec) return pv_vec(p, G, n, v, vst, dv, O);
 #endif
   pv_portable(p, G, n, v, vst, dv, O);
 }

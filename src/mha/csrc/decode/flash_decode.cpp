@@ -25,8 +25,10 @@
 //
 // int8 K/V (optional): k, v int8 with fp32 scales (B, h_kv, Tk), one per token and K/V head
 // (k = k_scale * k_int8). Dequantized in the loops, never stored: q . k_int8 is scaled by
-// k_scale per key before the variants, and each weight p_j by v_scale_j before p . v. These
-// run the portable loops on every target (bf16 / fp32 K/V keep the AVX-512 / AMX paths).
+// k_scale per key before the variants, and each weight p_j by v_scale_j before p . v. On
+// AVX-512 the int8 rows are widened to fp32 in registers (q.k: qk_rows, R query rows of the
+// group per block of 16 / R keys, with a bf16 q widened once per split; p.v: pv_tile), fp32 K
+// takes the same q.k, bf16 K its vdpbf16ps form; without AVX-512 the portable loops.
 //
 // Score variants (optional; decode/variants.h, the order of mha/scores.py): softcap, bias
 // (fp32, read through its broadcast strides) and ALiBi (-slope * (i + Tk - Tq - j)) change each
@@ -98,10 +100,13 @@ namespace {
 // Writes O (G, d_v) unnormalized, m (G,) and l (G,) for this split. scores: G * kChunk floats.
 // Per-thread scratch: scores (G, kChunk), the merge accumulator (d_v), AMX operands.
 struct Scratch {
-  std::vector<float> scores, acc, tmp;
+  // int8 K/V: the group's q in fp32 (qf), or in int16 (q16) with one scale per row (qs)
+  std::vector<float> scores, acc, tmp, qf, qs;
+  std::vector<int16_t> q16;
   std::vector<uint32_t> qpack;
   explicit Scratch(const Problem& P)
-      : scores(P.G * kChunk), acc(P.dv), tmp(16 * P.G), qpack(P.amx ? P.dk / 2 * P.G : 0) {}
+      : scores(P.G * kChunk), acc(P.dv), tmp(16 * P.G), qf(P.ksc ? P.G * P.dk : 0),
+        qs(P.ksc ? P.G : 0), q16(P.ksc ? P.G * P.dk : 0), qpack(P.amx ? P.dk / 2 * P.G : 0) {}
 };
 
 // Turns the AMX tile state on for this thread for as long as it lives (when P.amx).
@@ -140,9 +145,16 @@ void pv_exact(const Problem& P, int64_t b, int64_t kvh, int64_t r, int64_t j0, i
 }
 
 // Row-wise products with a per-key fp32 scale (int8 K/V): s[r * kChunk + t] *= sc[t * stride].
+// Contiguous scales (stride 1, the KVCache layout) take the loop the compiler vectorizes.
 inline void scale_keys(float* s, int64_t G, int64_t n, const float* sc, int64_t stride) {
-  for (int64_t r = 0; r < G; ++r)
-    for (int64_t t = 0; t < n; ++t) s[r * kChunk + t] *= sc[t * stride];
+  for (int64_t r = 0; r < G; ++r) {
+    float* __restrict sr = s + r * kChunk;
+    const float* __restrict c = sc;
+    if (stride == 1)
+      for (int64_t t = 0; t < n; ++t) sr[t] *= c[t];
+    else
+      for (int64_t t = 0; t < n; ++t) sr[t] *= c[t * stride];
+  }
 }
 
 // scores[r * kChunk + t] = qk_scale * (q_r . k_t), t < n, for one run of n keys contiguous in
@@ -178,6 +190,35 @@ inline void prefetch_next_run(const Problem& P, const KV* x, int64_t b, int64_t 
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// bf16 q against int8 K: each q row as int16 times one fp32 scale (absmax / 32767), so q.k
+// runs as exact integer products (vpdpwssd, 32 per instruction, int8 K widened to int16)
+// instead of fp32 FMAs on widened K (16 per instruction). The int16 rounding, at most 2^-16 of
+// the row's absmax per element, is far below bf16's own (2^-9 of each element). Integer sums
+// stay below 2^31 for d_k <= 512. Returns false (the fp32 path then) without AVX-512, for
+// larger d_k, or when a row holds a NaN or an Inf (its IEEE result is kept).
+template <typename T>
+bool quantize_q16(const T* q, int64_t G, int64_t dk, Scratch& w) {
+#ifdef __AVX512F__
+  if (dk > 512) return false;
+  for (int64_t r = 0; r < G; ++r) {
+    float amax = 0.f;
+    for (int64_t c = 0; c < dk; ++c) {
+      const float x = widen(q[r * dk + c]);
+      if (!std::isfinite(x)) return false;
+      amax = std::max(amax, std::fabs(x));
+    }
+    const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+    w.qs[r] = s;
+    for (int64_t c = 0; c < dk; ++c)
+      w.q16[r * dk + c] = static_cast<int16_t>(std::nearbyint(widen(q[r * dk + c]) * inv));
+  }
+  return true;
+#else
+  (void)q, (void)G, (void)dk, (void)w;
+  return false;
+#endif
+}
+
 // T: q's (and the output's) dtype; KV: K/V's, T or int8 (dequantized here, never stored).
 // Tk: what causal (and ALiBi) align to: P.Tk, or row b's length when K/V are paged.
 template <typename T, bool kVec, typename KV>
@@ -190,6 +231,17 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   std::fill(l, l + G, 0.f);
   if (n <= 0) return;
   const T* q = static_cast<const T*>(P.q) + (b * P.h + kvh * P.g) * P.Tq * P.dk;  // (G, d_k)
+  // int8 K on AVX-512: q.k takes fp32 q, so a bf16 q is widened here once per split (exact)
+  using QT = std::conditional_t<kVec && std::is_same_v<KV, int8_t>, float, T>;
+  const QT* qq;
+  bool q16 = false;  // bf16 q against int8 K in int16 (vpdpwssd): see quantize_q16
+  if constexpr (std::is_same_v<QT, T>) {
+    qq = q;
+  } else {
+    if constexpr (std::is_same_v<T, bf16>) q16 = quantize_q16(q, G, P.dk, w);
+    if (!q16) for (int64_t c = 0; c < G * P.dk; ++c) w.qf[c] = widen(q[c]);  // (G, d_k) fp32
+    qq = w.qf.data();
+  }
   const KV* K = static_cast<const KV*>(P.k);
   const KV* V = static_cast<const KV*>(P.v);
   // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units, one contiguous run of
@@ -198,7 +250,16 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
     const int64_t e = run_end(P, j, j1);
     const KVAt at = kv_at(P, b, kvh, j);
     prefetch_next_run(P, K, b, kvh, e, j1, false, P.dk);
-    qk_run<T, kVec, KV>(P, q, K + at.k, e - j, scores + (j - j0), w);
+#ifdef __AVX512F__
+    if constexpr (kVec && std::is_same_v<KV, int8_t>)
+      if (q16) {
+        qk_vec_rows(w.q16.data(), G, P.dk, K + at.k, P.kst, e - j, P.qk_scale,
+                    scores + (j - j0), w.qs.data());
+        goto scaled;
+      }
+#endif
+    qk_run<QT, kVec, KV>(P, qq, K + at.k, e - j, scores + (j - j0), w);
+  scaled:
     if constexpr (std::is_same_v<KV, int8_t>)  // s = scale * k_scale_j * (q . k_int8_j)
       scale_keys(scores + (j - j0), G, e - j, P.ksc + at.ks, P.kscs);
     j = e;
