@@ -23,11 +23,9 @@ import hashlib
 import os
 import statistics
 import time
-import sys
 from pathlib import Path
 
 import torch
-
 
 
 def _interleaved(fns: dict, rounds: int, min_time: float, clock) -> dict[str, float]:
@@ -104,8 +102,11 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, h, T, d, generator=g) for _ in range(3))
         scale = d ** -0.5
-        fns = {n: (lambda n=n: getattr(torch.ops, f"mha_ab_{n}")._flash_attention_fwd_kernel(
-            q, k, v, None, None, causal, scale, args.kernel)) for n in names}
+        def call(n, q=q, k=k, v=v, causal=causal, scale=scale):
+            return getattr(torch.ops, f"mha_ab_{n}")._flash_attention_fwd_kernel(
+                q, k, v, None, None, causal, scale, args.kernel)
+
+        fns = {n: (lambda n=n, call=call: call(n)) for n in names}
         if args.check:
             ref = fns[names[0]]()[0]
             for n in names[1:]:
