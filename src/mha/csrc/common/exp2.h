@@ -1,8 +1,8 @@
-// 2^x in fp32 for every AVX-512 softmax: the flash forward (fp32 softmax, small path, alpha),
-// the fused backward, which recomputes P with it (one polynomial, so the backward's P is the
-// forward's P; the forward's one-pass softmax evaluates it through exp2_ftz_avx512, without the
-// clamp), and the decode kernel; and the same polynomial in plain float arithmetic
-// (exp2_scalar) for the score variants' tanh on any target. Header-only.
+// 2^x in fp32 for every AVX-512 softmax: the flash forward (two-pass softmax, small path,
+// alpha), the fused backward, which recomputes P with it, and the decode kernel; the forward's
+// one-pass softmax (under flush-to-zero) takes the table form exp2_ftz_avx512, within one ulp
+// of it; and the polynomial in plain float arithmetic (exp2_scalar) for the score variants'
+// tanh on any target. Header-only.
 #pragma once
 
 #include <cstdint>
@@ -73,14 +73,34 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
 }
 
 #if defined(__AVX512DQ__)
-// 2^x for threads running with flush-to-zero (FlushToZero below): the same polynomial on
-// f = x - round(x) (one vreduceps), 2^round(x) by a vscalefps that also zeroes the lanes outside
-// `keep`. No clamp: results below the smallest normal float flush to 0 (they take no
-// microcode assist with FTZ set). Same accuracy as exp2_avx512 down to x = -126; 0 below.
-// NaN in a kept lane gives NaN (vreduceps and vscalefps pass it through).
+// 2^x for threads running with flush-to-zero (FlushToZero below), the forward's one-pass
+// softmax: x = k/32 + f, with k = round(32 x) from one add of 1.5 * 2^18 (whose ulp is 1/32:
+// k lands in the low mantissa bits), 2^((k mod 32)/32) from a 32-entry table (one vpermt2ps),
+// 2^f on [-1/64, 1/64] by a degree-3 Taylor polynomial (truncation 6e-10), 2^floor(k/32) by
+// a vscalefps that also zeroes the lanes outside `keep`. Four multiply-adds instead of the
+// degree-7 polynomial's seven and a vreduceps: ~1 % of the whole fp32 forward on Zen 5
+// (benchmarks/probes/flash_ab.py). Max relative error 1.1e-7 over [-126, 16], under one ulp
+// (exp2_avx512: 0.83 ulp). x is clamped to [-150, 200] (NaN kept): below -126 the result
+// flushes to 0 (no microcode assist with FTZ set), -inf gives 0, above 128 +inf.
 __attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_maskz_scalef_ps(keep, exp2_poly(f), _mm512_sub_ps(x, f));
+  const __m512 tlo = _mm512_castsi512_ps(_mm512_setr_epi32(
+      0x3f800000, 0x3f82cd87, 0x3f85aac3, 0x3f88980f, 0x3f8b95c2, 0x3f8ea43a, 0x3f91c3d3,
+      0x3f94f4f0, 0x3f9837f0, 0x3f9b8d3a, 0x3f9ef532, 0x3fa27043, 0x3fa5fed7, 0x3fa9a15b,
+      0x3fad583f, 0x3fb123f6));
+  const __m512 thi = _mm512_castsi512_ps(_mm512_setr_epi32(
+      0x3fb504f3, 0x3fb8fbaf, 0x3fbd08a4, 0x3fc12c4d, 0x3fc5672a, 0x3fc9b9be, 0x3fce248c,
+      0x3fd2a81e, 0x3fd744fd, 0x3fdbfbb8, 0x3fe0ccdf, 0x3fe5b907, 0x3feac0c7, 0x3fefe4ba,
+      0x3ff5257d, 0x3ffa83b3));
+  const __m512 magic = _mm512_set1_ps(393216.f);  // 1.5 * 2^18: its ulp is 1/32
+  x = _mm512_max_ps(_mm512_set1_ps(-150.f), _mm512_min_ps(_mm512_set1_ps(200.f), x));
+  const __m512 y = _mm512_add_ps(x, magic);   // x rounded to 1/32, k = 32 x in the low bits
+  const __m512 xi = _mm512_sub_ps(y, magic);  // k / 32
+  const __m512 f = _mm512_sub_ps(x, xi);      // [-1/64, 1/64]
+  const __m512 t = _mm512_permutex2var_ps(tlo, _mm512_castps_si512(y), thi);  // 2^((k mod 32)/32)
+  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(kExp2C3), f, _mm512_set1_ps(kExp2C2));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(kExp2C1));
+  r = _mm512_mul_ps(r, f);  // 2^f - 1
+  return _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(t, r, t), xi);  // times 2^floor(k/32)
 }
 #endif
 

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "common/finite.h"
+#include "common/huge_pages.h"
 #include "common/kernel_choice.h"
 #include "common/qkv_checks.h"
 #include "amx/flash_amx_loop.h"
@@ -208,6 +209,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   at::Tensor out = at::empty({B, Tq, h, dv}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({B, h, Tq}, q.options().dtype(at::kDouble));
   if (B == 0 || h == 0 || Tq == 0) return {out, lse};
+  mha_common::advise_huge_pages(out.data_ptr(), size_t(out.nbytes()));  // written once, below
   at::Tensor kl, m;
   if (key_lengths.has_value()) {
     TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B,

@@ -1,0 +1,124 @@
+"""A/B timing of flash forward builds in one process: each variant is flash/flash_attn.cpp from
+its own source tree (and/or with its own -D flags), loaded side by side and timed round-robin.
+
+Each variant's library is compiled with ``-Dmha=mha_ab_<name>``, so its ops register under
+``torch.ops.mha_ab_<name>`` and several builds coexist in one process (the package's own
+``torch.ops.mha`` is not loaded). The forward runs through ``_flash_attention_fwd_kernel`` with
+the named kernel (default ``auto``). Shape legend: B batch, h heads, T length (Tq = Tk), d
+head dim; GFLOP/s counts 4 B h Tq Tk d (half for causal), and the ratio column is each
+variant's time over the first variant's (< 1: faster). Builds are cached under
+``$MHA_BUILD_DIR/flash_ab`` by sources and flags.
+
+    git -C . archive HEAD src/mha/csrc | tar -x -C /tmp/base   # the old tree
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/flash_ab.py \\
+        --variant old=/tmp/base/src/mha/csrc --variant new=src/mha/csrc \\
+        --shapes 4,16,2048,64,causal 1,8,4096,64,dense --repeats 7
+    # a compile-time switch of one tree: --variant x=src/mha/csrc:-DMHA_SOMETHING=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _interleaved(fns: dict, rounds: int, min_time: float, clock) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin with ``clock``."""
+    inner = {}
+    for name, fn in fns.items():
+        fn()  # warm-up
+        t0 = clock()
+        fn()
+        inner[name] = max(1, int(min_time / max(clock() - t0, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = clock()
+            for _ in range(inner[name]):
+                fn()
+            samples[name].append((clock() - t0) / inner[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _build(name: str, csrc: Path, defines: list[str]) -> None:
+    """Compile flash/flash_attn.cpp of ``csrc`` with ops under mha_ab_<name>, and load it."""
+    from torch.utils import cpp_extension
+
+    from mha.ops import build
+
+    flags = [*build.FLAGS, f"-Dmha=mha_ab_{name}", *defines]
+    h = hashlib.sha256(" ".join(flags).encode())
+    for f in sorted(csrc.rglob("*.h")) + [csrc / "flash" / "flash_attn.cpp"]:
+        h.update(str(f.relative_to(csrc)).encode())
+        h.update(f.read_bytes())
+    tag = f"mha_ab_{name}_{h.hexdigest()[:12]}"
+    out = build.cache_root() / "flash_ab" / tag
+    lib = out / f"{tag}.so"
+    if not lib.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"building {name} ({csrc}, {' '.join(defines) or 'no extra flags'}) ...", flush=True)
+        cpp_extension.load(name=tag, sources=[str(csrc / "flash" / "flash_attn.cpp")],
+                           extra_cflags=flags, extra_ldflags=list(build.LDFLAGS),
+                           extra_include_paths=[str(csrc)], build_directory=str(out),
+                           is_python_module=False)
+    else:
+        torch.ops.load_library(str(lib))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", action="append", required=True,
+                    help="name=CSRC_DIR[:-DFLAG[:-DFLAG...]] (the first is the reference)")
+    ap.add_argument("--shapes", nargs="+", default=["4,16,2048,64,causal", "1,8,4096,64,dense"],
+                    help="B,h,T,d,{dense|causal}")
+    ap.add_argument("--kernel", default="auto")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--min-time", type=float, default=0.2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the calling thread's CPU time (with --threads 1 the kernel runs on "
+                         "it), so time lost to other processes on a shared machine is not counted")
+    ap.add_argument("--check", action="store_true", help="print max |difference| to the first")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = []
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        parts = rest.split(":")
+        _build(name, Path(parts[0]).resolve(), parts[1:])
+        names.append(name)
+    print(f"threads={torch.get_num_threads()} clock={args.clock} load={os.getloadavg()[0]:.2f}")
+    for spec in args.shapes:
+        B, h, T, d, mode = spec.split(",")
+        B, h, T, d = int(B), int(h), int(T), int(d)
+        causal = mode == "causal"
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, h, T, d, generator=g) for _ in range(3))
+        scale = d ** -0.5
+        def call(n, q=q, k=k, v=v, causal=causal, scale=scale):
+            return getattr(torch.ops, f"mha_ab_{n}")._flash_attention_fwd_kernel(
+                q, k, v, None, None, causal, scale, args.kernel)
+
+        fns = {n: (lambda n=n, call=call: call(n)) for n in names}
+        if args.check:
+            ref = fns[names[0]]()[0]
+            for n in names[1:]:
+                print(f"  {n}: max |diff| {(fns[n]()[0] - ref).abs().max().item():.3g}")
+        with torch.no_grad():
+            clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+            secs = _interleaved(fns, args.repeats, args.min_time, clock)
+        flops = 4.0 * B * h * T * T * d * (0.5 if causal else 1.0)
+        base = secs[names[0]]
+        row = "  ".join(f"{n} {flops / s / 1e9:6.1f} GF/s ({s / base:.3f})" for n, s in secs.items())
+        print(f"{spec:>22}  {row}  load={os.getloadavg()[0]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
