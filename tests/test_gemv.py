@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from mha.ops import gemv
+from threads import with_threads
 
 from oracle import FLOOR, max_err
-from threads import with_threads
 
 if gemv.load() is not None:
     pytest.skip(f"the gemv extension did not build: {gemv.load()}", allow_module_level=True)

@@ -187,8 +187,9 @@ void run(Kind kind, const void* packed, const float* scale, int64_t M, int64_t N
 // The op: x (M, K) fp32 or bf16 (contiguous last dim), packed as in the header, scale (P * 32,)
 // fp32 for int8 (none for bf16), bias (N,) or none -> (M, N) in x's dtype (summed in fp32).
 // Shapes were checked by the Python side (mha/ops/gemv.py); these checks guard the memory.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale,
-                int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed,
+                const std::optional<at::Tensor>& scale, int64_t N, int64_t K,
+                const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat ||
                                       x.scalar_type() == at::kBFloat16),
               "mha gemv: x must be a float32 or bfloat16 CPU tensor, got ", x.scalar_type());
