@@ -2,7 +2,7 @@
 GEMM and a plain streaming read of the same bytes, on SmolLM2-135M's projection shapes.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src \
-        python benchmarks/probes/gemv.py [--rows 1] [--layers 30]
+        python benchmarks/probes/gemv.py [--rows 1] [--layers 30] [--threads 2]
 
 One "step" runs every projection of ``--layers`` decoder layers once (q 576x576, k/v 192x576,
 o 576x576, gate/up 1536x576, down 576x1536) plus lm_head (49152x576), each layer with weights
@@ -36,13 +36,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="M, the rows of x (tokens)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(args.layers) for n, k in SHAPES]
     ws.append(torch.randn(*HEAD, generator=g) * 0.05)
     w16 = [w.bfloat16() for w in ws]
     pb = [gemv.pack(w, "bf16") for w in ws]
     pq = [gemv.pack(w, "int8") for w in ws]
+    gemv.load()
     x32 = {k: torch.randn(args.rows, k, generator=g) for k in (576, 1536)}
     x16 = {k: v.bfloat16() for k, v in x32.items()}
     build.load("mha_stream_read", ("bench/stream_read.cpp",))

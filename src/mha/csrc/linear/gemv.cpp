@@ -19,7 +19,8 @@
 // sums round (no rounding of x to bf16, unlike vdpbf16ps). k even and k odd sum into separate
 // accumulators (two independent FMA chains per register) and meet at the end. Panels are handed
 // to threads by at::parallel_for; each output element is summed in the same order whatever the
-// thread count. Rows of x are taken 4 at a time over the same panel (it stays in L1/L2).
+// thread count (weights under 1 MB run on the calling thread). Rows of x are taken 4 at a time
+// over the same panel (it stays in L1/L2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,6 +39,8 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per panel
 constexpr int64_t kRowTile = 4;  // rows of x per pass over a panel
+constexpr int64_t kParallelBytes = 1 << 20;  // weights below this run on the calling thread
+constexpr int64_t kTaskBytes = 256 << 10;  // weights per parallel task, at least
 
 enum class Kind { kBf16, kInt8 };
 
@@ -162,9 +165,14 @@ void panel(Kind kind, const void* packed, int64_t K, int64_t Kp, int64_t p, cons
 void run(Kind kind, const void* packed, const float* scale, int64_t M, int64_t N, int64_t K,
          const float* x, int64_t sx, const float* bias, float* out) {
   const int64_t P = (N + kCols - 1) / kCols, Kp = K + K % 2;
-  // grain: ~64 KB of weights per task, so a small projection stays on one thread
-  const int64_t bytes = Kp * kCols * (kind == Kind::kBf16 ? 2 : 1);
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1));
+  // Threads only for a weight of kParallelBytes or more, in tasks of >= kTaskBytes: a parallel
+  // region costs microseconds to fork and join on idle cores, and a scheduler time slice when
+  // other processes share them (then a worker that is not running stalls the join); below
+  // ~1 MB (tens of microseconds of one core's reading) it does not pay for itself.
+  const int64_t bytes = Kp * kCols * (kind == Kind::kBf16 ? 2 : 1);  // per panel
+  const int64_t grain = bytes * P < kParallelBytes
+                            ? P + 1
+                            : std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(bytes, 1));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     float acc[kRowTile][kCols];
     for (int64_t p = p0; p < p1; ++p) {
