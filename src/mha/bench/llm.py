@@ -8,8 +8,9 @@ Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16). Impls: eage
 (its cache in the model's dtype) and mha with the cache storing K/V otherwise — ``mha kv bf16``
 (fp32 weights only) and ``mha kv int8`` (int8 rows, per-token-per-head scales, read in place
 by the decode kernel), and mha with the projections' weights packed for its weight-stationary
-kernel (:func:`mha.llm.weights.pack_weights`) — ``mha w bf16``, ``mha w bf16 kv int8`` and
-``mha w int8 kv int8`` (fp32 weights), ``mha w bf16`` and ``mha w bf16 kv int8`` (bf16):
+kernel (:func:`mha.llm.weights.pack_weights`) — ``mha w bf16``, ``mha w bf16 kv bf16``,
+``mha w bf16 kv int8``, ``mha w int8`` and ``mha w int8 kv int8`` (fp32 model; the bf16 model
+has the bf16-weight ones without ``kv bf16``):
 
 * ``smollm2 prefill C ...``: one forward over a C-token prompt into an empty cache, in tokens/s
   (items = C). mha writes into its preallocated :func:`mha.integrations.hf_cache.MhaCache`
@@ -54,7 +55,8 @@ TITLE = "SmolLM2-135M: prefill and decode tok/s, mha vs HF sdpa/eager vs llama.c
 IMPLS = ("mha", "sdpa", "eager")
 KV_IMPLS = {"mha kv bf16": "bf16", "mha kv int8": "int8"}  #: impl name -> MhaCache kv_dtype
 #: impl name -> (packed weights, MhaCache kv_dtype): mha with pack_weights(model, weights)
-PACKED_IMPLS = {"mha w bf16": ("bf16", None), "mha w bf16 kv int8": ("bf16", "int8"),
+PACKED_IMPLS = {"mha w bf16": ("bf16", None), "mha w bf16 kv bf16": ("bf16", "bf16"),
+                "mha w bf16 kv int8": ("bf16", "int8"), "mha w int8": ("int8", None),
                 "mha w int8 kv int8": ("int8", "int8")}
 CONTEXTS = (512, 2048, 8000)
 QUICK_CONTEXTS = (128,)
@@ -88,7 +90,8 @@ def _impls(dtype: str) -> tuple[str, ...]:
     """The impls of a case, the reference (eager) first: bf16 K/V only under fp32 weights,
     int8 packed weights only in the fp32 model."""
     kv = [n for n, k in KV_IMPLS.items() if not (dtype == "bf16" and k == "bf16")]
-    packed = [n for n, (w, _) in PACKED_IMPLS.items() if not (dtype == "bf16" and w == "int8")]
+    packed = [n for n, (w, k) in PACKED_IMPLS.items()
+              if not (dtype == "bf16" and (w == "int8" or k == "bf16"))]
     return ("eager", "sdpa", "mha", *kv, *packed)
 
 
