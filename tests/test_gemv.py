@@ -96,7 +96,7 @@ def test_nan_and_inf_propagate(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_thread_count_does_not_change_the_result(kind):
-    x, w, b = _inputs(3, 4100, 301)  # over 1 MB in both kinds: the kernel runs threads
+    x, w, b = _inputs(3, 8200, 1030)  # over 8 MB in both kinds: the kernel runs threads
     packed = gemv.pack(w, kind)
     one = with_threads(1, lambda: gemv.gemv(x, packed, b))
     two = with_threads(2, lambda: gemv.gemv(x, packed, b))
