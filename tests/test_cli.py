@@ -37,7 +37,7 @@ def test_build_names_every_extension_and_the_tiles(capsys):
 
     assert main(["build"]) == 0
     out = capsys.readouterr().out
-    for name in ("mha_flash:", "mha_flash_bwd:", "mha_decode:", "mha_linear:"):
+    for name in ("mha_flash:", "mha_flash_bwd:", "mha_decode:", "mha_linear:", "mha_gemv:"):
         assert name in out
     picked = mha.ops.flash.kernels()
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out

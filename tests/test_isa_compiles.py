@@ -4,7 +4,8 @@
 only the paths its CPU has: an AVX2-only CPU runs the portable loops, AMD Zen 5 the AVX-512 and
 ``vdpbf16ps`` paths, an Intel Xeon with AMX all of them. This compiles each translation unit the
 way ``mha build`` does but for a named target CPU — Cooper Lake (AVX-512 with BF16, no AMX) and
-Sapphire Rapids (AVX-512 with AMX) — syntax and templates only (``-fsyntax-only``: nothing runs),
+Sapphire Rapids (AVX-512 with AMX), and Haswell (AVX2 only) for the packed projections' portable
+loop — syntax and templates only (``-fsyntax-only``: nothing runs),
 and checks that the path's code was really seen (its feature macro is defined).
 """
 
@@ -19,6 +20,7 @@ from mha.ops import build
 
 AVX512_BF16 = "-march=cooperlake"
 AMX = "-march=sapphirerapids"
+AVX2 = "-march=haswell"  # no AVX-512: the portable loops
 CASES = [  # (source, target, macros the source defines when the path is compiled in)
     ("flash/flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
                                            "MHA_FLASH_SMALL")),
@@ -27,6 +29,8 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("decode/flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
     ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("linear/gemv.cpp", AVX2, ("__AVX2__",)),
     ("bench/stream_read.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("bench/flash_breakdown.cpp", AMX, ("MHA_FLASH_AMX",)),
     # a header that must compile on its own, given its includes

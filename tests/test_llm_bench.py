@@ -23,8 +23,13 @@ def test_cases_cover_contexts_dtypes_phases(quick, contexts):
     assert got == {(p, C, d) for p in ("prefill", "decode") for C in contexts
                    for d in ("fp32", "bf16")}
     for c in cases:
-        kv = ["mha kv bf16", "mha kv int8"] if c.params["dtype"] == "fp32" else ["mha kv int8"]
-        assert [i.name for i in c.impls] == ["eager", "sdpa", "mha", *kv]
+        if c.params["dtype"] == "fp32":
+            kv = ["mha kv bf16", "mha kv int8"]
+            packed = ["mha w bf16", "mha w bf16 kv bf16", "mha w bf16 kv int8", "mha w int8",
+                      "mha w int8 kv int8"]
+        else:
+            kv, packed = ["mha kv int8"], ["mha w bf16", "mha w bf16 kv int8"]
+        assert [i.name for i in c.impls] == ["eager", "sdpa", "mha", *kv, *packed]
         assert c.baseline == "sdpa"
         assert c.items == (c.params["context"] if c.params["phase"] == "prefill" else 1)
 
@@ -50,6 +55,7 @@ def test_logit_check_refuses_another_greedy_token_in_fp32():
         llm._compare(ref, "mha", b, "fp32")
     assert "differs" in llm._compare(ref, "mha", b, "bf16")  # bf16: reported, not an error
     assert "differs" in llm._compare(ref, "mha kv int8", b, "fp32")  # int8 K/V: reported
+    assert "differs" in llm._compare(ref, "mha w int8", b, "fp32")  # rounded weights: reported
 
 
 @pytest.mark.parametrize("quick, requests, new", [(True, 4, 4), (False, 16, 32)])

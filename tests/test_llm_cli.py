@@ -36,6 +36,17 @@ def test_generate_runs(capsys, extra):
     assert out.strip()
     status = _one_line(err)
     assert "new tokens" in status and "tok/s" in status and "attn mha" in status
+    assert "weights bf16" in status  # the default: packed bf16 projections
+
+
+@needs_model
+def test_generate_with_int8_weights(capsys):
+    code = main(["generate", "What is the capital of France?", "--max-new-tokens", "4",
+                 "--weights", "int8", "--kv", "int8"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    status = _one_line(err)
+    assert out.strip() and "weights int8" in status and "kv int8" in status
 
 
 @needs_model
@@ -71,6 +82,7 @@ def test_prompt_longer_than_context_is_one_line(capsys):
     (["chat", "--attn", "flash"], "--attn"),
     (["generate", "hi", "--kv", "int4"], "--kv: invalid choice: 'int4'"),
     (["chat", "--kv", "fp16"], "--kv"),
+    (["generate", "hi", "--weights", "fp8"], "--weights: invalid choice: 'fp8'"),
     (["generate", "hi", "--kv", "int8", "--attn", "sdpa"], "--kv 'int8' needs --attn 'mha'"),
     (["chat", "--kv", "bf16", "--attn", "eager"], "--kv 'bf16' needs --attn 'mha'"),
 ])

@@ -1,7 +1,7 @@
 """Developer probe: where a SmolLM2 decode step spends its time at a given context.
 
     PYTHONPATH=src python benchmarks/probes/llm_decode_profile.py --context 2048 --attn mha \
-        [--kv bf16|int8]
+        [--kv bf16|int8] [--weights bf16|int8]
 
 Fills the cache with a C-token prompt (mha: MhaCache; sdpa/eager: DynamicCache), then times
 ``--steps`` decode steps (cropped back to C after each, like the ``llm`` bench suite) with
@@ -31,9 +31,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
                     help="mha's cache storage (default: the model's dtype; --attn mha only)")
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help="the projections' weights: fp32 (as loaded) or packed (mha.llm.weights)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     C = args.context
-    model = load(args.dtype, args.attn).model
+    model = load(args.dtype, args.attn, args.weights).model
     ids = torch.randint(100, model.config.vocab_size, (1, C),
                         generator=torch.Generator().manual_seed(0))  # (1, C)
     if args.attn == "mha":
@@ -97,7 +102,8 @@ def main() -> None:
     per["attention"] -= per.get("projections", 0.0)  # self_attn includes its projections
     per["rest (Python glue, embeddings, masks)"] = total - sum(per.values())
     print(f"SmolLM2 decode step, context {C}, attn {args.attn}, {args.dtype}, kv {args.kv}, "
-          f"{torch.get_num_threads()} threads: {1e3 * total:.1f} ms/step ({1 / total:.1f} tok/s)")
+          f"weights {args.weights}, {torch.get_num_threads()} threads: "
+          f"{1e3 * total:.1f} ms/step ({1 / total:.1f} tok/s)")
     for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {k:40s} {1e3 * v:8.2f} ms  {100 * v / total:5.1f} %")
 

@@ -7,7 +7,10 @@ of a prefill), h = 9 query heads, h_kv = 3 K/V heads, d = 64, L = 30 layers.
 Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16). Impls: eager, sdpa, mha
 (its cache in the model's dtype) and mha with the cache storing K/V otherwise — ``mha kv bf16``
 (fp32 weights only) and ``mha kv int8`` (int8 rows, per-token-per-head scales, read in place
-by the decode kernel):
+by the decode kernel), and mha with the projections' weights packed for its weight-stationary
+kernel (:func:`mha.llm.weights.pack_weights`) — ``mha w bf16``, ``mha w bf16 kv bf16``,
+``mha w bf16 kv int8``, ``mha w int8`` and ``mha w int8 kv int8`` (fp32 model; the bf16 model
+has the bf16-weight ones without ``kv bf16``):
 
 * ``smollm2 prefill C ...``: one forward over a C-token prompt into an empty cache, in tokens/s
   (items = C). mha writes into its preallocated :func:`mha.integrations.hf_cache.MhaCache`
@@ -22,7 +25,8 @@ by the decode kernel):
 Every call passes the all-ones attention mask that ``generate`` passes. Before timing, each
 impl's logits are compared with eager's (or, where eager is skipped, sdpa's): the greedy token
 must agree in fp32 with the cache in the model's dtype (bf16 / int8 K/V round what they store:
-there a differing token is reported, not an error), and the row's ``check`` gives the max
+there a differing token is reported, not an error; so with packed weights, which round the
+weights), and the row's ``check`` gives the max
 logit difference. Eager's prefill
 materializes the ``(h, C, C)`` scores of a layer; it is skipped, with the figure, where that
 would exceed the memory budget.
@@ -55,12 +59,16 @@ from mha.bench.core import Case, Context, Impl, Row, Skip, finish
 TITLE = "SmolLM2-135M: prefill and decode tok/s, mha vs HF sdpa/eager vs llama.cpp"
 IMPLS = ("mha", "sdpa", "eager")
 KV_IMPLS = {"mha kv bf16": "bf16", "mha kv int8": "int8"}  #: impl name -> MhaCache kv_dtype
+#: impl name -> (packed weights, MhaCache kv_dtype): mha with pack_weights(model, weights)
+PACKED_IMPLS = {"mha w bf16": ("bf16", None), "mha w bf16 kv bf16": ("bf16", "bf16"),
+                "mha w bf16 kv int8": ("bf16", "int8"), "mha w int8": ("int8", None),
+                "mha w int8 kv int8": ("int8", "int8")}
 CONTEXTS = (512, 2048, 8000)
 QUICK_CONTEXTS = (128,)
 DTYPES = ("fp32", "bf16")
 
 
-def _load(dtype: str, attn: str):
+def _load(dtype: str, attn: str, weights: str = "fp32"):
     try:
         from mha.llm.model import ModelNotInstalled, load, require_extra
 
@@ -68,7 +76,7 @@ def _load(dtype: str, attn: str):
     except ImportError as e:
         raise Skip(str(e)) from e
     try:
-        return load(dtype, attn)
+        return load(dtype, attn, weights)
     except ModelNotInstalled as e:
         raise Skip(str(e)) from e
 
@@ -84,9 +92,21 @@ def _eager_prefill_bytes(C: int, dtype: str) -> int:
 
 
 def _impls(dtype: str) -> tuple[str, ...]:
-    """The impls of a case, the reference (eager) first: bf16 K/V only under fp32 weights."""
+    """The impls of a case, the reference (eager) first: bf16 K/V only under fp32 weights,
+    int8 packed weights only in the fp32 model."""
     kv = [n for n, k in KV_IMPLS.items() if not (dtype == "bf16" and k == "bf16")]
-    return ("eager", "sdpa", "mha", *kv)
+    packed = [n for n, (w, k) in PACKED_IMPLS.items()
+              if not (dtype == "bf16" and (w == "int8" or k == "bf16"))]
+    return ("eager", "sdpa", "mha", *kv, *packed)
+
+
+def _kv(name: str) -> str | None:
+    """The MhaCache kv_dtype of an mha impl (None: the model's dtype)."""
+    return KV_IMPLS.get(name) or PACKED_IMPLS.get(name, (None, None))[1]
+
+
+def _weights(name: str) -> str:
+    return PACKED_IMPLS.get(name, ("fp32", None))[0]
 
 
 def _compare(ref: dict, name: str, logits: torch.Tensor, dtype: str) -> str:
@@ -96,7 +116,7 @@ def _compare(ref: dict, name: str, logits: torch.Tensor, dtype: str) -> str:
         return "reference logits for the other rows"
     diff = (logits.float() - ref["logits"]).abs().max().item()
     same = int(logits.argmax()) == int(ref["logits"].argmax())
-    if dtype == "fp32" and not same and name not in KV_IMPLS:
+    if dtype == "fp32" and not same and name not in KV_IMPLS and name not in PACKED_IMPLS:
         raise RuntimeError(f"greedy token differs from {ref['by']}'s (max logit diff {diff:.2e})")
     return f"max |logit - {ref['by']}'s| {diff:.2e}, greedy token {'equal' if same else 'differs'}"
 
@@ -110,14 +130,14 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
             if name == "eager" and _eager_prefill_bytes(C, dtype) > ctx.mem_budget:
                 raise Skip(f"eager's scores would take {_eager_prefill_bytes(C, dtype) / 2**30:.1f}"
                            f" GiB per layer (> the {ctx.mem_budget / 2**30:.0f} GiB budget)")
-            loaded = _load(dtype, _attn(name))
+            loaded = _load(dtype, _attn(name), _weights(name))
             model = loaded.model
             ids = _prompt(C, model.config.vocab_size)  # (1, C)
             mask = torch.ones_like(ids)
             if _attn(name) == "mha":
                 from mha.integrations.hf_cache import MhaCache
 
-                cache = MhaCache(model.config, max_cache_len=C + 1, kv_dtype=KV_IMPLS.get(name))
+                cache = MhaCache(model.config, max_cache_len=C + 1, kv_dtype=_kv(name))
 
                 def new_cache():
                     cache.reset()
@@ -146,8 +166,9 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
 
 # ------------------------------------------------------------------------------- decode
 def _attn(name: str) -> str:
-    """The attn_implementation of an impl (the ``mha kv ...`` impls are mha's)."""
-    return "mha" if name in KV_IMPLS else name
+    """The attn_implementation of an impl (the ``mha kv ...`` / ``mha w ...`` impls are
+    mha's)."""
+    return "mha" if name in KV_IMPLS or name in PACKED_IMPLS else name
 
 
 def _filled(shared: dict, C: int, dtype: str, kv_dtype: str | None = None):
@@ -173,10 +194,10 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
 
     def make_for(name: str):
         def make():
-            loaded = _load(dtype, _attn(name))
+            loaded = _load(dtype, _attn(name), _weights(name))
             model = loaded.model
-            if _attn(name) == "mha":
-                cache = _filled(shared, C, dtype, KV_IMPLS.get(name))
+            if _attn(name) == "mha":  # (the same state for every weights: fp32 mha's prefill)
+                cache = _filled(shared, C, dtype, _kv(name))
             else:
                 from transformers import DynamicCache
 
@@ -375,5 +396,5 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-__all__ = ["KV_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows", "prefill_case", "run",
-           "serving_case"]
+__all__ = ["KV_IMPLS", "PACKED_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows",
+           "prefill_case", "run", "serving_case"]

@@ -1,7 +1,8 @@
 """``mha build``: compile the native kernels ahead of time and say what they target.
 
 Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, ``mha_decode``
-(``mha.ops.decode``) and ``mha_linear`` (``mha.linear``, the module's projections). Prints the
+(``mha.ops.decode``), ``mha_linear`` (``mha.linear``, the module's projections) and ``mha_gemv``
+(``mha.ops.gemv``, the LLM's packed decode projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
 each dtype runs, the compiler and the cache path. Exit code 1 when a build fails or the cache
 directory cannot be used (the reason is printed, one line).
@@ -45,11 +46,12 @@ def run(args) -> int:
     print(f"  compiled in: {', '.join(isa)}")
     picked = flash.kernels()
     print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
-    from mha.ops import decode, linear
+    from mha.ops import decode, gemv, linear
 
     status = 0
     for name, sources in ((flash.BWD_NAME, flash.BWD_SOURCES),
-                          (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES)):
+                          (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES),
+                          (gemv.NAME, gemv.SOURCES)):
         status |= _build_other(name, sources)
     if flash.load_backward() is None:
         import torch

@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
         check_kv(args.kv, args.attn)
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    load_or_hint(args.dtype, args.attn)
-    chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv,
+    load_or_hint(args.dtype, args.attn, args.weights)
+    chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=args.weights,
                 max_new_tokens=args.max_new_tokens, system=args.system)
     tty = sys.stdin.isatty()
 

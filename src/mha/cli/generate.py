@@ -28,6 +28,10 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
                    help="how mha's cache stores K/V (default: the --dtype); int8: one scale "
                         "per token and head, read in place by the decode kernel (--attn mha)")
+    p.add_argument("--weights", default="bf16", choices=("fp32", "bf16", "int8"),
+                   help="the projections' weights (default bf16): bf16 or int8 (one scale per "
+                        "output channel) packed once for mha's weight-stationary kernel; fp32: "
+                        "the model's own nn.Linear in --dtype (see docs/llm.md)")
 
 
 def add_parser(sub) -> None:
@@ -41,13 +45,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def load_or_hint(dtype: str, attn: str):
+def load_or_hint(dtype: str, attn: str, weights: str = "fp32"):
     """The loaded model, or :class:`MissingExtra` with the install hint (one line, exit 1)."""
     from mha.llm.model import ModelNotInstalled, load, require_extra
 
     try:
         require_extra()
-        return load(dtype, attn)
+        return load(dtype, attn, weights)
     except ModelNotInstalled as e:
         raise MissingExtra(str(e)) from e
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         check_kv(args.kv, args.attn)
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    loaded = load_or_hint(args.dtype, args.attn)
+    loaded = load_or_hint(args.dtype, args.attn, args.weights)
     tok = loaded.tokenizer
     ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw
            else chat_ids(tok, [{"role": "user", "content": args.prompt}]))  # (1, P)

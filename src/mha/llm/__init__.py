@@ -4,6 +4,8 @@ heads, 3 K/V heads, head dim 64, 8k context), loaded offline from the GGUF file 
 K/V cache (:mod:`mha.integrations.hf_cache`).
 
 * :mod:`mha.llm.model` — locating, converting (once, kept on disk) and loading the model.
+* :mod:`mha.llm.weights` — :func:`pack_weights`: the projections' weights packed once in bf16
+  or int8 for mha's weight-stationary decode kernel (any HF causal LM).
 * :mod:`mha.llm.generation` — greedy :func:`generate` and :class:`Chat`, with streaming and the
   prefill/decode timings that ``mha generate`` / ``mha chat`` print.
 
@@ -13,5 +15,6 @@ Needs the ``mha[llm]`` extra (transformers, gguf, accelerate) and
 
 from mha.llm.generation import Chat, Result, generate
 from mha.llm.model import ModelNotInstalled, load
+from mha.llm.weights import pack_weights
 
-__all__ = ["Chat", "ModelNotInstalled", "Result", "generate", "load"]
+__all__ = ["Chat", "ModelNotInstalled", "Result", "generate", "load", "pack_weights"]

@@ -44,6 +44,7 @@ class Result:
     dtype: str = "fp32"
     tokens: list[int] = field(default_factory=list)
     kv: str | None = None  #: the cache's K/V storage when not the model's dtype
+    weights: str = "fp32"  #: the projections' weights (fp32: as loaded; bf16/int8: packed)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -58,9 +59,10 @@ class Result:
     def status(self) -> str:
         """The one-line status: tokens and speeds."""
         kv = "" if self.kv is None else f" · kv {self.kv}"
+        w = "" if self.weights == "fp32" else f" · weights {self.weights}"
         return (f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens · prefill "
                 f"{self.prefill_tok_s:,.0f} tok/s · decode {self.decode_tok_s:,.1f} tok/s · "
-                f"attn {self.attn} · {self.dtype}{kv}")
+                f"attn {self.attn} · {self.dtype}{w}{kv}")
 
 
 def _streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float]):
@@ -137,7 +139,7 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
                   new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
                   attn=loaded.attn, dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
-                  kv=kv)
+                  kv=kv, weights=loaded.weights)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -148,16 +150,17 @@ def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 
 def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str = "mha",
-             kv: str | None = None, chat: bool = True,
+             kv: str | None = None, weights: str = "fp32", chat: bool = True,
              on_text: Callable[[str], None] | None = None) -> Result:
     """Greedy continuation of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
-    unless ``chat=False``), K/V stored as ``kv`` (see the module docstring). ``on_text``
-    receives the text as it is decoded (streaming)."""
+    unless ``chat=False``), K/V stored as ``kv`` (see the module docstring), projections'
+    weights as ``weights`` (see :func:`mha.llm.load`). ``on_text`` receives the text as it is
+    decoded (streaming)."""
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     check_kv(kv, attn)
-    loaded = load(dtype, attn)
+    loaded = load(dtype, attn, weights)
     tok = loaded.tokenizer
     ids = (chat_ids(tok, [{"role": "user", "content": prompt}]) if chat
            else tok(prompt, return_tensors="pt")["input_ids"])  # (1, P)
@@ -172,9 +175,10 @@ class Chat:
     """
 
     def __init__(self, *, dtype="fp32", attn: str = "mha", kv: str | None = None,
-                 max_new_tokens: int = 256, system: str | None = None) -> None:
+                 weights: str = "fp32", max_new_tokens: int = 256,
+                 system: str | None = None) -> None:
         self.kv = check_kv(kv, attn)
-        self.loaded = load(dtype, attn)
+        self.loaded = load(dtype, attn, weights)
         self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                         what="a positive int")
         self.messages: list[dict] = ([{"role": "system", "content": system}]

@@ -123,6 +123,7 @@ class Loaded:
     tokenizer: object
     dtype: torch.dtype
     attn: str
+    weights: str = "fp32"  #: the projections' weights: fp32 (as loaded) or packed bf16 / int8
 
     @property
     def context(self) -> int:
@@ -141,27 +142,44 @@ def check_dtype(dtype) -> torch.dtype:
                      f"torch.bfloat16), got {dtype!r}")
 
 
-def load(dtype="fp32", attn: str = "mha") -> Loaded:
+def load(dtype="fp32", attn: str = "mha", weights: str = "fp32") -> Loaded:
     """SmolLM2-135M-Instruct with ``attn_implementation=attn`` in ``dtype`` (fp32 or bf16),
-    eval mode, kept for the rest of the process."""
+    eval mode, kept for the rest of the process. ``weights``: ``"fp32"`` keeps the projections
+    as loaded (in ``dtype``); ``"bf16"`` / ``"int8"`` packs them for mha's weight-stationary
+    kernel (:func:`mha.llm.weights.pack_weights`; faster decoding, weights rounded)."""
+    from mha.llm.weights import check_weights
+
     dtype = check_dtype(dtype)
     if attn not in ATTN:
         raise ValueError(f"attn must be one of {', '.join(ATTN)}, got {attn!r}")
+    check_weights(weights)
     if attn == "mha":  # (again: another registration of "mha" may have come in between)
         from mha.integrations.hf_cache import register
 
         register()
-    return _load(dtype, attn)
+    return _load(dtype, attn, weights)
 
 
 @functools.cache
-def _load(dtype: torch.dtype, attn: str) -> Loaded:
+def _load(dtype: torch.dtype, attn: str, weights: str) -> Loaded:
     from transformers import AutoModelForCausalLM
+
+    from mha.llm.weights import pack_weights
+    from mha.ops import gemv
 
     path = convert()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     model.eval()
-    return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn=attn)
+    if weights != "fp32" and gemv.load() is not None:
+        import warnings
+
+        warnings.warn(f"mha: weights={weights!r} needs the packed kernel ({gemv.load()}); "
+                      "the projections keep the model's own weights", RuntimeWarning,
+                      stacklevel=3)
+        weights = "fp32"
+    pack_weights(model, weights)
+    return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn=attn,
+                  weights=weights)
 
 
 @functools.cache
