@@ -19,7 +19,7 @@
 // sums round (no rounding of x to bf16, unlike vdpbf16ps). k even and k odd sum into separate
 // accumulators (two independent FMA chains per register) and meet at the end. Panels are handed
 // to threads by at::parallel_for; each output element is summed in the same order whatever the
-// thread count (weights under 8 MB run on the calling thread). Rows of x are taken 4 at a time
+// thread count (weights under 1 MB run on the calling thread). Rows of x are taken 4 at a time
 // over the same panel (it stays in L1/L2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per panel
 constexpr int64_t kRowTile = 4;  // rows of x per pass over a panel
-constexpr int64_t kParallelBytes = 8 << 20;  // weights below this run on the calling thread
+constexpr int64_t kParallelBytes = 1 << 20;  // weights below this run on the calling thread
 constexpr int64_t kTaskBytes = 256 << 10;  // weights per parallel task, at least
 
 enum class Kind { kBf16, kInt8 };
@@ -165,13 +165,12 @@ void panel(Kind kind, const void* packed, int64_t K, int64_t Kp, int64_t p, cons
 void run(Kind kind, const void* packed, const float* scale, int64_t M, int64_t N, int64_t K,
          const float* x, int64_t sx, const float* bias, float* out) {
   const int64_t P = (N + kCols - 1) / kCols, Kp = K + K % 2;
-  // Threads only for a weight of kParallelBytes or more (an LLM's lm_head), in tasks of >=
-  // kTaskBytes: a parallel region costs microseconds to fork and join on idle cores, and a
-  // scheduler time slice when other processes share them (a worker that is not running stalls
-  // the join). SmolLM2's 8k decode step, 2 threads on shared cores (docs/llm.md): with a
-  // region per weight over 1 MB (MLP too) the packed model took 1.45x the unpacked one's time
-  // (load 7); with only the lm_head split, 0.95x (load 4.5). One core alone read a 56 MB weight
-  // at 36-43 GB/s here, most of what two cores read.
+  // Threads only for a weight of kParallelBytes or more (SmolLM2: the MLP and the lm_head; its
+  // q/k/v/o weights, 0.2-0.7 MB, stay on the calling thread), in tasks of >= kTaskBytes: a
+  // parallel region costs microseconds to fork and join on idle cores. SmolLM2's 8k decode step
+  // on the idle epyc-avx512 (docs/llm.md): 1 MB against 8 MB (the lm_head only) 0.93x the time,
+  // 256 KB within noise of 1 MB. On cores shared with other processes a region waits at its
+  // join for a worker that is not running, and 1 MB lost to 8 MB there (docs/llm.md).
   const int64_t bytes = Kp * kCols * (kind == Kind::kBf16 ? 2 : 1);  // per panel
   const int64_t grain = bytes * P < kParallelBytes
                             ? P + 1
