@@ -11,39 +11,22 @@ decode step (transformers' ``compile_config``; on a CPU only with its
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
 
 import torch  # noqa: E402
-import transformers as tf  # noqa: E402
 
 import mha.integrations.hf_cache as hc  # noqa: E402
+from tiny_llama import PROMPTS, eager_and_mha  # noqa: E402
 
-CFG = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
-                     max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                     initializer_range=0.2)
-PLAIN = (torch.tensor([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14]]), None)
-PADDED = (torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]),
-          torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+PLAIN, PADDED = PROMPTS["plain"], PROMPTS["left padded"]
 N = 8
 
 
 @pytest.fixture(scope="module")
 def models():
-    hc.register()
-    torch.manual_seed(0)
-    weights = tf.LlamaForCausalLM(copy.deepcopy(CFG)).state_dict()
-    out = {}
-    for impl in ("eager", "mha"):
-        m = tf.LlamaForCausalLM(copy.deepcopy(CFG))
-        m.load_state_dict(weights)
-        m.set_attn_implementation(impl)
-        out[impl] = m.eval()
-    return out
+    return eager_and_mha()
 
 
 def _gen(model, prompt, **kw):

@@ -56,6 +56,27 @@ READ_NATIVE = "read K+V (AVX-512 stream)"
 READS = (READ_SUM, READ_NATIVE)
 
 
+
+def _sum_read(storage):
+    """A timed read of the K/V storage's bytes with ``torch.sum`` (``storage()`` -> (k, v))."""
+    k, v = storage()
+    kf, vf = k.view(torch.float32), v.view(torch.float32)  # the same bytes
+    return lambda: (kf.sum(), vf.sum())
+
+
+def _native_read(storage):
+    """The same bytes read by the native AVX-512 stream loop (skipped when it cannot build)."""
+    from mha.ops import build
+
+    try:
+        build.load("mha_stream_read", ("bench/stream_read.cpp",))
+    except build.BuildError as e:
+        raise Skip(f"native read probe not built: {e}") from e
+    k, v = storage()
+    kf, vf = k.view(torch.float32), v.view(torch.float32)  # the same bytes
+    op = torch.ops.mha.stream_read
+    return lambda: (op(kf), op(vf))
+
 def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 32,
                h_kv: int = 32, d: int = 128) -> Case:
     elt = torch.finfo(dtype).bits // 8
@@ -137,22 +158,15 @@ def _step_case(Tk: int, dtype: torch.dtype, ctx: Context, B: int = 1, h: int = 3
                        "stated against it")
         return fn
 
+    def storage():
+        cache = inputs()[0]
+        return cache.k, cache.v
+
     def make_read():
-        cache, _, _ = inputs()
-        kf, vf = cache.k.view(torch.float32), cache.v.view(torch.float32)  # the same bytes
-        return lambda: (kf.sum(), vf.sum())
+        return _sum_read(storage)
 
     def make_native_read():
-        from mha.ops import build
-
-        try:
-            build.load("mha_stream_read", ("bench/stream_read.cpp",))
-        except build.BuildError as e:
-            raise Skip(f"native read probe not built: {e}") from e
-        cache, _, _ = inputs()
-        kf, vf = cache.k.view(torch.float32), cache.v.view(torch.float32)  # the same bytes
-        op = torch.ops.mha.stream_read
-        return lambda: (op(kf), op(vf))
+        return _native_read(storage)
 
     name = f"step B{B} h{h} d{d} Tk{Tk} {str(dtype).replace('torch.', '')}"
     if h_kv != h:
@@ -234,22 +248,15 @@ def _int8_case(Tk: int, ctx: Context, B: int = 1, h: int = 32, h_kv: int = 32,
         fn.note = "ORT's fp16 step (no bf16 CPU kernel), reading the bf16 row's bytes"
         return fn
 
+    def storage():
+        c16 = inputs()[0]
+        return c16.k, c16.v
+
     def make_read():
-        c16, _, _ = inputs()
-        kf, vf = c16.k.view(torch.float32), c16.v.view(torch.float32)  # the same bytes
-        return lambda: (kf.sum(), vf.sum())
+        return _sum_read(storage)
 
     def make_native_read():
-        from mha.ops import build
-
-        try:
-            build.load("mha_stream_read", ("bench/stream_read.cpp",))
-        except build.BuildError as e:
-            raise Skip(f"native read probe not built: {e}") from e
-        c16, _, _ = inputs()
-        kf, vf = c16.k.view(torch.float32), c16.v.view(torch.float32)  # the same bytes
-        op = torch.ops.mha.stream_read
-        return lambda: (op(kf), op(vf))
+        return _native_read(storage)
 
     heads = f"h{h}" if h_kv == h else f"h{h}/{h_kv}"
     return Case(name=f"step B{B} {heads} d{d} Tk{Tk} int8 vs bf16",
