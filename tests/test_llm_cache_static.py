@@ -72,3 +72,36 @@ def test_compiled_decode_tokens_equal_eager(models):
     got = _gen(models["mha"], PLAIN, cache=cache, compile_config=cc)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it compiled
     assert torch.equal(got, _gen(models["eager"], PLAIN))
+
+
+@pytest.mark.slow
+def test_compiled_forward_with_packed_weights_equals_eager(models):
+    """The decode step called directly (as ``mha bench --suite llm`` does), the whole forward
+    compiled (fullgraph) with packed bf16 weights and a bf16 static cache: the mask is built in
+    the graph (its offsets are tensors while tracing) and the logits equal the eager step's."""
+    import copy as _copy
+
+    from mha.llm.weights import pack_weights
+
+    model = pack_weights(_copy.deepcopy(models["mha"]), weights="bf16")
+    ids, _ = PLAIN  # (2, 6)
+    P, T_max = ids.shape[1], 16
+    caches = {}
+    with torch.no_grad():
+        for kind in ("eager", "compiled"):
+            cache = hc.MhaCache(model.config, max_cache_len=T_max, kv_dtype="bf16", static=True)
+            model(input_ids=ids, attention_mask=torch.ones(2, T_max, dtype=torch.long),
+                  cache=cache, use_cache=True)
+            caches[kind] = cache
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        tok = torch.tensor([[7], [8]])  # (B, 1)
+        for t in range(3):
+            pos = torch.tensor([P + t])
+            kw = dict(input_ids=tok, attention_mask=torch.ones(2, T_max, dtype=torch.long),
+                      position_ids=pos[None].expand(2, 1), cache_position=pos, use_cache=True)
+            want = model(cache=caches["eager"], **kw).logits[:, -1]  # (B, V)
+            got = compiled(cache=caches["compiled"], **kw).logits[:, -1]
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+            tok = want.argmax(-1, keepdim=True)  # (B, 1)
+    assert int(caches["compiled"].get_seq_length()) == P + 3

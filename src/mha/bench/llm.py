@@ -10,7 +10,9 @@ Cases (contexts 512, 2048, 8000; quick: 128; weights fp32 and bf16). Impls: eage
 by the decode kernel), and mha with the projections' weights packed for its weight-stationary
 kernel (:func:`mha.llm.weights.pack_weights`) — ``mha w bf16``, ``mha w bf16 kv bf16``,
 ``mha w bf16 kv int8``, ``mha w int8`` and ``mha w int8 kv int8`` (fp32 model; the bf16 model
-has the bf16-weight ones without ``kv bf16``):
+has the bf16-weight ones without ``kv bf16``); and, for decode in the fp32 model, the packed
+models' whole step compiled (``torch.compile``, fullgraph) over a static bf16 cache —
+``mha w bf16 kv bf16 compiled``, ``mha w int8 kv bf16 compiled`` (compiled before timing):
 
 * ``smollm2 prefill C ...``: one forward over a C-token prompt into an empty cache, in tokens/s
   (items = C). mha writes into its preallocated :func:`mha.integrations.hf_cache.MhaCache`
@@ -63,6 +65,9 @@ KV_IMPLS = {"mha kv bf16": "bf16", "mha kv int8": "int8"}  #: impl name -> MhaCa
 PACKED_IMPLS = {"mha w bf16": ("bf16", None), "mha w bf16 kv bf16": ("bf16", "bf16"),
                 "mha w bf16 kv int8": ("bf16", "int8"), "mha w int8": ("int8", None),
                 "mha w int8 kv int8": ("int8", "int8")}
+#: impl name -> packed weights: decode through ``torch.compile`` (fullgraph) with a static
+#: ``MhaCache(kv_dtype="bf16", static=True)`` (fp32 model; decode only)
+COMPILED_IMPLS = {"mha w bf16 kv bf16 compiled": "bf16", "mha w int8 kv bf16 compiled": "int8"}
 CONTEXTS = (512, 2048, 8000)
 QUICK_CONTEXTS = (128,)
 DTYPES = ("fp32", "bf16")
@@ -116,7 +121,8 @@ def _compare(ref: dict, name: str, logits: torch.Tensor, dtype: str) -> str:
         return "reference logits for the other rows"
     diff = (logits.float() - ref["logits"]).abs().max().item()
     same = int(logits.argmax()) == int(ref["logits"].argmax())
-    if dtype == "fp32" and not same and name not in KV_IMPLS and name not in PACKED_IMPLS:
+    if (dtype == "fp32" and not same and name not in KV_IMPLS and name not in PACKED_IMPLS
+            and name not in COMPILED_IMPLS):
         raise RuntimeError(f"greedy token differs from {ref['by']}'s (max logit diff {diff:.2e})")
     return f"max |logit - {ref['by']}'s| {diff:.2e}, greedy token {'equal' if same else 'differs'}"
 
@@ -168,7 +174,7 @@ def prefill_case(C: int, dtype: str, ctx: Context) -> Case:
 def _attn(name: str) -> str:
     """The attn_implementation of an impl (the ``mha kv ...`` / ``mha w ...`` impls are
     mha's)."""
-    return "mha" if name in KV_IMPLS or name in PACKED_IMPLS else name
+    return "mha" if name in KV_IMPLS or name in PACKED_IMPLS or name in COMPILED_IMPLS else name
 
 
 def _filled(shared: dict, C: int, dtype: str, kv_dtype: str | None = None):
@@ -194,6 +200,9 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
 
     def make_for(name: str):
         def make():
+            if name in COMPILED_IMPLS:
+                return _compiled_step(shared, C, dtype, COMPILED_IMPLS[name],
+                                      lambda logits: _compare(ref, name, logits, dtype))
             loaded = _load(dtype, _attn(name), _weights(name))
             model = loaded.model
             if _attn(name) == "mha":  # (the same state for every weights: fp32 mha's prefill)
@@ -220,13 +229,42 @@ def decode_case(C: int, dtype: str, ctx: Context) -> Case:
             return run
         return make
 
-    order = _impls(dtype)
+    order = _impls(dtype) + (tuple(COMPILED_IMPLS) if dtype == "fp32" else ())
     return Case(name=f"smollm2 decode {C} {dtype}", impls=[Impl(n, make_for(n)) for n in order],
                 items=1, item_unit="tokens", metric="items", baseline="sdpa",
                 params=dict(model="SmolLM2-135M-Instruct", phase="decode", context=C,
                             dtype=dtype),
                 note="one greedy step, C tokens cached", teardown=lambda: (shared.clear(),
                                                                             ref.clear()))
+
+
+def _compiled_step(shared: dict, C: int, dtype: str, weights: str, verify):
+    """A decode step of the model with packed ``weights`` compiled whole (``torch.compile``,
+    fullgraph, static shapes) over a static bf16 ``MhaCache`` holding the case's prefill (the
+    K/V of fp32 mha's prompt, as every other row). Compiling (tens of seconds) happens here,
+    before timing."""
+    from mha.integrations.hf_cache import MhaCache
+
+    model = _load(dtype, "mha", weights).model
+    filled = _filled(shared, C, dtype, "bf16")
+    cache = MhaCache(model.config, max_cache_len=C + 1, kv_dtype="bf16", static=True)
+    for i, layer in enumerate(filled.layers):  # the same K/V, (1, h_kv, C, d), bf16 -> fp32
+        cache.update(layer.keys.float(), layer.values.float(), i)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(100, model.config.vocab_size, (1, 1), generator=g)  # (1, 1)
+    mask = torch.ones(1, C + 1, dtype=torch.long)
+    pos, cache_pos = torch.tensor([[C]]), torch.tensor([C])
+
+    def run():
+        out = step(input_ids=tok, attention_mask=mask, position_ids=pos, cache=cache,
+                   cache_position=cache_pos, use_cache=True)
+        cache.crop(-1)  # back to C tokens
+        return out.logits[:, -1]  # (1, V)
+
+    run()  # compiles
+    run.verify = verify
+    return run
 
 
 # ------------------------------------------------------------------------------ serving
@@ -396,5 +434,5 @@ def run(ctx: Context) -> list[Row]:
     return rows
 
 
-__all__ = ["KV_IMPLS", "PACKED_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows",
+__all__ = ["COMPILED_IMPLS", "KV_IMPLS", "PACKED_IMPLS", "TITLE", "all_cases", "decode_case", "llama_cpp_rows",
            "prefill_case", "run", "serving_case"]

@@ -425,6 +425,9 @@ def mask_for_cache(batch_size: int, q_length: int, kv_length: int, q_offset=0,
     """
     from transformers import masking_utils as mu
 
+    if torch.compiler.is_compiling():  # the checks below read tensor values: dense mask
+        return hf_attn.mask_for_mha(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                    mask_function, attention_mask, **kwargs)
     plain = mask_function is None or mask_function is mu.causal_mask_function
     no_padding = attention_mask is None or (attention_mask.dim() == 2
                                             and bool(attention_mask.all()))

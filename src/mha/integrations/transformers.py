@@ -135,8 +135,11 @@ def mask_for_mha(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     from transformers import masking_utils as mu
 
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
-    spec = _native_spec(batch_size, q_length, kv_length, int(q_offset), int(kv_offset),
-                        mask_function, attention_mask, mu)
+    # While torch.compile traces (a static cache's step), the offsets and the padding mask are
+    # tensors whose values the trace cannot read: the exact dense mask is built in the graph.
+    spec = None if torch.compiler.is_compiling() else _native_spec(
+        batch_size, q_length, kv_length, int(q_offset), int(kv_offset), mask_function,
+        attention_mask, mu)
     if spec is None:
         dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                              q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
