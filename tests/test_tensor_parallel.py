@@ -82,6 +82,7 @@ def _worker(rank: int, W: int, init_file: str) -> None:
             D.tensor_parallel(m, mesh)
         assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
         assert m.tensor_parallel == 1
+        dist.barrier()  # no rank tears its group down while another still communicates
     finally:
         dist.destroy_process_group()
 
