@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autograd_nodes import node_names
 from examples import examples
 from mha.ops import linear
 
@@ -162,7 +163,7 @@ def test_module_gradients_match_float64(monkeypatch):
         module.zero_grad()
         y = module(inp)
         y.backward(out_grad)
-        return {n: p.grad.double() for n, p in module.named_parameters()}, _graph(y)
+        return {n: p.grad.double() for n, p in module.named_parameters()}, node_names(y)
 
     m64 = mha.MultiHeadAttention(256, 4).double()
     m64.load_state_dict(m.state_dict())
@@ -178,12 +179,3 @@ def test_module_gradients_match_float64(monkeypatch):
             f"grad {name}: {err:.3e} vs torch's bf16 {ref_err:.3e}"
 
 
-def _graph(y: torch.Tensor) -> set[str]:
-    """The names of the autograd nodes behind ``y``."""
-    seen, todo = set(), [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and type(node).__name__ not in seen:
-            seen.add(type(node).__name__)
-            todo.extend(n for n, _ in node.next_functions)
-    return seen

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import mha
+from autograd_nodes import node_names
 from mha.ops import linear, linear_choice
 
 KERNEL = "mha_linear-test"  # a build key of our own: entries never mix with the real ones
@@ -317,7 +318,7 @@ def test_bf16_tiles_follow_their_measurement(cache_file, monkeypatch, tiles_s, t
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, F.linear(x, w, b))  # bf16 tolerances: one rounding apart
     y = linear.linear(x, w.clone().requires_grad_(), b)
-    assert ("_LinearBf16Backward" in _graph(y)) == tiles
+    assert ("_LinearBf16Backward" in node_names(y)) == tiles
     assert asked == [(512, 2048, 512)] and fp32 == []
     entries = json.loads(cache_file.read_text())["machines"]
     assert any("bf16 tiles M512 N2048 K512" in e for e in entries.values())
@@ -367,7 +368,7 @@ def test_both_sides_forced_give_the_same_numbers(monkeypatch, bias):
         with torch.no_grad():
             outs[side] = m(x)
         y = m(x)
-        assert ("_LinearBackward" in _graph(y)) == (side == "native")
+        assert ("_LinearBackward" in node_names(y)) == (side == "native")
         outs[side + " grad"] = y.detach()
     with torch.no_grad():
         ref, _ = mha.reference.multi_head_attention(x, x, upcast=True, **m.per_head_weights())
@@ -376,12 +377,3 @@ def test_both_sides_forced_give_the_same_numbers(monkeypatch, bias):
     torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-4, atol=1e-5)
 
 
-def _graph(y: torch.Tensor) -> set[str]:
-    """The names of the autograd nodes behind ``y``."""
-    seen, todo = set(), [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and type(node).__name__ not in seen:
-            seen.add(type(node).__name__)
-            todo.extend(n for n, _ in node.next_functions)
-    return seen
