@@ -65,6 +65,16 @@ CSRC = Path(__file__).parent.parent / "csrc"  # src/mha/csrc
 # Inf arithmetic is unchanged (no -ffast-math).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
+# MHA_AMX_EMULATE=1 at build time: on a CPU without AMX (but with AVX512_BF16) the AMX tile
+# kernels are compiled against software tiles (csrc/amx/amx_emulate.h), so their logic runs
+# and is tested there; slow, for tests only. Part of the cache key like every flag.
+EMULATE_AMX = ("-DMHA_AMX_EMULATE",)
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of a build in this process: :data:`FLAGS`, plus
+    :data:`EMULATE_AMX` when ``MHA_AMX_EMULATE=1``."""
+    return FLAGS + (EMULATE_AMX if os.environ.get("MHA_AMX_EMULATE") == "1" else ())
 _FIX = "set MHA_BUILD_DIR to a writable directory"
 _lock = threading.Lock()
 _loaded: dict[tuple[str, tuple[Path, ...]], Path] = {}
@@ -177,7 +187,7 @@ def _key(name: str, sources: list[Path], csrc: Path) -> str:
     for header in sorted(csrc.rglob("*.h")):
         h.update(_relative(header, csrc).encode())
         h.update(header.read_bytes())
-    h.update(" ".join(FLAGS + LDFLAGS).encode())
+    h.update(" ".join(flags() + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     h.update(_cpu_identity().encode())  # -march=native: a build is only valid on its CPU kind
@@ -363,7 +373,7 @@ def _compile(name: str, paths: list[Path], csrc: Path, root: Path, key: str,
     os.environ["CXX"] = cxx
     try:
         built = cpp_extension.load(name=name, sources=[str(p) for p in paths],
-                                   extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+                                   extra_cflags=list(flags()), extra_ldflags=list(LDFLAGS),
                                    extra_include_paths=[str(csrc)],
                                    build_directory=str(work), verbose=verbose,
                                    is_python_module=False)

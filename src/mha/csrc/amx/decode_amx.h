@@ -3,12 +3,15 @@
 // Shape legend: G query rows of one K/V group (<= 16), d_k head dim (% 32 == 0, <= 128),
 // n keys of one split, ld the stride of the caller's score rows.
 //
-// Defines MHA_DECODE_AMX when the compiler targets AMX (-march=native on a CPU with amx_bf16);
-// otherwise empty, and the kernel uses its AVX512_BF16 path.
+// Defines MHA_DECODE_AMX when the tile kernels are compiled (amx/amx_tiles.h: a target with
+// AMX, or software tiles under MHA_AMX_EMULATE); otherwise empty, and the kernel uses its
+// AVX512_BF16 path.
 
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx/amx_tiles.h"  // MHA_AMX_TILES
+
+#if defined(__AVX512F__) && defined(MHA_AMX_TILES)
 #define MHA_DECODE_AMX 1
 
 #include <c10/util/BFloat16.h>
@@ -17,7 +20,6 @@
 
 #include <cstdint>
 
-#include "amx/amx_tiles.h"
 #include "common/kernel_choice.h"
 
 namespace mha_decode_amx {

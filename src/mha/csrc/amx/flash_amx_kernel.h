@@ -1,5 +1,6 @@
 // The flash forward's AMX tile kernel AmxBf16 (the kernel interface of flash_attn_kernels.h),
-// compiled where the target has AMX-TILE and AMX-BF16 (then MHA_FLASH_AMX is defined).
+// compiled where the tile kernels are (amx/amx_tiles.h: a target with AMX-TILE and AMX-BF16, or
+// software tiles under MHA_AMX_EMULATE); then MHA_FLASH_AMX is defined.
 #pragma once
 
 #include "amx/amx_tiles.h"
@@ -8,7 +9,7 @@
 namespace mha_flash {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && \
-    defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    defined(MHA_AMX_TILES)
 #define MHA_FLASH_AMX 1
 // Intel AMX: the tile unit does Q K^T and P V (tdpbf16ps, 16 x 16 fp32 tiles from 16 x 32 bf16
 // operands in the same pair layouts as Avx512Bf16); packing is Avx512Bf16's, the softmax its own

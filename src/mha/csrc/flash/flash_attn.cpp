@@ -151,7 +151,9 @@ std::string flash_attention_isa() {
 #if defined(MHA_FLASH_BF16_TILES)
   isa += ",avx512bf16";
 #endif
-#if defined(MHA_FLASH_AMX)
+#if defined(MHA_FLASH_AMX) && defined(MHA_AMX_EMULATED)
+  isa += ",amx-emulated";  // software tiles (MHA_AMX_EMULATE): for tests, not for speed
+#elif defined(MHA_FLASH_AMX)
   isa += ",amx";
 #endif
   return isa;
