@@ -33,6 +33,7 @@ def test_shapes_json_gqa_dv_cross(capsys):
 
 
 def test_build_names_every_extension_and_the_tiles(capsys):
+    import mha.ops.decode
     import mha.ops.flash
 
     assert main(["build"]) == 0
@@ -43,3 +44,4 @@ def test_build_names_every_extension_and_the_tiles(capsys):
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out
     math = torch.ops.mha.flash_attention_bwd_bf16_math()
     assert f"backward, bfloat16 inputs: {math} products" in out
+    assert f"decode, bfloat16 q.k: {mha.ops.decode.bf16_qk()}" in out

@@ -3,8 +3,9 @@
 Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, ``mha_decode``
 (``mha.ops.decode``), ``mha_linear`` (``mha.linear``, the module's projections) and ``mha_gemv``
 (``mha.ops.gemv``, the LLM's packed decode projections). Prints the
-instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX), the tiles
-each dtype runs, the compiler and the cache path. Exit code 1 when a build fails or the cache
+instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX, or
+``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
+the decode kernel's bf16 q.k, the compiler and the cache path. Exit code 1 when a build fails or the cache
 directory cannot be used (the reason is printed, one line).
 """
 
@@ -45,7 +46,10 @@ def run(args) -> int:
     print(f"  AVX512_BF16: {'yes' if 'avx512bf16' in isa else 'no (bf16 widened to fp32)'}")
     print(f"  compiled in: {', '.join(isa)}")
     picked = flash.kernels()
-    print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}")
+    emulated = "amx-emulated" in isa
+    soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
+    print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
+          + (soft if emulated and picked["bfloat16"] == "amx" else ""))
     from mha.ops import decode, gemv, linear
 
     status = 0
@@ -58,6 +62,8 @@ def run(args) -> int:
 
         print(f"  backward, bfloat16 inputs: {torch.ops.mha.flash_attention_bwd_bf16_math()} "
               "products")
+    if decode.unavailable() is None:
+        print(f"  decode, bfloat16 q.k: {decode.bf16_qk()}")
     return status
 
 

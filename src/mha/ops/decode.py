@@ -19,6 +19,7 @@ If the build fails, :func:`unavailable` returns the reason (and one warning is i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,6 +52,18 @@ def unavailable() -> str | None:
     return build.load_extension(
         EXTENSION, SOURCES, register=_register,
         instead="backend flash_decode disabled, falling back to other backends")
+
+
+@functools.cache
+def bf16_qk() -> str:
+    """The bf16 q.k this process runs where the AMX tiles fit (G = h / h_kv * Tq <= 16,
+    d_k % 32 == 0, d_k <= 128): ``amx``, ``amx-emulated`` (software tiles, a
+    ``MHA_AMX_EMULATE=1`` build), ``avx512bf16`` or ``fp32``; chosen once per process from the
+    build, the OS and ``MHA_DECODE_BF16``. Raises RuntimeError when the kernel is unavailable."""
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(f"flash_decode: {reason}")
+    return torch.ops.mha.flash_decode_bf16_qk()
 
 
 def _fake(q, k, v, key_lengths, mask, scale, causal, softcap=None, sinks=None, bias=None,

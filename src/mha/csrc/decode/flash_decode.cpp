@@ -652,6 +652,26 @@ at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const
                  k_scale, v_scale, block_table);
 }
 
+// The bf16 q.k this process runs where the AMX tiles fit (G <= 16, d_k % 32 == 0, d_k <= 128):
+// "amx", "amx-emulated" (software tiles: a MHA_AMX_EMULATE build), "avx512bf16" (vdpbf16ps) or
+// "fp32" (widened). Read back by tests and `mha build`; MHA_DECODE_BF16 is read here as in a call.
+std::string flash_decode_bf16_qk() {
+#ifdef MHA_DECODE_AMX
+  if (mha_decode_amx::amx_permitted()) {
+#if defined(MHA_AMX_EMULATED)
+    return "amx-emulated";
+#else
+    return "amx";
+#endif
+  }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return "avx512bf16";
+#else
+  return "fp32";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
@@ -666,6 +686,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
         "float scale, bool causal, float? softcap=None, Tensor? sinks=None, Tensor? bias=None, "
         "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None, "
         "Tensor? block_table=None) -> Tensor");
+  m.def("flash_decode_bf16_qk() -> str", &flash_decode_bf16_qk);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
