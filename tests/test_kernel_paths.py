@@ -13,7 +13,11 @@ plus a floor).
 
 A row runs where the CPU has the instruction sets it needs, read from the CPU's flags (never
 its vendor); elsewhere it is skipped with the reason ("no amx_bf16 on this CPU"), so an AMX
-machine runs the AMX rows and an AVX2-only machine only the portable one.
+machine runs the AMX rows and an AVX2-only machine only the portable one. The ``amx-emulated``
+row runs the AMX kernels on software tiles (``MHA_AMX_EMULATE=1``: a build of its own, cached
+like any other) on AVX512_BF16 CPUs without AMX, and is skipped where the CPU has AMX (the
+``amx`` row runs the hardware there); besides the forward's choice it reads back the decode
+kernel's (``mha.ops.decode.bf16_qk``).
 
 Shape legend: B batch, h heads, h_kv K/V heads, Tq/Tk lengths, d head dim.
 """
@@ -34,14 +38,19 @@ SRC = HERE.parent / "src"
 
 @dataclass(frozen=True)
 class KernelPath:
-    """One forced configuration: the variables that force it, the CPU flags it executes on,
-    the forward tile kernel the forcing must select, and the checks its process runs."""
+    """One forced configuration: the variables that force it, the CPU flags it executes on
+    (and those that make it pointless: ``absent``), the forward tile kernel the forcing must
+    select, the name the build lists for it (``flash.isa()``), and the checks its process
+    runs."""
 
     name: str
     env: dict = field(hash=False)
     needs: frozenset
     forward: str  # flash.kernels()["bfloat16"] when forced
     checks: tuple = ("forward", "backward", "decode")
+    absent: frozenset = frozenset()
+    isa: str | None = None  # in flash.isa() when built; None: the forward's name
+    decode: str | None = None  # decode.bf16_qk() when forced; None: not read back
 
 
 PATHS = [
@@ -55,8 +64,15 @@ PATHS = [
     KernelPath("portable", {"MHA_FLASH_BF16": "portable"}, frozenset(), "portable",
                ("forward", "backward", "decode_portable")),
     KernelPath("amx", {"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"},
-               frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}), "amx"),
+               frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}), "amx",
+               decode="amx"),
+    KernelPath("amx-emulated", {"MHA_AMX_EMULATE": "1", "MHA_FLASH_BF16": "amx",
+                                "MHA_DECODE_BF16": "amx"},
+               frozenset({"avx512f", "avx512_bf16"}), "amx",
+               absent=frozenset({"amx_tile", "amx_bf16"}), isa="amx-emulated",
+               decode="amx-emulated"),
 ]
+FORCING = ("MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR", "MHA_AMX_EMULATE")
 
 
 def cpu_flags() -> set[str]:
@@ -76,14 +92,19 @@ def test_forced_path(path: KernelPath):
     missing = sorted(path.needs - cpu_flags())
     if missing:
         pytest.skip(f"no {' / '.join(missing)} on this CPU: the {path.name} path cannot run here")
+    present = sorted(path.absent & cpu_flags())
+    if present:
+        pytest.skip(f"{' / '.join(present)} on this CPU: the hardware path runs instead of "
+                    f"{path.name}")
     import subprocess
 
     env = dict(os.environ, **path.env)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE),
                                          *filter(None, [env.get("PYTHONPATH")])])
-    for name in {"MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR"} - path.env.keys():
+    for name in set(FORCING) - path.env.keys():
         env.pop(name, None)  # the row's defaults, not the caller's forcing
-    res = subprocess.run([sys.executable, __file__, path.forward, *path.checks], env=env,
+    selection = f"{path.forward}:{path.isa or path.forward}:{path.decode or ''}"
+    res = subprocess.run([sys.executable, __file__, selection, *path.checks], env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"the {path.name} process failed:\n{res.stderr[-4000:]}"
     results = json.loads(res.stdout.strip().splitlines()[-1])
@@ -111,13 +132,20 @@ def _allowed(B, h, Tq, Tk, causal):
     return mha.causal_mask(Tq, Tk) if causal else None
 
 
-def check_selected(forward: str) -> str:
-    from mha.ops import flash
+def check_selected(selection: str) -> str:
+    """``forward:isa:decode``: the forward kernel the forcing selects, the name the build lists
+    it under, and the decode kernel's bf16 q.k (empty: not read back)."""
+    from mha.ops import decode, flash
 
-    if forward not in flash.isa().split(","):
-        return f"not built: the {forward} kernel is not compiled in (isa {flash.isa()})"
+    forward, isa, qk = selection.split(":")
+    if isa not in flash.isa().split(","):
+        return f"not built: the {isa} kernel is not compiled in (isa {flash.isa()})"
     got = flash.kernels()["bfloat16"]
-    return "ok" if got == forward else f"expected the {forward} kernel, the process runs {got}"
+    if got != forward:
+        return f"expected the {forward} kernel, the process runs {got}"
+    if qk and decode.bf16_qk() != qk:
+        return f"expected the decode q.k on {qk}, the process runs {decode.bf16_qk()}"
+    return "ok"
 
 
 def check_forward() -> str:
@@ -213,10 +241,10 @@ CHECKS = {
 }
 
 
-def main(forward: str, checks: list[str]) -> None:
+def main(selection: str, checks: list[str]) -> None:
     """Run the checks in this process (its variables already set); print one JSON line,
     check -> "ok" | the failure | "not built: ..."."""
-    results = {"selected": check_selected(forward)}
+    results = {"selected": check_selected(selection)}
     for name in checks:
         if results["selected"].startswith("not built:"):
             results[name] = results["selected"]
