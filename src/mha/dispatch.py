@@ -23,6 +23,7 @@ class Verdict:
     reasons: tuple[str, ...]
     chosen: bool = False
     defers: str | None = None  # can serve, but leaves the call to the next capable backend
+    note: str | None = None  # can serve: how it would run, when worth saying (Backend.note)
 
     @property
     def ok(self) -> bool:
@@ -30,10 +31,11 @@ class Verdict:
 
     def __str__(self) -> str:
         mark = "chosen" if self.chosen else ("can serve" if self.ok else "rejected")
+        note = f" ({self.note})" if self.ok and self.note else ""
         if self.ok and self.defers:
-            return f"{self.backend:<10} {mark}, defers: {self.defers}"
+            return f"{self.backend:<10} {mark}{note}, defers: {self.defers}"
         tail = "" if self.ok else ": " + "; ".join(self.reasons)
-        return f"{self.backend:<10} {mark}{tail}"
+        return f"{self.backend:<10} {mark}{note}{tail}"
 
 
 class Explanation(list):
@@ -56,10 +58,11 @@ def verdicts(call: AttentionCall) -> Explanation:
     rows = []
     for b in backends.all_backends():
         reasons = tuple(b.not_supported_reasons(call))
-        rows.append((b.name, reasons, None if reasons else b.defers(call)))
-    pick = next((n for n, r, d in rows if not r and not d),
-                next((n for n, r, _ in rows if not r), None))
-    return Explanation(Verdict(n, r, n == pick, d) for n, r, d in rows)
+        ok = not reasons
+        rows.append((b.name, reasons, b.defers(call) if ok else None, b.note(call) if ok else None))
+    pick = next((n for n, r, d, _ in rows if not r and not d),
+                next((n for n, r, _, _ in rows if not r), None))
+    return Explanation(Verdict(n, r, n == pick, d, note) for n, r, d, note in rows)
 
 
 _preferred: str | None = None  # set by use_backend (a plain global: torch.compile reads it)

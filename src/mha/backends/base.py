@@ -97,6 +97,8 @@ class Backend:
     build failed); ``extra_reasons`` adds checks that the capability table cannot express.
     ``defers`` returns a reason to leave a call it *can* serve to the next capable backend when
     dispatch chooses (a measured speed difference on this CPU); a forced backend still runs.
+    ``note`` says, for a call it can serve, something about how it would run that a reader of
+    ``mha.explain`` should know (e.g. on software AMX tiles, slow by design), else None.
     """
 
     name: str
@@ -106,6 +108,7 @@ class Backend:
     unavailable: Callable[[], str | None] = field(default=lambda: None)
     extra_reasons: Callable[[AttentionCall], list[str]] = field(default=lambda call: [])
     defers: Callable[[AttentionCall], str | None] = field(default=lambda call: None)
+    note: Callable[[AttentionCall], str | None] = field(default=lambda call: None)
 
     def __post_init__(self) -> None:
         # Whether a native build loaded does not change within a process: under torch.compile

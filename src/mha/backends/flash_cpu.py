@@ -91,6 +91,22 @@ def _forward(call: AttentionCall):
     return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
 
 
+AMX_SMALL_MAX_TK = 32  # up to this Tk the AMX build's bf16 calls take the small path (flash_small.h)
+
+
+def _note(call: AttentionCall) -> str | None:
+    """bf16 calls on the AMX kernel of a ``MHA_AMX_EMULATE=1`` build run on software tiles
+    (score variants and mask_mod plans go to the AVX-512 tiles, Tk <= 32 to the small path)."""
+    from mha.ops import flash
+
+    amx = (call.dtype == torch.bfloat16 and not call.scores.kinds
+           and call.masks.mask_mod is None and call.Tk > AMX_SMALL_MAX_TK)
+    if amx and "amx-emulated" in flash.isa().split(",") and flash.kernels()["bfloat16"] == "amx":
+        return ("bf16 tiles: amx-emulated, software AMX tiles of a MHA_AMX_EMULATE=1 build: "
+                "for tests, not for speed")
+    return None
+
+
 BACKEND = Backend(
     name="flash_cpu",
     summary="native flash-attention kernel for the CPU (AVX-512 / AVX512_BF16), O(T d) memory",
@@ -103,4 +119,5 @@ BACKEND = Backend(
     extra_reasons=_score_mod_reason,
     unavailable=_unavailable,
     defers=_defers,
+    note=_note,
 )

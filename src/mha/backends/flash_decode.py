@@ -30,6 +30,17 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
     return reasons
 
 
+def _note(call: AttentionCall) -> str | None:
+    """bf16 q.k on the AMX tiles of a ``MHA_AMX_EMULATE=1`` build runs in software (where they
+    fit: G = h / h_kv * Tq <= 16 query rows, d_k % 32 == 0, d_k <= 128, runs of 32 keys)."""
+    fits = (call.h // call.h_kv * call.Tq <= 16 and call.d_k % 32 == 0 and call.d_k <= 128
+            and call.Tk >= 32)
+    if call.dtype == torch.bfloat16 and fits and decode.bf16_qk() == "amx-emulated":
+        return ("bf16 q.k: amx-emulated, software AMX tiles of a MHA_AMX_EMULATE=1 build: "
+                "for tests, not for speed")
+    return None
+
+
 BACKEND = Backend(
     name="flash_decode",
     summary="native flash-decoding kernel: Tq <= 16 against long K/V, KV split across threads",
@@ -44,4 +55,5 @@ BACKEND = Backend(
     forward=_forward,
     unavailable=decode.unavailable,
     extra_reasons=_extra_reasons,
+    note=_note,
 )
