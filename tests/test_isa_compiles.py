@@ -5,8 +5,9 @@ only the paths its CPU has: an AVX2-only CPU runs the portable loops, AMD Zen 5 
 ``vdpbf16ps`` paths, an Intel Xeon with AMX all of them. This compiles each translation unit the
 way ``mha build`` does but for a named target CPU — Cooper Lake (AVX-512 with BF16, no AMX) and
 Sapphire Rapids (AVX-512 with AMX), and Haswell (AVX2 only) for the packed projections' portable
-loop — syntax and templates only (``-fsyntax-only``: nothing runs),
-and checks that the path's code was really seen (its feature macro is defined).
+loop; and the AMX kernels on software tiles (Cooper Lake with ``-DMHA_AMX_EMULATE``, what a
+``MHA_AMX_EMULATE=1`` build compiles) — syntax and templates only (``-fsyntax-only``: nothing
+runs), and checks that the path's code was really seen (its feature macro is defined).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from mha.ops import build
 AVX512_BF16 = "-march=cooperlake"
 AMX = "-march=sapphirerapids"
 AVX2 = "-march=haswell"  # no AVX-512: the portable loops
+EMULATED = "-march=cooperlake -DMHA_AMX_EMULATE"  # the AMX kernels on software tiles
 CASES = [  # (source, target, macros the source defines when the path is compiled in)
     ("flash/flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
                                            "MHA_FLASH_SMALL")),
     ("flash/flash_attn.cpp", AMX, ("MHA_FLASH_AMX",)),
     ("decode/flash_decode.cpp", AVX512_BF16, ("__AVX512BF16__",)),
     ("decode/flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
+    ("flash/flash_attn.cpp", EMULATED, ("MHA_FLASH_AMX", "MHA_AMX_EMULATED")),
+    ("decode/flash_decode.cpp", EMULATED, ("MHA_DECODE_AMX", "MHA_AMX_EMULATED")),
     ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
@@ -50,12 +54,13 @@ def _compile(source: str, target: str, macros, tmp_path) -> subprocess.Completed
     wrapper.write_text(f'#include "{source}"\n{checks}')
     incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], build.CSRC)]
     flags = [f for f in build.FLAGS if f != "-march=native"]
-    cmd = [cxx, "-fsyntax-only", *flags, target, *incs, str(wrapper)]
+    cmd = [cxx, "-fsyntax-only", *flags, *target.split(), *incs, str(wrapper)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("source,target,macros", CASES,
-                         ids=[f"{s}-{t.split('=')[1]}" for s, t, _ in CASES])
+                         ids=[f"{s}-{t.split()[0].split('=')[1]}"
+                              + ("-emulated" if "EMULATE" in t else "") for s, t, _ in CASES])
 def test_isa_path_compiles(source, target, macros, tmp_path):
     r = _compile(source, target, macros, tmp_path)
     if r.returncode != 0 and ("unrecognized command-line option" in r.stderr
