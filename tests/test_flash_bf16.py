@@ -28,7 +28,8 @@ LSE_TOL = 2e-4  # exp2 polynomial: relative error 7.5e-5 -> lse error <= 7.5e-5 
 
 def _kernels() -> list[str]:
     assert flash.unavailable() is None, flash.unavailable()
-    return [k for k in ("avx512bf16", "amx") if k in flash.isa().split(",")]
+    isa = flash.isa().split(",")  # "amx-emulated": the amx kernel on software tiles
+    return [k for k in ("avx512bf16", "amx") if k in isa or f"{k}-emulated" in isa]
 
 
 KERNELS = _kernels()

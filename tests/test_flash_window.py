@@ -32,7 +32,8 @@ def _kernels() -> list[tuple[str, torch.dtype]]:
     isa = flash.isa().split(",")
     cases = [(k, dt) for k in ("portable", "avx512f") if k in isa
              for dt in (torch.float32, torch.bfloat16)]
-    cases += [(k, torch.bfloat16) for k in ("avx512bf16", "amx") if k in isa]
+    cases += [(k, torch.bfloat16) for k in ("avx512bf16", "amx")
+              if k in isa or f"{k}-emulated" in isa]  # amx on software tiles too
     if "avx512f" in isa:  # the small path is compiled with AVX-512
         cases += [("small", torch.float32), ("small", torch.bfloat16)]
     return cases

@@ -35,7 +35,8 @@ NAN, INF = float("nan"), float("inf")
 def _kernels() -> list[str]:
     assert flash.unavailable() is None, flash.unavailable()
     isa = flash.isa().split(",")
-    names = ["portable"] + [k for k in ("avx512f", "avx512bf16", "amx") if k in isa]
+    names = ["portable"] + [k for k in ("avx512f", "avx512bf16", "amx")
+                            if k in isa or f"{k}-emulated" in isa]  # amx: software tiles too
     return names + (["small"] if "avx512f" in isa else [])  # flash_small.h needs AVX-512
 
 
