@@ -32,15 +32,16 @@ STRIDE = 80  # bytes between source rows: wider than a tile row, garbage past co
 PROGRAM = r"""
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include "amx/amx_tiles.h"  // TileConfig, load_tile_config; the model under MHA_AMX_EMULATE
 
 int main(int argc, char** argv) {
   using mha_amx::TileConfig;
   static unsigned char a[16 * 80], b[16 * 80], c[16 * 80], out[16 * 80];
   FILE* f = std::fopen(argv[1], "rb");
-  if (!f || std::fread(a, 1, sizeof a, f) != sizeof a || std::fread(b, 1, sizeof b, f) != sizeof b
-      || std::fread(c, 1, sizeof c, f) != sizeof c || std::fread(out, 1, sizeof out, f) != sizeof out)
-    return 2;
+  if (!f) return 2;
+  for (unsigned char* buf : {a, b, c, out})
+    if (std::fread(buf, 1, 16 * 80, f) != 16 * 80) return 2;
   std::fclose(f);
   const char* mode = argc > 2 ? argv[2] : "run";
   if (!std::strcmp(mode, "unconfigured")) { _tile_zero(0); return 0; }  // must abort

@@ -91,7 +91,7 @@ def _forward(call: AttentionCall):
     return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
 
 
-AMX_SMALL_MAX_TK = 32  # up to this Tk the AMX build's bf16 calls take the small path (flash_small.h)
+AMX_SMALL_MAX_TK = 32  # up to this Tk, bf16 calls of an AMX build take the small path
 
 
 def _note(call: AttentionCall) -> str | None:
