@@ -452,7 +452,19 @@ CHECKS = {
 
 @pytest.mark.parametrize("check", ["selected", *CHECKS])
 def test_amx(results, check):
-    assert results.get(check) == "ok", f"{check}: {results.get(check)}"
+    if check != "selected" and results["selected"] != "ok":
+        pytest.fail(f"not run, the process did not select the AMX paths: {results['selected']}")
+    assert results[check] == "ok", f"{check}: {results[check]}"
+
+
+def test_the_mode_follows_the_cpu_flags():
+    avx512 = {"avx512f", "avx512bw", "avx512_bf16"}
+    assert _mode(avx512 | {"amx_tile", "amx_bf16"}) == (
+        {"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"}, "amx")
+    assert _mode(avx512) == ({"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx",
+                              "MHA_AMX_EMULATE": "1"}, "amx-emulated")
+    forced, why = _mode({"avx2", "fma", "avx512f"})
+    assert forced is None and why.startswith("no avx512_bf16 on this CPU")
 
 
 def main(expect: str) -> None:
