@@ -28,6 +28,7 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("decode/flash_decode.cpp", AVX512_BF16, ("__AVX512BF16__",)),
     ("decode/flash_decode.cpp", AMX, ("MHA_DECODE_AMX",)),
     ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
+    ("flash/flash_attn_bwd.cpp", AMX, ("MHA_BWD_AMX",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX2, ("__AVX2__",)),
