@@ -51,7 +51,8 @@ CASES = {
 }
 NAN_CASES = ["kv_seen_by_some_rows", "kv_past_key_lengths", "q_rows"]
 NAN_SPECS = ["mask", "no_causal", "window"]
-EXTRA = ["selected", "auto_runs_the_tiles", "same_bits_across_threads", "dout_nan_units_fall_back"]
+EXTRA = ["selected", "auto_runs_the_tiles", "variants_and_mask_mod", "same_bits_across_threads",
+         "dout_nan_units_fall_back"]
 SCALE = 0.3
 
 
@@ -237,6 +238,59 @@ def check_auto_runs_the_tiles() -> str:
     return "ok"
 
 
+def check_variants_and_mask_mod() -> str:
+    """Score variants (softcap, ALiBi; sinks and a bias with their gradients) and a mask_mod's
+    block plan (48-row query blocks, EMPTY ones skipped: runs of rows break there) around the
+    tile products: training through mha.attention against float64 autograd."""
+    import torch
+
+    import mha
+    from mha import mods, reference
+    from oracle import FLOOR, max_err
+    from test_flash_bwd import _cancellation
+    from test_flash_plan import _expected, _grads
+    from test_variants import _allowed
+
+    g = torch.Generator().manual_seed(11)
+    B, h, h_kv, T, d = 1, 4, 2, 160, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).bfloat16()
+
+    q, k, v = rand(B, h, T, d), rand(B, h_kv, T, d), rand(B, h_kv, T, d)
+    sinks, bias = rand(h), rand(1, h, T, T)
+    fixed = {"softcap": 20.0, "alibi_slopes": mha.alibi_slopes(h).bfloat16()}
+    def gap(b, h, q_idx, kv_idx):  # rows 48..95 see no key: their 48-row plan blocks EMPTY
+        return (q_idx < 48) | (q_idx >= 96)
+
+    for mod, masks in ((None, {"causal": True}),
+                       (mods.document(cu_seqlens=torch.tensor([0, 50, 120, 160])), {}),
+                       (gap, {})):
+        allowed = _allowed(q, k, masks) if mod is None else _expected(q, k, mod, masks)
+
+        def run(backend=None, upcast=False, mod=mod, masks=masks, allowed=allowed):
+            def fn(q, k, v, sinks, bias):
+                if backend is None:
+                    return reference.attention(q, k, v, allowed=allowed, upcast=upcast,
+                                               sinks=sinks, bias=bias, **fixed)[0]
+                return mha.attention(q, k, v, mask_mod=mod, backend=backend, sinks=sinks,
+                                     bias=bias, **masks, **fixed)
+            return fn
+
+        inputs = [q, k, v, sinks, bias]
+        ref, go, out = _grads(run(upcast=True), [t.double() for t in inputs])
+        low = _grads(run(), inputs)[0]
+        got = _grads(run("flash_cpu"), inputs)[0]
+        size = max(1.0, _cancellation(q, k, go, out, d ** -0.5))
+        for what, a, r, lo in zip(["q", "k", "v", "sinks", "bias"], got, ref, low, strict=True):
+            assert torch.isfinite(a).all(), f"grad {what} not finite"
+            budget = 2 * max_err(lo, r) + FLOOR[torch.bfloat16] * max(size, r.abs().max().item())
+            err = max_err(a, r)
+            assert err <= budget, \
+                f"mask_mod={mod is not None} grad {what}: error {err:.3e} > {budget:.3e}"
+    return "ok"
+
+
 def check_same_bits_across_threads() -> str:
     import torch
 
@@ -290,6 +344,7 @@ def main() -> None:
     checks.update({f"nan_{c}_{s}": (lambda c=c, s=s: check_nan(c, s))
                    for c in NAN_CASES for s in NAN_SPECS})
     checks.update({"auto_runs_the_tiles": check_auto_runs_the_tiles,
+                   "variants_and_mask_mod": check_variants_and_mask_mod,
                    "same_bits_across_threads": check_same_bits_across_threads,
                    "dout_nan_units_fall_back": check_dout_nan_units_fall_back})
     results = {}
