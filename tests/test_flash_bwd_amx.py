@@ -51,8 +51,8 @@ CASES = {
 }
 NAN_CASES = ["kv_seen_by_some_rows", "kv_past_key_lengths", "q_rows"]
 NAN_SPECS = ["mask", "no_causal", "window"]
-EXTRA = ["selected", "auto_runs_the_tiles", "variants_and_mask_mod", "same_bits_across_threads",
-         "dout_nan_units_fall_back"]
+EXTRA = ["selected", "random_shapes", "auto_runs_the_tiles", "variants_and_mask_mod",
+         "same_bits_across_threads", "dout_nan_units_fall_back"]
 SCALE = 0.3
 
 
@@ -130,6 +130,9 @@ def _spec(case, seed):
 def _bwd(go, gl, q, k, v, out, lse, spec, math):
     import torch
 
+    from mha.ops import flash
+
+    assert flash.load_backward() is None, flash.load_backward()
     return torch.ops.mha._flash_attention_bwd_fused_math(
         go, gl, q, k, v, out, lse, spec.key_lengths, spec.mask, spec.causal, SCALE, math,
         spec.window or 0)
@@ -164,6 +167,33 @@ def check_case(case: str) -> str:
         allowed = 2 ** -7 * p.double().abs() + 1e-3 * max(1.0, p.double().abs().max().item())
         assert (gap <= allowed).all(), \
             f"d{name}: {int((gap > allowed).sum())} elements off the vdpbf16ps products"
+    return "ok"
+
+
+def check_random_shapes(n: int = 30) -> str:
+    """n seeded random calls in the space of tests/test_flash_bwd.py's bf16 test (GQA, Tq and
+    Tk 1..140, odd head dims, key_lengths, masks, layouts), each judged like a case above."""
+    import random
+
+    from kernel_inputs import key_lengths
+
+    rng = random.Random(2024)
+    for i in range(n):
+        h_kv = rng.choice([1, 2])
+        case = (rng.choice([1, 2]), h_kv * rng.choice([1, 3]), h_kv, rng.randint(1, 140),
+                rng.randint(1, 140), rng.choice([16, 17, 33, 64, 128]),
+                rng.choice([15, 24, 64, 100]), rng.random() < 0.5, None,
+                rng.choice([None, "full", "keys"]), 0, rng.choice(["bhtd", "bthd", "strided"]))
+        lengths = key_lengths(case[0], case[4], i, rng.random() < 0.5)
+        case = (*case[:8], tuple(lengths.tolist()) if lengths is not None else None, *case[9:])
+        CASES[f"random_{i}"] = case
+        try:
+            check_case(f"random_{i}")
+        except AssertionError as e:
+            raise AssertionError(f"(B, h, h_kv, Tq, Tk, d_k, d_v, causal, lengths, mask, "
+                                 f"window, layout) = {case}: {e}") from None
+        finally:
+            del CASES[f"random_{i}"]
     return "ok"
 
 
@@ -343,7 +373,8 @@ def main() -> None:
     checks.update({c: (lambda c=c: check_case(c)) for c in CASES})
     checks.update({f"nan_{c}_{s}": (lambda c=c, s=s: check_nan(c, s))
                    for c in NAN_CASES for s in NAN_SPECS})
-    checks.update({"auto_runs_the_tiles": check_auto_runs_the_tiles,
+    checks.update({"random_shapes": check_random_shapes,
+                   "auto_runs_the_tiles": check_auto_runs_the_tiles,
                    "variants_and_mask_mod": check_variants_and_mask_mod,
                    "same_bits_across_threads": check_same_bits_across_threads,
                    "dout_nan_units_fall_back": check_dout_nan_units_fall_back})
