@@ -24,7 +24,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -98,14 +97,16 @@ __attribute__((noinline)) void tile_rows(const uint16_t* a, int64_t lda, int kc,
   }
 }
 
-// The group's rows as tile operands, from pack_rows' fp32 copies (exact: the inputs are bf16):
+// The group's rows as tile operands, from pack_rows' fp32 copies (exact: the inputs are bf16,
+// and Q's non-finite elements are zeros there):
 // Q, dO as bf16 rows qa (g Tq + 16, d_k32), oa (g Tq + 16, d_v32) and transposed qta (g, d_k16,
 // tqp), ota (g, d_v16, tqp), zero past d, Tq and in the 16 rows of slack. False when dO holds a
 // non-finite element (then the unit runs the vdpbf16ps products: see the top of this file).
 bool prepare_unit_amx(Scratch& w, int64_t g, int64_t Tq, int64_t dk, int64_t dv, int64_t dkp,
                       int64_t dvp, const AmxWidths& A) {
-  for (int64_t e = 0; e < g * Tq * dvp; ++e)
-    if (!std::isfinite(w.dout[e])) return false;
+  int bad = 0;  // branch-free (x - x is 0 exactly for finite x), so the loop vectorizes
+  for (int64_t e = 0; e < g * Tq * dvp; ++e) bad |= !(w.dout[e] - w.dout[e] == 0.f);
+  if (bad) return false;
   w.qa.assign((g * Tq + 16) * A.dk32, 0);
   w.oa.assign((g * Tq + 16) * A.dv32, 0);
   w.qta.assign(g * A.dk16 * A.tqp, 0);
@@ -123,10 +124,9 @@ bool prepare_unit_amx(Scratch& w, int64_t g, int64_t Tq, int64_t dk, int64_t dv,
       const int64_t t1 = std::min(Tq, t0 + 32);
       const float* qr = w.q.data() + hh * Tq * dkp;
       const float* orow = w.dout.data() + hh * Tq * dvp;
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t c = 0; c < dk; ++c) w.qa[(hh * Tq + t) * A.dk32 + c] = bits(qr[t * dkp + c]);
-        for (int64_t c = 0; c < dv; ++c)
-          w.oa[(hh * Tq + t) * A.dv32 + c] = bits(orow[t * dvp + c]);
+      for (int64_t t = t0; t < t1; ++t) {  // zero past d in both (dkp <= d_k32, dvp <= d_v32)
+        to_bf16_row(qr + t * dkp, dkp, w.qa.data() + (hh * Tq + t) * A.dk32);
+        to_bf16_row(orow + t * dvp, dvp, w.oa.data() + (hh * Tq + t) * A.dv32);
       }
       for (int64_t c = 0; c < dk; ++c)
         for (int64_t t = t0; t < t1; ++t)
