@@ -9,8 +9,9 @@
 //   dQ_i += dS K_j   A: dS rows (keys padded to 32)     B: K pair-packed along keys
 //   dV_j^T += dO^T P A: dO^T rows (query rows padded)   B: P as row pairs
 //   dK_j^T += Q^T dS A: Q^T rows                        B: dS as row pairs
-// S and dP go to memory for the softmax (softmax_grad, on the vector units), dQ is loaded and
-// stored around its 64-key reduction. dK^T and dV^T are the accumulators that can stay in tiles
+// One routine serves all five (tile_gemm: 2 x 2 result tiles held across the reduction, each
+// loaded A / B tile feeding two products). S and dP go to memory for the softmax
+// (softmax_grad, on the vector units), dQ is loaded and stored around its 64-key reduction. dK^T and dV^T are the accumulators that can stay in tiles
 // long: P and dS of a *run* of consecutive row blocks of one head (up to kAmxRunRows rows) are
 // packed side by side, and each 16 x 16 tile of dV^T / dK^T is loaded once, accumulates the
 // whole run (8 products per tile at 256 rows) and is stored once, instead of once per row block.
@@ -97,6 +98,56 @@ __attribute__((noinline)) void tile_rows(const uint16_t* a, int64_t lda, int kc,
   }
 }
 
+// The same for 32 result rows (A rows 0-15 and 16-31, lda apart) and two 16-column tiles at a
+// time (the last one alone when nt is odd): C (rows 0-15) in tiles 0-1, (rows 16-31) in 2-3, A
+// through 4 and 5, B through 6 and 7, so each tile loaded per step feeds two products (four
+// loads for four products instead of five).
+__attribute__((noinline)) void tile_rows2(const uint16_t* a, int64_t lda, int kc,
+                                          const uint16_t* b, int64_t ldb, int nt, float* c,
+                                          int64_t ldc, bool load) {
+  const uint16_t* a1 = a + 16 * lda;
+  for (int t0 = 0; t0 < nt; t0 += 2) {
+    const bool two = t0 + 1 < nt;
+    float* c0 = c + t0 * 16;
+    float* c1 = c0 + 16 * ldc;
+    if (load) {
+      _tile_loadd(0, c0, ldc * 4);
+      _tile_loadd(2, c1, ldc * 4);
+      if (two) { _tile_loadd(1, c0 + 16, ldc * 4); _tile_loadd(3, c1 + 16, ldc * 4); }
+    } else {
+      _tile_zero(0);
+      _tile_zero(2);
+      if (two) { _tile_zero(1); _tile_zero(3); }
+    }
+    for (int k = 0; k < kc; ++k) {
+      const uint16_t* bk = b + (int64_t(k) * 16 * ldb + t0 * 16) * 2;
+      _tile_loadd(4, a + k * 32, lda * 2);
+      _tile_loadd(6, bk, ldb * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a1 + k * 32, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) {
+        _tile_loadd(7, bk + 32, ldb * 4);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c0, ldc * 4);
+    _tile_stored(2, c1, ldc * 4);
+    if (two) { _tile_stored(1, c0 + 16, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4); }
+  }
+}
+
+// C (m rows, a multiple of 16) = (load ? C : 0) + A B, 32 rows at a time (tile_rows2), the
+// last 16 alone (tile_rows).
+void tile_gemm(int64_t m, const uint16_t* a, int64_t lda, int kc, const uint16_t* b,
+               int64_t ldb, int nt, float* c, int64_t ldc, bool load) {
+  int64_t r = 0;
+  for (; r + 32 <= m; r += 32)
+    tile_rows2(a + r * lda, lda, kc, b, ldb, nt, c + r * ldc, ldc, load);
+  if (r < m) tile_rows(a + r * lda, lda, kc, b, ldb, nt, c + r * ldc, ldc, load);
+}
+
 // The group's rows as tile operands, from pack_rows' fp32 copies (exact: the inputs are bf16,
 // and Q's non-finite elements are zeros there):
 // Q, dO as bf16 rows qa (g Tq + 16, d_k32), oa (g Tq + 16, d_v32) and transposed qta (g, d_k16,
@@ -168,12 +219,10 @@ void flush_run_amx(const Problem<T>& P, int64_t kn, Scratch& w, const AmxWidths&
   std::fill(w.ds2run.begin() + tail, w.ds2run.begin() + n32 * kBc, 0);
   const int64_t hh = w.run_hh, ra = w.run_a;
   if (P.go)
-    for (int64_t m = 0; m < A.dv16; m += 16)
-      tile_rows(w.ota.data() + (hh * A.dv16 + m) * A.tqp + ra, A.tqp, int(n32 / 32),
-                w.p2run.data(), kBc, int(nt), w.dvt.data() + m * kBc, kBc, true);
-  for (int64_t m = 0; m < A.dk16; m += 16)
-    tile_rows(w.qta.data() + (hh * A.dk16 + m) * A.tqp + ra, A.tqp, int(n32 / 32),
-              w.ds2run.data(), kBc, int(nt), w.dkt.data() + m * kBc, kBc, true);
+    tile_gemm(A.dv16, w.ota.data() + hh * A.dv16 * A.tqp + ra, A.tqp, int(n32 / 32),
+              w.p2run.data(), kBc, int(nt), w.dvt.data(), kBc, true);
+  tile_gemm(A.dk16, w.qta.data() + hh * A.dk16 * A.tqp + ra, A.tqp, int(n32 / 32),
+            w.ds2run.data(), kBc, int(nt), w.dkt.data(), kBc, true);
 }
 
 // Rows [i0, i0 + rows) of query head hh (of the group) against the key block at j0 (kn keys in
@@ -193,13 +242,12 @@ void block_products_amx(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
   if (w.run_rows == 0) w.run_hh = hh, w.run_a = i0;
   const uint16_t* qa = w.qa.data() + (hh * P.Tq + i0) * A.dk32;  // (rg16, d_k32)
   const uint16_t* oa = w.oa.data() + (hh * P.Tq + i0) * A.dv32;  // (rg16, d_v32)
-  for (int64_t r = 0; r < rows; r += 16) {  // S, dP: (16, d) x (d, Bc); rows past `rows` unread
-    tile_rows(qa + r * A.dk32, A.dk32, int(A.dk32 / 32), w.ktp.data(), kBc, int(nt),
-              w.s.data() + r * kBc, kBc, false);
-    if (has_go)
-      tile_rows(oa + r * A.dv32, A.dv32, int(A.dv32 / 32), w.vtp.data(), kBc, int(nt),
-                w.dp.data() + r * kBc, kBc, false);
-  }
+  // S, dP: (rg16, d) x (d, Bc); rows past `rows` are never read
+  tile_gemm(rg16, qa, A.dk32, int(A.dk32 / 32), w.ktp.data(), kBc, int(nt), w.s.data(), kBc,
+            false);
+  if (has_go)
+    tile_gemm(rg16, oa, A.dv32, int(A.dv32 / 32), w.vtp.data(), kBc, int(nt), w.dp.data(),
+              kBc, false);
   softmax_grad(P, b, hi, i0, rows, j0, kn, w.lse2.data() + hh * P.Tq,
                w.lse2lo.data() + hh * P.Tq, w.delta.data() + hh * P.Tq, has_go, w.s.data(),
                w.dp.data(), pbits);
@@ -221,9 +269,8 @@ void block_products_amx(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
     std::fill(row + (r < rows ? ncols : 0), row + kc32, 0);
   }
   float* dqi = w.dq.data() + (hh * P.Tq + i0) * dkp;  // (rg16, d_kp)
-  for (int64_t r = 0; r < rows; r += 16)
-    tile_rows(w.dsb.data() + r * kBc, kBc, int(kc32 / 32), w.kp.data(), dkp, int(dkp / 16),
-              dqi + r * dkp, dkp, true);
+  tile_gemm(rg16, w.dsb.data(), kBc, int(kc32 / 32), w.kp.data(), dkp, int(dkp / 16), dqi, dkp,
+            true);
 }
 
 }  // namespace
