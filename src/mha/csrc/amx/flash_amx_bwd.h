@@ -11,10 +11,11 @@
 //   dK_j^T += Q^T dS A: Q^T rows                        B: dS as row pairs
 // One routine serves all five (tile_gemm: 2 x 2 result tiles held across the reduction, each
 // loaded A / B tile feeding two products). S and dP go to memory for the softmax
-// (softmax_grad, on the vector units), dQ is loaded and stored around its 64-key reduction. dK^T and dV^T are the accumulators that can stay in tiles
-// long: P and dS of a *run* of consecutive row blocks of one head (up to kAmxRunRows rows) are
-// packed side by side, and each 16 x 16 tile of dV^T / dK^T is loaded once, accumulates the
-// whole run (8 products per tile at 256 rows) and is stored once, instead of once per row block.
+// (softmax_grad, on the vector units), dQ is loaded and stored around its 64-key reduction.
+// dK^T and dV^T are the accumulators that can stay in tiles long: P and dS of a *run* of
+// consecutive row blocks of one head (up to kAmxRunRows rows) are packed side by side, and each
+// 16 x 16 tile of dV^T / dK^T is loaded once, accumulates the whole run (8 products per tile at
+// 256 rows) and is stored once, instead of once per row block.
 //
 // Exactness of the padding: a product's reduction padding is zero in both operands (rows past
 // the run: P, dS zero, dO^T / Q^T finite; d past d_k: zero in Q and K^T; keys past the block:
@@ -42,8 +43,8 @@ namespace {
 constexpr int64_t kAmxRunRows = 256;  // rows of P / dS packed before dK^T, dV^T take them
 
 // Padded widths of the tile operands: d_k, d_v to 32 (a reduction of whole tiles) and 16 (rows
-// of dK^T, dV^T tiles); the transposed rows' pitch: Tq rounded up to 2, plus 32 zero rows, so a
-// run's last tile never reads past its head.
+// of dK^T, dV^T tiles); the transposed rows' pitch: Tq rounded up to 2, plus 32 zero query rows,
+// so a run's last tile never reads past its head.
 struct AmxWidths {
   int64_t dk32, dv32, dk16, dv16, tqp;
   template <typename T>
