@@ -42,6 +42,8 @@ def test_build_names_every_extension_and_the_tiles(capsys):
         assert name in out
     picked = mha.ops.flash.kernels()
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out
+    from mha.cli.build import BACKWARD_WORDS
+
     math = torch.ops.mha.flash_attention_bwd_bf16_math()
-    assert f"backward, bfloat16 inputs: {math} products" in out
+    assert f"backward, bfloat16 inputs: {BACKWARD_WORDS[math]}\n" in out
     assert f"decode, bfloat16 q.k: {mha.ops.decode.bf16_qk()}" in out

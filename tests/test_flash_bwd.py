@@ -117,6 +117,9 @@ def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, l
 
 
 BF16_MATHS = ["bf16", "fp32"] if "avx512bf16" in flash.isa().split(",") else ["fp32"]
+# the AMX tile products where this build has them (natively, or software tiles under
+# MHA_AMX_EMULATE=1; tests/test_flash_bwd_amx.py runs them on every AVX512_BF16 CPU)
+BF16_MATHS += ["amx"] if any(i.startswith("amx") for i in flash.isa().split(",")) else []
 
 
 @pytest.mark.parametrize("math", BF16_MATHS)

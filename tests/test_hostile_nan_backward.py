@@ -73,6 +73,7 @@ def _assert_rule(got, want, low, dtype, what):
 
 def _paths():
     bf16 = ["bf16", "fp32"] if "avx512bf16" in flash.isa().split(",") else ["fp32"]
+    bf16 += ["amx"] if any(i.startswith("amx") for i in flash.isa().split(",")) else []
     return ([("fused", torch.float32), ("torch", torch.float32), ("torch", torch.bfloat16)]
             + [(m, torch.bfloat16) for m in bf16])
 

@@ -32,6 +32,7 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("flash/flash_attn.cpp", EMULATED, ("MHA_FLASH_AMX", "MHA_AMX_EMULATED")),
     ("decode/flash_decode.cpp", EMULATED, ("MHA_DECODE_AMX", "MHA_AMX_EMULATED")),
     ("flash/flash_attn_bwd.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
+    ("flash/flash_attn_bwd.cpp", AMX, ("MHA_BWD_AMX",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX2, ("__AVX2__",)),

@@ -2,7 +2,8 @@
 
 The native kernels pick their path once per process from the CPU and a few environment
 variables (README, "Environment variables"): ``MHA_FLASH_BF16`` (the flash forward's bf16 tile
-kernel; the fused backward takes bf16 products for ``avx512bf16``, fp32 products otherwise),
+kernel; the fused backward's products follow it: AMX tiles for ``amx``, vdpbf16ps for
+``avx512bf16``, fp32 otherwise),
 ``MHA_DECODE_BF16`` (the decode kernel's bf16 q.k: AMX or vdpbf16ps) and ``MHA_LINEAR`` (the
 module's projections: mha.linear's tiles or torch's GEMM). Because they are read once, each
 row of ``PATHS`` runs in a subprocess of its own with its variables set, and that one process
@@ -145,6 +146,13 @@ def check_selected(selection: str) -> str:
         return f"expected the {forward} kernel, the process runs {got}"
     if qk and decode.bf16_qk() != qk:
         return f"expected the decode q.k on {qk}, the process runs {decode.bf16_qk()}"
+    if flash.load_backward() is None:  # the fused backward's products follow the forward's
+        import torch
+
+        want = {"amx": "amx", "avx512bf16": "bf16"}.get(forward, "fp32")
+        math = torch.ops.mha.flash_attention_bwd_bf16_math()
+        if math != want:
+            return f"expected the backward's bf16 products on {want}, the process runs {math}"
     return "ok"
 
 

@@ -5,7 +5,8 @@ Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, 
 (``mha.ops.gemv``, the LLM's packed decode projections). Prints the
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX, or
 ``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
-the decode kernel's bf16 q.k, the compiler and the cache path. Exit code 1 when a build fails or the cache
+the backward's products for bf16 inputs (AMX tiles, vdpbf16ps or fp32), the decode kernel's
+bf16 q.k, the compiler and the cache path. Exit code 1 when a build fails or the cache
 directory cannot be used (the reason is printed, one line).
 """
 
@@ -60,11 +61,16 @@ def run(args) -> int:
     if flash.load_backward() is None:
         import torch
 
-        print(f"  backward, bfloat16 inputs: {torch.ops.mha.flash_attention_bwd_bf16_math()} "
-              "products")
+        math = torch.ops.mha.flash_attention_bwd_bf16_math()
+        print(f"  backward, bfloat16 inputs: {BACKWARD_WORDS.get(math, math)}")
     if decode.unavailable() is None:
         print(f"  decode, bfloat16 q.k: {decode.bf16_qk()}")
     return status
+
+
+# The fused backward's products for bf16 inputs (from one 64-row, 64-key block on), in words.
+BACKWARD_WORDS = {"amx": "amx tiles (tdpbf16ps)", "bf16": "bf16 products (vdpbf16ps)",
+                  "fp32": "fp32 products"}
 
 
 def _build_other(name: str, sources: tuple[str, ...]) -> int:

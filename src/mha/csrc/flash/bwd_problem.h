@@ -90,6 +90,11 @@ struct Scratch {
   // accumulate in dkt (d_k, Bc), dvt (d_v, Bc). d_k2, d_v2, Tq2: rounded up to even.
   std::vector<uint16_t> qb, ob, qt, ot, ktp, vtp, kp, p2, ds2, dsb;
   std::vector<float> dkt, dvt;
+  // AMX tiles (amx/flash_amx_bwd.h): the group's rows as tile operands qa, oa (rows) and qta,
+  // ota (transposed); P and dS of a run of row blocks as pairs of rows p2run, ds2run, the run
+  // being rows [run_a, run_a + run_rows) of query head run_hh.
+  std::vector<uint16_t> qa, oa, qta, ota, p2run, ds2run;
+  int64_t run_hh = 0, run_a = 0, run_rows = 0;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "amx/flash_amx_bwd.h"
 #include "flash/bwd_bf16_pack.h"
 #include "flash/bwd_problem.h"
 #include "flash/bwd_rows.h"
@@ -34,9 +35,11 @@ struct BlockSpan {
   int64_t j0, j1, kn, i_lo, i_hi;
 };
 
+// tiles: the products on AMX tiles; cleared when the unit's dO is not finite (then the
+// vdpbf16ps products run it, see amx/flash_amx_bwd.h).
 template <typename T>
 void prepare_unit(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, const Widths& W,
-                  bool pairs) {
+                  bool pairs, bool& tiles) {
   const int64_t g = P.h / P.hkv;
   w.q.resize(g * P.Tq * W.dkp);
   w.dout.resize(g * P.Tq * W.dvp);
@@ -52,8 +55,14 @@ void prepare_unit(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, const
   w.s.resize(kBr * kBc);
   w.dp.resize(kBr * kBc);
   pack_rows(P, b, kvh, w, W.dkp, W.dvp);
+  tiles = tiles && pairs;
+#if defined(MHA_BWD_AMX)
+  if (tiles) tiles = prepare_unit_amx(w, g, P.Tq, P.dk, P.dv, W.dkp, W.dvp, AmxWidths(P));
+#else
+  tiles = false;
+#endif
 #if defined(MHA_BWD_BF16)
-  if (pairs) pack_rows_bf16(w, g, P.Tq, P.dk, P.dv, W.dkp, W.dvp);
+  if (pairs && !tiles) pack_rows_bf16(w, g, P.Tq, P.dk, P.dv, W.dkp, W.dvp);
 #else
   (void)pairs;
 #endif
@@ -83,7 +92,7 @@ BlockSpan block_span(const Problem<T>& P, int64_t jb, int64_t klen, bool pairs) 
 // the dK, dV rows in use.
 template <typename T>
 void pack_key_block(const Problem<T>& P, int64_t b, int64_t kvh, const BlockSpan& k, Scratch& w,
-                    const Widths& W, bool pairs) {
+                    const Widths& W, bool pairs, bool tiles) {
   const int64_t kn = k.kn, dkp = W.dkp, ncols = round_up(kn, kLanes);
   const T* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + k.j0 * P.ks[2];  // key j0, dim 0
   const T* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + k.j0 * P.vs[2];
@@ -112,6 +121,11 @@ void pack_key_block(const Problem<T>& P, int64_t b, int64_t kvh, const BlockSpan
   if (pairs) pack_block_bf16(w, P.dk, P.dv, kn, ncols, dkp);
 #else
   (void)pairs;
+#endif
+#if defined(MHA_BWD_AMX)
+  if (tiles) pack_block_amx(w, P.dk, P.dv, ncols, dkp, AmxWidths(P));
+#else
+  (void)tiles;
 #endif
 }
 
@@ -221,13 +235,14 @@ void store_dq(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, const Scra
     }
 }
 
-// pairs: the five products on bf16 operands, else in fp32. Only for bf16 inputs (their Q, K,
-// V, dO are exact in bf16).
+// pairs: the five products on bf16 operands (tiles: on AMX tiles, else vdpbf16ps), else in
+// fp32. Only for bf16 inputs (their Q, K, V, dO are exact in bf16).
 template <typename T>
-void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w, bool pairs) {
+void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w, bool pairs,
+              bool tiles) {
   const Widths W(P);
   const int64_t g = P.h / P.hkv;
-  prepare_unit(P, b, kvh, w, W, pairs);
+  prepare_unit(P, b, kvh, w, W, pairs, tiles);
   const int64_t klen = P.key_lengths ? P.key_lengths[b] : P.Tk;
   const int64_t nblocks = (P.Tk + kBc - 1) / kBc;
   for (int64_t jb = s; jb < nblocks; jb += P.splits) {
@@ -237,7 +252,7 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
     std::fill(P.dkey + (kv0 + k.j0 + k.kn) * P.dk, P.dkey + (kv0 + k.j1) * P.dk, T(0.f));
     std::fill(P.dval + (kv0 + k.j0 + k.kn) * P.dv, P.dval + (kv0 + k.j1) * P.dv, T(0.f));
     if (k.kn == 0) continue;
-    pack_key_block(P, b, kvh, k, w, W, pairs);
+    pack_key_block(P, b, kvh, k, w, W, pairs, tiles);
     // Without a plan, row blocks of kBr; with one, the plan's query blocks (kPlanRows <= kBr
     // rows, even: bf16 pairs stay whole), EMPTY ones skipped, partial ones with their bits.
     const int64_t step = P.plan.on() ? mha_common::kPlanRows : kBr;
@@ -252,6 +267,13 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
           if (e == mha_common::kPlanEmpty) continue;
           if (e >= 0) pbits = P.plan.block_bits(e) + (ia % step) * mha_common::kPlanKeys + kc;
         }
+#if defined(MHA_BWD_AMX)
+        if (tiles) {
+          block_products_amx(P, b, kvh, hh, k.j0, k.kn, ia, iz - ia, w, W.dkp, AmxWidths(P),
+                             pbits);
+          continue;
+        }
+#endif
 #if defined(MHA_BWD_BF16)
         if (pairs) {
           block_products_bf16(P, b, kvh, hh, k, ia, iz - ia, w, W, pbits);
@@ -260,6 +282,9 @@ void run_unit(const Problem<T>& P, int64_t b, int64_t kvh, int64_t s, Scratch& w
 #endif
         block_products_f32(P, b, kvh, hh, k, ia, iz - ia, w, W, pbits);
       }
+#if defined(MHA_BWD_AMX)
+    if (tiles) flush_run_amx(P, k.kn, w, AmxWidths(P));
+#endif
     store_key_block(P, b, kvh, k, w, W, pairs);
   }
   store_dq(P, b, kvh, s, w, W);

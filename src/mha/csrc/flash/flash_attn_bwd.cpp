@@ -36,8 +36,8 @@
 //
 // Files: flash/bwd_problem.h (Problem, Scratch, block sizes), flash/bwd_rows.h (P and dS of
 // a row block; packing the group's rows), flash/bwd_bf16_pack.h (bf16 operands),
-// flash/bwd_unit.h (one unit, in named stages); this file: checks, the parallel driver and
-// the op registration.
+// flash/bwd_unit.h (one unit, in named stages), amx/flash_amx_bwd.h (the products on AMX
+// tiles); this file: checks, the parallel driver and the op registration.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,19 +65,40 @@
 namespace mha_flash_bwd {
 namespace {
 
-// bf16 inputs: the products on vdpbf16ps where the dot-product unit is fast (AMD Zen 4/5: twice
-// the fp32 FMA rate), as the forward picks its bf16 tiles; elsewhere in fp32 (Intel cores run
-// vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=avx512bf16 forces the bf16 products, any
-// other value fp32; math "bf16" / "fp32" (the test op) overrides both. Fixed per process.
-bool use_bf16_products(const std::string& math) {
-#if defined(MHA_BWD_BF16)
-  if (math == "bf16" || math == "fp32") return math == "bf16";
-  const auto& env = mha_common::flash_bf16_override();
-  return env ? *env == "avx512bf16" : mha_common::bf16_dot_is_fast();
+// Whether the AMX tile products are compiled in (amx/flash_amx_bwd.h) and Linux grants this
+// process the tile state.
+bool amx_tiles_usable() {
+#if defined(MHA_BWD_AMX)
+  return mha_amx::amx_permitted();
 #else
-  TORCH_CHECK(math != "bf16", "flash_attention_bwd: bf16 products are not compiled in");
   return false;
 #endif
+}
+
+// The arithmetic of the products for bf16 inputs, as the forward picks its bf16 kernel: "amx"
+// (tdpbf16ps tiles) where they are compiled in and usable; else "bf16" (vdpbf16ps) where the
+// dot-product unit is fast (AMD Zen 4/5: twice the fp32 FMA rate); else "fp32" (Intel cores
+// without AMX run vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=amx | avx512bf16 forces
+// the tiles | vdpbf16ps (where compiled in), any other value fp32; math "amx" / "bf16" / "fp32"
+// (the test op) overrides both. Fixed per process.
+std::string bf16_products(const std::string& math) {
+#if defined(MHA_BWD_BF16)
+  constexpr bool pairs_built = true;
+#else
+  constexpr bool pairs_built = false;
+#endif
+  TORCH_CHECK(math != "bf16" || pairs_built,
+              "flash_attention_bwd: bf16 products are not compiled in");
+  TORCH_CHECK(math != "amx" || amx_tiles_usable(),
+              "flash_attention_bwd: AMX tile products are not compiled in or not granted by the "
+              "OS");
+  if (math != "auto") return math;
+  if (const auto& env = mha_common::flash_bf16_override()) {
+    if (*env == "amx" && amx_tiles_usable()) return "amx";
+    return *env == "avx512bf16" && pairs_built ? "bf16" : "fp32";
+  }
+  if (amx_tiles_usable()) return "amx";
+  return pairs_built && mha_common::bf16_dot_is_fast() ? "bf16" : "fp32";
 }
 
 // dbias: the bias gradient (B, h, Tq|1, Tk|1) in fp32 when bias_grad, else an empty tensor.
@@ -89,8 +110,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     int64_t window, const mha_common::ScoreMods& mods = {},
     const std::optional<at::Tensor>& bias = std::nullopt, bool bias_grad = false,
     const mha_common::PlanView& plan = {}) {
-  TORCH_CHECK(math == "auto" || math == "bf16" || math == "fp32",
-              "flash_attention_bwd: math must be 'auto', 'bf16' or 'fp32', got '", math, "'");
+  TORCH_CHECK(math == "auto" || math == "amx" || math == "bf16" || math == "fp32",
+              "flash_attention_bwd: math must be 'auto', 'amx', 'bf16' or 'fp32', got '", math,
+              "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
   const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
@@ -189,14 +211,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     // bf16 products pay for their packing from one whole block each way on (measured: at
     // 32 x 8 x 20 x 64 they were ~15 % slower than fp32, at 4 x 8 x 512 x 64 ~30 % faster)
     const bool big = Tq >= kBr && Tk >= kBc;
-    const bool pairs = std::is_same_v<T, at::BFloat16> &&
-                       (math == "auto" ? big && use_bf16_products(math) : use_bf16_products(math));
+    const std::string arith = std::is_same_v<T, at::BFloat16> ? bf16_products(math) : "fp32";
+    const bool pairs = arith != "fp32" && (math != "auto" || big);
+    const bool tiles = pairs && arith == "amx";  // on AMX tiles (a unit may still take pairs)
     at::parallel_for(0, groups * splits, 1, [&](int64_t u0, int64_t u1) {
       Scratch w;
+#if defined(MHA_BWD_AMX)
+      if (tiles) amx_configure();  // per thread, for this parallel region
+#endif
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t s = u % splits, grp = u / splits;
-        run_unit(P, grp / hkv, grp % hkv, s, w, pairs);
+        run_unit(P, grp / hkv, grp % hkv, s, w, pairs, tiles);
       }
+#if defined(MHA_BWD_AMX)
+      if (tiles) amx_release();
+#endif
     });
     if (splits > 1) {  // dQ = scale * (part_0 + part_1 + ...), in that order
       const int64_t n = B * h * Tq * dk;
@@ -235,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_f
                        "auto", window, mods, bias, bias_grad, pv);
 }
 
-// The backward with the products' arithmetic named ("auto", "bf16", "fp32"), for tests.
+// The backward with the products' arithmetic named ("auto", "amx", "bf16", "fp32"), for tests.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -248,8 +277,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
 }
 
 // Which arithmetic the backward's products use for bf16 inputs of at least one 64-row query
-// block and one 64-key block ("bf16" or "fp32"; smaller problems always run fp32).
-std::string flash_attention_bwd_bf16_math() { return use_bf16_products("auto") ? "bf16" : "fp32"; }
+// block and one 64-key block ("amx", "bf16" or "fp32"; smaller problems always run fp32).
+std::string flash_attention_bwd_bf16_math() { return bf16_products("auto"); }
 
 }  // namespace
 }  // namespace mha_flash_bwd
