@@ -50,6 +50,7 @@ using mha_panels::kPanel;
 constexpr int64_t kMaxT = 64;        // longest sequence served (the scores of a head: T x 64)
 constexpr int64_t kGroupRows = 96;   // rows of x per work item (whole batch rows)
 constexpr int64_t kChunk = 128;      // K pairs per pass over a panel (its slice stays in L1)
+constexpr int64_t kSlackRows = 8;    // rows past a group's Q/K/V that K^T's 8 x 8 blocks may read
 constexpr float kLog2e = 1.4426950408889634f;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -97,17 +98,14 @@ struct Scratch {
 void head(int64_t T, int64_t d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
           int64_t ld, float scale, Scratch& sc, uint16_t* out, int64_t ldo) {
   const int64_t Tp = round_up(T, kLanes), d2 = d / 2, T2 = (T + 1) / 2;
-  uint32_t* kt = sc.kt.data();  // kt[k2][j] = pair k2 of key j (zero for j >= T)
+  uint32_t* kt = sc.kt.data();  // kt[k2][j] = pair k2 of key j (j < T; later columns unused)
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
-  int64_t j = 0;
-  for (; j + 8 <= T; j += 8)
+  // keys in blocks of 8, the last one reading up to 7 rows past the head's T (the buffer has
+  // kSlackRows more): their columns j >= T are hidden by the softmax's mask, whatever they hold
+  for (int64_t j = 0; j < T; j += 8)
     for (int64_t c = 0; c < d2; c += 8)
       mha_panels::transpose8(reinterpret_cast<const float*>(k32 + j * (ld / 2) + c), ld / 2,
                              reinterpret_cast<float*>(kt + c * Tp + j), Tp);
-  for (int64_t c = 0; c < d2; ++c) {
-    for (int64_t jj = j; jj < T; ++jj) kt[c * Tp + jj] = k32[jj * (ld / 2) + c];
-    for (int64_t jj = T; jj < Tp; ++jj) kt[c * Tp + jj] = 0;
-  }
   float* s = sc.s.data();
   mha_gemm::gemm<uint16_t>(T, Tp, d2, q, ld, 0, reinterpret_cast<const uint16_t*>(kt), Tp, s, Tp,
                            false);  // S (T, Tp) = Q K^T
@@ -224,7 +222,7 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   at::parallel_for(0, (B + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     Scratch sc;
     const int64_t Tp = round_up(T, kLanes), R = G * T;
-    sc.qkv.resize(R * 3 * hd), sc.heads.resize(R * hd), sc.cb.resize(R * kPanel);
+    sc.qkv.resize((R + kSlackRows) * 3 * hd), sc.heads.resize(R * hd), sc.cb.resize(R * kPanel);
     sc.kt.resize(d / 2 * Tp), sc.s.resize(T * Tp), sc.o.resize(T * d), sc.p.resize(T * Tp);
     sc.vp.resize((T + 1) / 2 * d), sc.inv.resize(T);
     for (int64_t g = g0; g < g1; ++g) {
