@@ -160,3 +160,22 @@ def test_op_refuses_bad_arguments_by_name():
     with pytest.raises(RuntimeError, match="b_o must have shape"):
         torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, torch.zeros(31).bfloat16(), 2,
                                           0.25)
+
+
+@pytest.mark.parametrize(("native_s", "fused_runs"), [(1.1, True), (1.5, False)])
+def test_measured_gate(tmp_path, monkeypatch, native_s, fused_runs):
+    """Fused only while the bf16 tiles measured within TILES_MARGIN of torch's bf16 GEMM on the
+    QKV class (injected measurement); the reason names the ratio."""
+    monkeypatch.setattr(linear_choice, "path", lambda: tmp_path / linear_choice.FILE)
+    monkeypatch.setattr(linear_choice, "forced", lambda: None)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "measure_bf16_tiles", lambda shape: (native_s, 1.0))
+    m = _module(128, 4)
+    x = torch.randn(4, 20, 128).bfloat16()
+    with torch.no_grad():
+        line = _forward(m, x)
+        y = m(x)
+    assert line.startswith("forward: fused") == fused_runs, line
+    if not fused_runs:
+        assert "1.50x slower than torch's bf16 GEMM" in line
+    torch.testing.assert_close(y.float(), _float64(m, x).float(), rtol=0.05, atol=0.05)
