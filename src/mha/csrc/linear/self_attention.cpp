@@ -37,6 +37,7 @@
 
 #include "common/gemm_tiles.h"
 #include "linear/panels.h"
+#include "linear/rows_bf16.h"
 
 #if defined(MHA_GEMM_BF16)
 #include "common/exp2.h"
@@ -49,7 +50,6 @@ using mha_panels::kPanel;
 
 constexpr int64_t kMaxT = 64;        // longest sequence served (the scores of a head: T x 64)
 constexpr int64_t kGroupRows = 96;   // rows of x per work item (whole batch rows)
-constexpr int64_t kChunk = 128;      // K pairs per pass over a panel (its slice stays in L1)
 constexpr int64_t kSlackRows = 8;    // rows past a group's Q/K/V that K^T's 8 x 8 blocks may read
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -58,34 +58,9 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // The first n of 16 lanes (1 <= n <= 16).
 __mmask16 lanes_below(int64_t n) { return __mmask16((1u << n) - 1u); }
 
-// out (R, N, bf16, row stride ldo) = bf16(A (R, 2 K2) W^T + bias) from W's packed panels
-// wp (P, K2, 64, 2): A(r, pair k) at a[r lda + 2 k]; cb an (R, 64) fp32 scratch; bias fp32
-// (P 64,) zero-padded, or null.
-void project(int64_t R, int64_t N, int64_t K2, const uint16_t* a, int64_t lda,
-             const uint16_t* wp, const float* bias, float* cb, uint16_t* out, int64_t ldo) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-    const int64_t width = round_up(cols, kLanes);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < kPanel; j += kLanes)
-        _mm512_storeu_ps(cb + r * kPanel + j,
-                         bias ? _mm512_loadu_ps(bias + n0 + j) : _mm512_setzero_ps());
-    const uint16_t* panel = wp + p * K2 * kPanel * 2;
-    for (int64_t k0 = 0; k0 < K2; k0 += kChunk)  // cb += A[:, pairs k0:k1] W^T[k0:k1, panel]
-      mha_gemm::gemm<uint16_t>(R, width, std::min(kChunk, K2 - k0), a + 2 * k0, lda, 0,
-                               panel + k0 * kPanel * 2, kPanel, cb, kPanel, true);
-    for (int64_t r = 0; r < R; ++r)  // one rounding per output
-      for (int64_t j = 0; j < cols; j += kLanes)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + n0 + j),
-                            mha_tiles::to_bf16(_mm512_loadu_ps(cb + r * kPanel + j)));
-  }
-}
-
 // The per-thread buffers of one work item (sized for the largest group).
 struct Scratch {
   std::vector<uint16_t> qkv, heads;  // (R, 3 hd), (R, hd) bf16
-  std::vector<float> cb;             // (R, 64) fp32 sums of one panel
   std::vector<uint32_t> kt;          // (d / 2, Tp) pairs: K^T of one head
   std::vector<float> s, o;           // (T, Tp) scores, (T, d) unnormalised outputs
   std::vector<uint16_t> p;           // (T, Tp) bf16 probabilities
@@ -222,21 +197,21 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   at::parallel_for(0, (B + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     Scratch sc;
     const int64_t Tp = round_up(T, kLanes), R = G * T;
-    sc.qkv.resize((R + kSlackRows) * 3 * hd), sc.heads.resize(R * hd), sc.cb.resize(R * kPanel);
+    sc.qkv.resize((R + kSlackRows) * 3 * hd), sc.heads.resize(R * hd);
     sc.kt.resize(d / 2 * Tp), sc.s.resize(T * Tp), sc.o.resize(T * d), sc.p.resize(T * Tp);
     sc.vp.resize((T + 1) / 2 * d), sc.inv.resize(T);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * G, nb = std::min(G, B - b0), rows = nb * T;
-      project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.data(), bqp, sc.cb.data(),
-              sc.qkv.data(), 3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
+      mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.data(), bqp,
+                             sc.qkv.data(), 3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t hh = 0; hh < heads; ++hh) {
           const uint16_t* q = sc.qkv.data() + b * T * 3 * hd + hh * d;  // (T, d), rows 3 hd apart
           head(T, d, q, q + hd, q + 2 * hd, 3 * hd, float(scale), sc,
                sc.heads.data() + b * T * hd + hh * d, hd);  // (T, d) of (rows, h d)
         }
-      project(rows, N, K2o, sc.heads.data(), hd, wo_p.data(), bop, sc.cb.data(),
-              yb + b0 * T * N, N);  // (rows, h d) -> (rows, N_out)
+      mha_rows_bf16::project(rows, N, K2o, sc.heads.data(), hd, wo_p.data(), bop,
+                             yb + b0 * T * N, N);  // (rows, h d) -> (rows, N_out)
     }
   });
   return out;
