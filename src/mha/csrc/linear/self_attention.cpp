@@ -18,13 +18,16 @@
 //      item projects its rows to Q, K, V (R x 3 hd, in a buffer of the thread), runs attention
 //      for each (batch row, head) from that buffer and writes the merged heads (R x hd, the
 //      layout W_O reads), then applies W_O to them.
-// Attention per head, all on vdpbf16ps with fp32 sums: S = Q K^T (K^T packed as pairs along d,
-// 8 x 8 register transposes), the softmax along each row in fp32 (2^x of common/exp2.h), P
-// rounded to bf16 (as torch's bf16 bmm after its softmax), O = P V (V interleaved into pairs of
-// rows), O / l rounded to bf16 once. The projections sum in fp32 and round each output once, as
-// mha::linear_bf16. Every output is computed by one thread in a fixed order: deterministic
-// whatever the thread count. NaN / Inf: every key is visible to every query (no mask here), so
-// a NaN anywhere in a head's scores or values makes that head's rows NaN, as SDPA's softmax.
+// Attention per head, all on vdpbf16ps with fp32 sums, the scores transposed so the softmax
+// runs down the keys with 16 queries per vector (no horizontal reductions): S^T = K Q^T (K's rows read in place, Q^T
+// packed as pairs along d by 8 x 8 register transposes), P = 2^(t - max) / sum in fp32 (2^x of
+// common/exp2.h) rounded to bf16 (as torch's bf16 bmm after its softmax; vcvtneps2bf16) and
+// paired along the keys, O = P V (V interleaved into pairs of rows, by 64-column panels)
+// rounded to bf16 once. The projections sum in fp32 and round each output once, as
+// mha::linear_bf16 (csrc/linear/rows_bf16.h). Every output is computed by one thread in a
+// fixed order: deterministic whatever the thread count. NaN / Inf: every key is visible to
+// every query (no mask here), so a NaN anywhere in a head's scores or values makes that head's
+// rows NaN, as SDPA's softmax.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -50,7 +53,7 @@ using mha_panels::kPanel;
 
 constexpr int64_t kMaxT = 64;        // longest sequence served (the scores of a head: T x 64)
 constexpr int64_t kGroupRows = 96;   // rows of x per work item (whole batch rows)
-constexpr int64_t kSlackRows = 8;    // rows past a group's Q/K/V that K^T's 8 x 8 blocks may read
+constexpr int64_t kSlackRows = 8;    // rows past a group's Q/K/V that Q^T's 8 x 8 blocks may read
 constexpr float kLog2e = 1.4426950408889634f;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -60,73 +63,95 @@ __mmask16 lanes_below(int64_t n) { return __mmask16((1u << n) - 1u); }
 
 // The per-thread buffers of one work item (sized for the largest group).
 struct Scratch {
-  std::vector<uint16_t> qkv, heads;  // (R, 3 hd), (R, hd) bf16
-  std::vector<uint32_t> kt;          // (d / 2, Tp) pairs: K^T of one head
-  std::vector<float> s, o;           // (T, Tp) scores, (T, d) unnormalised outputs
-  std::vector<uint16_t> p;           // (T, Tp) bf16 probabilities
-  std::vector<uint32_t> vp;          // (T2, d) pairs of V rows
-  std::vector<float> inv;            // (T,) 1 / row sums
+  std::vector<uint16_t> qkv, heads;  // (R + kSlackRows, 3 hd), (R, hd) bf16
+  std::vector<uint32_t> qt;          // (d / 2, Tp) pairs: Q^T of one head
+  std::vector<float> st;             // (T, Tp) scores, keys by queries, then 2^(t - max)
+  std::vector<uint32_t> ppt;         // (T2, Tp) probabilities: pairs of keys per query
+  std::vector<uint32_t> vp;          // (ceil(d / 64), T2, 64) pairs of V rows, by panels
 };
+// O (R rows, 64 columns of one panel) = P V for the query rows q0 .. q0 + R: P^T pairs
+// ppt[k][q] (pairs of keys 2k, 2k + 1 for query q, Tp per k), V panel vp[k][64] pairs.
+template <int R>
+void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2, uint16_t* out,
+             int64_t ldo, int64_t cols) {
+  __m512 x[R][4];
+  mha_tiles::acc_zero(x);
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + v * kLanes);
+    mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4 && v * kLanes < cols; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
+                          mha_tiles::to_bf16(x[r][v]));
+}
+using PvFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, uint16_t*, int64_t,
+                      int64_t);
+constexpr PvFn kPv[7] = {nullptr, &pv_tile<1>, &pv_tile<2>, &pv_tile<3>, &pv_tile<4>,
+                         &pv_tile<5>, &pv_tile<6>};
 
 // One head of one batch row: q, k, v its (T, d) rows ld elements apart; out (T, d) rows ldo
 // apart, bf16(softmax(scale q k^T) v).
 void head(int64_t T, int64_t d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
           int64_t ld, float scale, Scratch& sc, uint16_t* out, int64_t ldo) {
   const int64_t Tp = round_up(T, kLanes), d2 = d / 2, T2 = (T + 1) / 2;
-  uint32_t* kt = sc.kt.data();  // kt[k2][j] = pair k2 of key j (j < T; later columns unused)
-  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
-  // keys in blocks of 8, the last one reading up to 7 rows past the head's T (the buffer has
-  // kSlackRows more): their columns j >= T are hidden by the softmax's mask, whatever they hold
+  uint32_t* qt = sc.qt.data();  // qt[k2][i] = pair k2 of query i (columns i >= T: rows past
+                                // the head, scores of queries never output)
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
   for (int64_t j = 0; j < T; j += 8)
     for (int64_t c = 0; c < d2; c += 8)
-      mha_panels::transpose8(reinterpret_cast<const float*>(k32 + j * (ld / 2) + c), ld / 2,
-                             reinterpret_cast<float*>(kt + c * Tp + j), Tp);
-  float* s = sc.s.data();
-  mha_gemm::gemm<uint16_t>(T, Tp, d2, q, ld, 0, reinterpret_cast<const uint16_t*>(kt), Tp, s, Tp,
-                           false);  // S (T, Tp) = Q K^T
+      mha_panels::transpose8(reinterpret_cast<const float*>(q32 + j * (ld / 2) + c), ld / 2,
+                             reinterpret_cast<float*>(qt + c * Tp + j), Tp);
+  float* st = sc.st.data();  // S^T (T keys, Tp queries)
+  mha_gemm::gemm<uint16_t>(T, Tp, d2, k, ld, 0, reinterpret_cast<const uint16_t*>(qt), Tp, st,
+                           Tp, false);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(scale * kLog2e);
-  uint16_t* p = sc.p.data();
-  float* inv = sc.inv.data();
-  for (int64_t i = 0; i < T; ++i) {  // P = 2^(t - max t), t = s scale log2 e; keys >= T hidden
-    float* row = s + i * Tp;
+  uint32_t* ppt = sc.ppt.data();  // (T2, Tp) pairs of P^T rows
+  for (int64_t c = 0; c < Tp; c += kLanes) {  // 16 queries at a time, down the keys
     __m512 m = neg;
-    for (int64_t c = 0; c < Tp; c += kLanes) {
-      const __mmask16 seen = lanes_below(std::min<int64_t>(kLanes, T - c));
-      const __m512 t = _mm512_mask_mul_ps(neg, seen, _mm512_loadu_ps(row + c), cv);
-      _mm512_storeu_ps(row + c, t);
+    for (int64_t j = 0; j < T; ++j) {
+      const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(st + j * Tp + c), cv);
+      _mm512_storeu_ps(st + j * Tp + c, t);
       m = _mm512_max_ps(m, t);
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     __m512 l = _mm512_setzero_ps();
-    for (int64_t c = 0; c < Tp; c += kLanes) {
-      const __m512 e = mha_exp2::exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(row + c), mx));
+    for (int64_t j = 0; j < T; ++j) {
+      const __m512 e = mha_exp2::exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + j * Tp + c), m));
+      _mm512_storeu_ps(st + j * Tp + c, e);
       l = _mm512_add_ps(l, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * Tp + c), mha_tiles::to_bf16(e));
     }
-    inv[i] = 1.f / _mm512_reduce_add_ps(l);
+    const __m512 iv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+    for (int64_t j2 = 0; j2 < T2; ++j2) {  // P rounded to bf16, keys 2 j2 and 2 j2 + 1 paired
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+          _mm512_mul_ps(_mm512_loadu_ps(st + 2 * j2 * Tp + c), iv)));
+      const __m512i hi = 2 * j2 + 1 < T ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+          _mm512_mul_ps(_mm512_loadu_ps(st + (2 * j2 + 1) * Tp + c), iv))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(ppt + j2 * Tp + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
   }
-  uint32_t* vp = sc.vp.data();  // vp[j2][c] = (V[2 j2][c], V[2 j2 + 1][c]), zero past T
+  uint32_t* vp = sc.vp.data();  // V in panels of 64 columns of row pairs, zero past T and d
+  const int64_t dp = round_up(d, kPanel);
   for (int64_t j2 = 0; j2 < T2; ++j2) {
     const uint16_t* a = v + 2 * j2 * ld;
     const bool odd = 2 * j2 + 1 >= T;
-    for (int64_t c = 0; c < d; c += kLanes) {
+    for (int64_t c = 0; c < dp; c += kLanes) {
+      uint32_t* dst = vp + (c / kPanel * T2 + j2) * kPanel + c % kPanel;
+      if (c >= d) { _mm512_storeu_si512(dst, _mm512_setzero_si512()); continue; }
       const __m512i lo = _mm512_cvtepu16_epi32(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
       const __m512i hi = odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + ld + c)));
-      _mm512_storeu_si512(vp + j2 * d + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
-  float* o = sc.o.data();
-  mha_gemm::gemm<uint16_t>(T, d, T2, p, Tp, 0, reinterpret_cast<const uint16_t*>(vp), d, o, d,
-                           false);  // O (T, d) = P V
-  for (int64_t i = 0; i < T; ++i) {
-    const __m512 iv = _mm512_set1_ps(inv[i]);
-    for (int64_t c = 0; c < d; c += kLanes)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ldo + c),
-                          mha_tiles::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o + i * d + c), iv)));
-  }
+  for (int64_t c0 = 0; c0 < d; c0 += kPanel)  // O = P V, rounded once
+    for (int64_t q0 = 0; q0 < T; q0 += 6)
+      kPv[std::min<int64_t>(6, T - q0)](ppt + q0, Tp, vp + c0 / kPanel * T2 * kPanel, T2,
+                                        out + q0 * ldo + c0, ldo, std::min(kPanel, d - c0));
 }
 
 void check_bf16(const at::Tensor& t, const char* name) {
@@ -198,8 +223,8 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
     Scratch sc;
     const int64_t Tp = round_up(T, kLanes), R = G * T;
     sc.qkv.resize((R + kSlackRows) * 3 * hd), sc.heads.resize(R * hd);
-    sc.kt.resize(d / 2 * Tp), sc.s.resize(T * Tp), sc.o.resize(T * d), sc.p.resize(T * Tp);
-    sc.vp.resize((T + 1) / 2 * d), sc.inv.resize(T);
+    sc.qt.resize(d / 2 * Tp), sc.st.resize(T * Tp), sc.ppt.resize((T + 1) / 2 * Tp);
+    sc.vp.resize((T + 1) / 2 * round_up(d, kPanel));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * G, nb = std::min(G, B - b0), rows = nb * T;
       mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.data(), bqp,
