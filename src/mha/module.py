@@ -390,8 +390,8 @@ class MultiHeadAttention(nn.Module):
         (:func:`mha.explain`, with the module's score variants), then on the last line
         (``forward: ...``) whether the call runs fused (bf16 inference,
         :mod:`mha.ops.self_attention`) or step by step and why, under the current grad mode. No
-        projection or attention is computed; the first fp32 call of a shape class on a machine may time both GEMMs
-        (:mod:`mha.ops.linear_choice`)."""
+        projection or attention is computed; the first fp32 call of a shape class on a machine
+        may time both GEMMs (:mod:`mha.ops.linear_choice`)."""
         self_attention = key is None and value is None
         key = query if key is None else key
         value = key if value is None else value

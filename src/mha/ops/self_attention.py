@@ -1,6 +1,7 @@
-"""The module's bf16 self-attention forward in one native call (``torch.ops.mha.self_attention_bf16``,
-``csrc/linear/self_attention.cpp``): the packed QKV projection, attention over every head and
-W_O on the bf16 tiles, for short sequences, when nothing needs a gradient.
+"""The module's bf16 self-attention forward in one native call
+(``torch.ops.mha.self_attention_bf16``, ``csrc/linear/self_attention.cpp``): the packed QKV
+projection, attention over every head and W_O on the bf16 tiles, for short sequences, when
+nothing needs a gradient.
 
 Shape legend: B batch, T sequence length, D model width, h heads, d head dim; x ``(B, T, D)``,
 ``W_qkv (3 h d, D)`` = ``[W^Q; W^K; W^V]``, ``W_O (N_out, h d)`` (``nn.Linear`` layout).

@@ -19,13 +19,13 @@
 //      for each (batch row, head) from that buffer and writes the merged heads (R x hd, the
 //      layout W_O reads), then applies W_O to them.
 // Attention per head, all on vdpbf16ps with fp32 sums, the scores transposed so the softmax
-// runs down the keys with 16 queries per vector (no horizontal reductions): S^T = K Q^T (K's rows read in place, Q^T
-// packed as pairs along d by 8 x 8 register transposes), P = 2^(t - max) / sum in fp32 (2^x of
-// common/exp2.h) rounded to bf16 (as torch's bf16 bmm after its softmax; vcvtneps2bf16) and
-// paired along the keys, O = P V (V interleaved into pairs of rows, by 64-column panels)
-// rounded to bf16 once. The projections sum in fp32 and round each output once, as
-// mha::linear_bf16 (csrc/linear/rows_bf16.h). Every output is computed by one thread in a
-// fixed order: deterministic whatever the thread count. NaN / Inf: every key is visible to
+// runs down the keys with 16 queries per vector (no horizontal reductions): S^T = K Q^T (K's
+// rows read in place, Q^T packed as pairs along d by 8 x 8 register transposes), P = 2^(t - max)
+// / sum in fp32 (2^x of common/exp2.h) rounded to bf16 (as torch's bf16 bmm after its softmax;
+// vcvtneps2bf16) and paired along the keys, O = P V (V interleaved into pairs of rows, by
+// 64-column panels) rounded to bf16 once. The projections sum in fp32 and round each output
+// once, as mha::linear_bf16 (csrc/linear/rows_bf16.h). Every output is computed by one thread in
+// a fixed order: deterministic whatever the thread count. NaN / Inf: every key is visible to
 // every query (no mask here), so a NaN anywhere in a head's scores or values makes that head's
 // rows NaN, as SDPA's softmax.
 #include <ATen/ATen.h>
