@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
                     help="only these dtypes (default: all)")
     ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    ap.add_argument("--shape", action="append", metavar="B,T,D,h",
+                    help="these shapes instead (batch, length, d_model, heads); repeatable")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch's intra-op threads (default: torch's own); 1 keeps a loaded "
                          "machine's descheduled second thread out of the times")
@@ -139,7 +141,9 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, clock {args.clock}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     torch.manual_seed(0)
-    for B, T, D, h in SHAPES[:1] if args.small else SHAPES:
+    shapes = ([tuple(int(v) for v in sh.split(",")) for sh in args.shape] if args.shape
+              else SHAPES[:1] if args.small else SHAPES)
+    for B, T, D, h in shapes:
         for dname in args.dtype or DTYPES:
             case(B, T, D, h, dname, args.rounds, args.pieces, clock)
 
