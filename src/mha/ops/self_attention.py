@@ -15,8 +15,9 @@ group of batch rows' Q, K, V in the thread's cache and skips the steps' calls
 When: :func:`why_not_fused` is None — bfloat16 CPU tensors, the native op built with its bf16
 tiles, ``T <= MAX_T``, ``d % 16 == 0``, ``D`` and ``N_out`` multiples of 16, and the bf16 tiles
 measured no slower than ``1 / TILES_MARGIN`` of torch's bf16 GEMM on the QKV projection's shape
-class (:mod:`mha.ops.linear_choice`: on a CPU whose bf16 GEMM runs far above ``vdpbf16ps``,
-e.g. on AMX, the step-by-step module keeps torch's GEMMs). ``MHA_LINEAR=torch`` turns it off,
+class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose bf16 GEMM runs
+far above ``vdpbf16ps``, e.g. on AMX, the step-by-step module keeps torch's GEMMs).
+``MHA_LINEAR=torch`` turns it off,
 ``MHA_LINEAR=native`` on wherever it can run. The module checks the rest (no mask, score
 variant, cache, dropout, weights or trace; self-attention with equal head counts).
 """
@@ -54,7 +55,7 @@ def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | No
         return f"forced off by {linear_choice.ENV}=torch"
     if side == "native":
         return None
-    measured = linear_choice.choose(B * T, 3 * hd, D, linear.kernel(), bf16=True, tiles=True)
+    measured = _measured(B * T, 3 * hd, D)
     if measured.native_s > TILES_MARGIN * measured.torch_s:
         return (f"the bf16 tiles measured {measured.native_s / measured.torch_s:.2f}x slower than "
                 f"torch's bf16 GEMM (more than {TILES_MARGIN}x) for the QKV projection's shape "
@@ -70,11 +71,21 @@ def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int) -> str:
     if linear_choice.forced() == "native":
         return f"fused bf16 forward (one call): forced by {linear_choice.ENV}=native"
     B, T, D = x.shape
-    m = linear_choice.choose(B * T, w_qkv.shape[0], D, linear.kernel(), bf16=True, tiles=True)
+    m = _measured(B * T, w_qkv.shape[0], D)
     return (f"fused bf16 forward (one call: QKV, attention and W_O on the bf16 tiles): the tiles "
             f"ran at {m.torch_s / m.native_s:.2f}x the speed of torch's bf16 GEMM (at least "
             f"1/{TILES_MARGIN} required) on the QKV projection's shape class "
             f"(M={m.shape[0]}, N={m.shape[1]}, K={m.shape[2]}) on {m.cpu}")
+
+
+def _measured(M: int, N: int, K: int) -> linear_choice.Measured:
+    """The bf16 tiles against torch's bf16 GEMM on the QKV projection's shape class, at no fewer
+    than ``linear_choice.MIN_ROWS`` rows: the kernels' speed. At a few rows the GEMM's time is
+    mostly packing the weight, which the fused call pays whichever GEMM the step-by-step module
+    would use (measured at B1 T8 d_model 512: the M = 8 class had the tiles 1.38x slower, the
+    fused call ran 1.10x nn.MultiheadAttention against 0.89x step by step)."""
+    return linear_choice.choose(max(M, linear_choice.MIN_ROWS), N, K, linear.kernel(), bf16=True,
+                                tiles=True)
 
 
 def self_attention_bf16(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
