@@ -13,20 +13,23 @@ from collections.abc import Callable
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, min_time: float = 0.0,
-                warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function in ``fns``, timed round-robin."""
+                warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+                ) -> dict[str, float]:
+    """Median seconds per call of each function in ``fns``, timed round-robin with ``clock``
+    (wall time; ``time.thread_time`` counts only the calling thread's CPU time, which keeps a
+    busy machine's descheduling out of one-thread timings)."""
     inner = {}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()  # warm-up (and native builds)
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        inner[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
+        inner[name] = max(1, int(min_time / max(clock() - t0, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(inner[name]):
                 fn()
-            samples[name].append((time.perf_counter() - t0) / inner[name])
+            samples[name].append((clock() - t0) / inner[name])
     return {name: statistics.median(v) for name, v in samples.items()}

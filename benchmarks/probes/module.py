@@ -6,16 +6,20 @@ For each shape and dtype: ``nn.MHA`` (eval, no_grad: torch's fast path) and
 ``mha.MultiHeadAttention`` with the same weights, then the module's pieces timed alone — the
 QKV projection ``(B T, d_model) -> (B T, 3 d_model)``, attention on ``(B, h, T, d)`` views, the
 head merge + output projection — and torch's GEMMs vs mha.linear's native tiles on the same
-products. One process, calls interleaved round-robin, medians.
+products. One process, calls interleaved round-robin, medians. The line ``forward: ...`` says
+whether the module runs fused (bf16 inference, :mod:`mha.ops.self_attention`: one native call)
+or step by step; where it runs fused, "native forced" is the fused call and "torch forced" the
+step-by-step module on torch's GEMMs (the pieces time the steps alone either way).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
-        benchmarks/probes/module.py
+        benchmarks/probes/module.py --small --dtype bf16 --threads 1 --clock cpu --pieces
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +87,8 @@ def _forcing(side: str, fn):
     return run
 
 
-def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool) -> None:
+def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool,
+         clock) -> None:
     dtype = DTYPES[dname]
     ref = torch.nn.MultiheadAttention(D, h, batch_first=True, dtype=dtype).eval()
     m = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval()
@@ -97,10 +102,12 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
         fns.update(gemms(B * T, 3 * D, D, dtype))
         fns.update(gemms(B * T, D, D, dtype))
     with torch.no_grad():
-        t = interleaved(fns, rounds, min_time=0.05)
+        t = interleaved(fns, rounds, min_time=0.05, clock=clock)
+        forward = m.explain(x).splitlines()[-1]
     base = t["nn.MHA"]
     print(f"B{B} T{T} d_model{D} h{h} {dname}: nn.MHA {base * 1e3:.3f} ms, "
           f"mha {t['mha module'] * 1e3:.3f} ms = {base / t['mha module']:.2f}x")
+    print(f"    {forward}")
     for w, width in (("QKV", 3 * D), ("out", D)):
         weight = torch.empty(width, D, dtype=dtype)
         print(f"    {w} projection: {mha.linear.describe(x, weight, None)}")
@@ -118,18 +125,27 @@ def main() -> None:
     ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
                     help="only these dtypes (default: all)")
     ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    ap.add_argument("--shape", action="append", metavar="B,T,D,h",
+                    help="these shapes instead (batch, length, d_model, heads); repeatable")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch's intra-op threads (default: torch's own); 1 keeps a loaded "
                          "machine's descheduled second thread out of the times")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the calling thread's CPU time (time.thread_time; needs --threads 1)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"threads {torch.get_num_threads()}, load average "
+    print(f"threads {torch.get_num_threads()}, clock {args.clock}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     torch.manual_seed(0)
-    for B, T, D, h in SHAPES[:1] if args.small else SHAPES:
+    shapes = ([tuple(int(v) for v in sh.split(",")) for sh in args.shape] if args.shape
+              else SHAPES[:1] if args.small else SHAPES)
+    for B, T, D, h in shapes:
         for dname in args.dtype or DTYPES:
-            case(B, T, D, h, dname, args.rounds, args.pieces)
+            case(B, T, D, h, dname, args.rounds, args.pieces, clock)
 
 
 if __name__ == "__main__":

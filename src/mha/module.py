@@ -42,6 +42,8 @@ from mha.functional import attention
 from mha.functional import explain as explain_attention
 from mha.linear import describe, linear
 from mha.mods import check_mod
+from mha.ops.self_attention import describe as describe_fused
+from mha.ops.self_attention import self_attention_bf16, why_not_fused
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
@@ -251,8 +253,15 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(query, key, value)
         variants = self._variants(bias, mask_mod, score_mod)
         rec = trace.recorder()  # does nothing unless a trace is being recorded
-        q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         dropout_p = self.dropout if self.training else 0.0
+        if self._why_not_fused(query, self_attention, dict(
+                mask=mask, causal=causal, key_lengths=key_lengths, window=window,
+                need_weights=need_weights or rec.on, backend=backend, cache=cache,
+                cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants)) is None:
+            return self_attention_bf16(query, self.in_proj.weight, self.in_proj.bias,
+                                       self.out_proj.weight, self.out_proj.bias, self.num_heads,
+                                       self.head_dim ** -0.5)  # (B, T, d_model)
+        q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
             out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend,
@@ -265,6 +274,28 @@ class MultiHeadAttention(nn.Module):
                                                dropout_p, want_weights, backend, variants)
         y = self._output(out, weights, rec)  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
+
+    def _why_not_fused(self, query, self_attention: bool, call: dict) -> str | None:
+        """Why this call runs step by step rather than in the fused bf16 forward
+        (:mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
+        the call's masks, mode, dropout and score variants (the module's and the call's)."""
+        if query.dtype != torch.bfloat16:
+            return "the fused forward takes bfloat16 inputs only"
+        if not (self_attention and self.packed and self.tensor_parallel == 1
+                and self.num_kv_heads == self.num_heads and self.v_head_dim == self.head_dim):
+            return ("the fused forward serves self-attention with the packed weight and equal "
+                    "query / key / value heads, on one rank")
+        on = [n for n, t in call.items()
+              if not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
+        if on:
+            return (f"the fused forward has no {', '.join(sorted(on))} (masks, modes, dropout, "
+                    f"weights and score variants run step by step)")
+        params = (self.in_proj.weight, self.in_proj.bias, self.out_proj.weight,
+                  self.out_proj.bias)
+        if torch.is_grad_enabled() and (query.requires_grad or any(
+                p is not None and p.requires_grad for p in params)):
+            return "a gradient is needed (the fused forward is for inference)"
+        return why_not_fused(query, *params, self.num_heads)
 
     def _variants(self, bias, mask_mod, score_mod) -> dict:
         """The score variants of one call: the module's (softcap, sinks, ALiBi slopes) and the
@@ -356,9 +387,11 @@ class MultiHeadAttention(nn.Module):
         """What ``self(query, key, value, **kwargs)`` (the plain mode) would run, in words: the
         GEMM of each projection with the reason (:func:`mha.linear.describe`: the native tiles
         or torch's, as measured on this CPU) and every attention backend's verdict
-        (:func:`mha.explain`, with the module's score variants). No projection or attention is
-        computed; the first fp32 call of a shape class on a machine may time both GEMMs
-        (:mod:`mha.ops.linear_choice`)."""
+        (:func:`mha.explain`, with the module's score variants), then on the last line
+        (``forward: ...``) whether the call runs fused (bf16 inference,
+        :mod:`mha.ops.self_attention`) or step by step and why, under the current grad mode. No
+        projection or attention is computed; the first fp32 call of a shape class on a machine
+        may time both GEMMs (:mod:`mha.ops.linear_choice`)."""
         self_attention = key is None and value is None
         key = query if key is None else key
         value = key if value is None else value
@@ -381,7 +414,13 @@ class MultiHeadAttention(nn.Module):
         v = query.new_empty(B, Tk, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_v)
         verdicts = explain_attention(q, k, v, **kwargs, **variants)
         lines += ["attention:"] + [f"  {line}" for line in str(verdicts).splitlines()]
-        return "\n".join(lines)
+        dropout_p = self.dropout if self.training else 0.0
+        reason = self._why_not_fused(query, self_attention, dict(kwargs, dropout_p=dropout_p,
+                                                                 **variants))
+        forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
+                                  self.out_proj.weight, self.out_proj.bias, self.num_heads)
+                   if reason is None else f"step by step: {reason}")
+        return "\n".join(lines + [f"forward: {forward}"])
 
     def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``

@@ -272,7 +272,7 @@ def module_case(s: Shape, ctx: Context) -> Case:
             if not err <= tol:  # also catches NaN
                 raise RuntimeError(f"wrong result: max |out - nn.MultiheadAttention| = {err:.3g}")
             return (f"same weights as nn.MultiheadAttention: max err {err:.1e}; "
-                    f"projections: {_gemms(m, x)}")
+                    f"projections: {_gemms(m, x, s.causal)}")
 
         if s.scores_bytes(1) <= _CHECK_MAX:
             fn.verify = verify
@@ -288,10 +288,14 @@ def module_case(s: Shape, ctx: Context) -> Case:
                 teardown=state.clear)
 
 
-def _gemms(m, x: torch.Tensor) -> str:
-    """Which GEMM the module's QKV and W_O projections ran (mha.linear.describe, first words)."""
+def _gemms(m, x: torch.Tensor, causal: bool) -> str:
+    """Which GEMM the module's QKV and W_O projections ran (mha.linear.describe, first words),
+    or that the timed call (under no_grad) ran the fused bf16 forward (m.explain's last line)."""
     from mha.linear import describe
 
+    with torch.no_grad():
+        if m.explain(x, causal=causal).splitlines()[-1].startswith("forward: fused"):
+            return "fused bf16 forward (QKV, attention and W_O in one call on the bf16 tiles)"
     w_o = m.out_proj.weight
     sides = [describe(inp, w, None).split(":")[0] for inp, w in
              ((x, m.in_proj.weight), (x.new_empty(()).expand(*x.shape[:-1], w_o.shape[1]), w_o))]

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from mha.ops import build, linear_choice
 
 NAME = "mha_linear"
-SOURCES = ("linear/linear.cpp",)
+SOURCES = ("linear/linear.cpp", "linear/self_attention.cpp")
 SMALL = 1 << 20  # M N K below this: F.linear without measuring (7 x 33 x 32 ran at 0.4x
                  # F.linear: the call's fixed cost, not the GEMM, decides there)
 

@@ -1,0 +1,97 @@
+"""The module's bf16 self-attention forward in one native call
+(``torch.ops.mha.self_attention_bf16``, ``csrc/linear/self_attention.cpp``): the packed QKV
+projection, attention over every head and W_O on the bf16 tiles, for short sequences, when
+nothing needs a gradient.
+
+Shape legend: B batch, T sequence length, D model width, h heads, d head dim; x ``(B, T, D)``,
+``W_qkv (3 h d, D)`` = ``[W^Q; W^K; W^V]``, ``W_O (N_out, h d)`` (``nn.Linear`` layout).
+
+Why: at B = 32, T = 20, D = 512, h = 8 (the seeds' size) in bf16, the module run step by step
+spends as much time between its GEMMs (the QKV output written past L2 and read back by
+attention, one operator call per step) as its GEMMs run above torch's; the fused call keeps a
+group of batch rows' Q, K, V in the thread's cache and skips the steps' calls
+(docs/module.md, "The fused bf16 forward").
+
+When: :func:`why_not_fused` is None — bfloat16 CPU tensors, the native op built with its bf16
+tiles, ``T <= MAX_T``, ``d % 16 == 0``, ``D`` and ``N_out`` multiples of 16, and the bf16 tiles
+measured no slower than ``1 / TILES_MARGIN`` of torch's bf16 GEMM on the QKV projection's shape
+class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose bf16 GEMM runs
+far above ``vdpbf16ps``, e.g. on AMX, the step-by-step module keeps torch's GEMMs).
+``MHA_LINEAR=torch`` turns it off,
+``MHA_LINEAR=native`` on wherever it can run. The module checks the rest (no mask, score
+variant, cache, dropout, weights or trace; self-attention with equal head counts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha.ops import linear, linear_choice
+
+MAX_T = 64  # longest sequence the fused call serves (csrc: kMaxT)
+TILES_MARGIN = 1.10  # the bf16 tiles may be this much slower than torch's GEMM alone: at GEMM
+                     # parity the fused call took 10-25 % less than the step-by-step module
+
+
+def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                  w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int) -> str | None:
+    """Why the fused bf16 forward does not serve these arguments, or None when it does."""
+    tensors = [t for t in (x, w_qkv, b_qkv, w_o, b_o) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
+        return "the fused forward takes bfloat16 CPU tensors only"
+    if torch.compiler.is_compiling():
+        return "torch.compile is tracing"
+    B, T, D = x.shape
+    hd = w_o.shape[1]
+    d = hd // heads
+    if not (1 <= T <= MAX_T and hd == heads * d and d % 16 == 0 and D % 16 == 0
+            and w_o.shape[0] % 16 == 0 and tuple(w_qkv.shape) == (3 * hd, D)):
+        return (f"the fused forward serves T <= {MAX_T}, head dim % 16 == 0 and widths % 16 == 0 "
+                f"(got T={T}, d={d}, D={D}, N_out={w_o.shape[0]})")
+    if not linear.bf16_tiles():
+        return "the native op has no bf16 tiles in this build (needs AVX512_BF16)"
+    side = linear_choice.forced()
+    if side == "torch":
+        return f"forced off by {linear_choice.ENV}=torch"
+    if side == "native":
+        return None
+    measured = _measured(B * T, 3 * hd, D)
+    if measured.native_s > TILES_MARGIN * measured.torch_s:
+        return (f"the bf16 tiles measured {measured.native_s / measured.torch_s:.2f}x slower than "
+                f"torch's bf16 GEMM (more than {TILES_MARGIN}x) for the QKV projection's shape "
+                f"class on {measured.cpu}")
+    return None
+
+
+def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int) -> str:
+    """One sentence: whether the fused forward runs for these arguments, and why."""
+    reason = why_not_fused(x, w_qkv, b_qkv, w_o, b_o, heads)
+    if reason is not None:
+        return f"step by step: {reason}"
+    if linear_choice.forced() == "native":
+        return f"fused bf16 forward (one call): forced by {linear_choice.ENV}=native"
+    B, T, D = x.shape
+    m = _measured(B * T, w_qkv.shape[0], D)
+    return (f"fused bf16 forward (one call: QKV, attention and W_O on the bf16 tiles): the tiles "
+            f"ran at {m.torch_s / m.native_s:.2f}x the speed of torch's bf16 GEMM (at least "
+            f"1/{TILES_MARGIN} required) on the QKV projection's shape class "
+            f"(M={m.shape[0]}, N={m.shape[1]}, K={m.shape[2]}) on {m.cpu}")
+
+
+def _measured(M: int, N: int, K: int) -> linear_choice.Measured:
+    """The bf16 tiles against torch's bf16 GEMM on the QKV projection's shape class, at no fewer
+    than ``linear_choice.MIN_ROWS`` rows: the kernels' speed. At a few rows the GEMM's time is
+    mostly packing the weight, which the fused call pays whichever GEMM the step-by-step module
+    would use (measured at B1 T8 d_model 512: the M = 8 class had the tiles 1.38x slower, the
+    fused call ran 1.10x nn.MultiheadAttention against 0.89x step by step)."""
+    return linear_choice.choose(max(M, linear_choice.MIN_ROWS), N, K, linear.kernel(), bf16=True,
+                                tiles=True)
+
+
+def self_attention_bf16(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                        w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int,
+                        scale: float) -> torch.Tensor:
+    """``(B, T, D) -> (B, T, N_out)``: ``W_O(attention(x W_qkv^T + b_qkv)) + b_O`` in one native
+    call (no autograd: the caller makes sure nothing needs a gradient)."""
+    return torch.ops.mha.self_attention_bf16(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads,
+                                             float(scale))

@@ -1,0 +1,181 @@
+"""The module's fused bf16 forward (``torch.ops.mha.self_attention_bf16``,
+``mha.ops.self_attention``): QKV projection, attention and W_O in one native call.
+
+Shape legend: B batch, T sequence length, D model width, h heads, d head dim.
+
+The oracle is the same function in float64 on the same bf16 values; the yardstick is the module
+run step by step in bf16 (torch's bf16 GEMMs and attention): both round the projections' outputs
+to bf16, so the fused call's error must stay within a few times the step-by-step module's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mha
+from mha.ops import linear, linear_choice
+from mha.ops import self_attention as fused
+
+pytestmark = pytest.mark.usefixtures("native_linear")  # MHA_LINEAR=native: fused where it can
+
+
+@pytest.fixture(autouse=True)
+def _tiles():
+    if not linear.bf16_tiles():
+        pytest.skip("the native op has no bf16 tiles here (its build lacks AVX512_BF16)")
+
+
+def _module(D, h, bias=True, seed=0):
+    torch.manual_seed(seed)
+    m = mha.MultiHeadAttention(D, h, bias=bias).eval()
+    with torch.no_grad():  # biases away from zero, so a missing bias shows
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m.bfloat16()
+
+
+def _forward(m, x, **kwargs):
+    """The last line of ``m.explain``: fused or step by step, and why."""
+    return m.explain(x, **kwargs).splitlines()[-1]
+
+
+def _float64(m, x):
+    """The module's function in float64 on the same bf16 weights and input."""
+    m64 = mha.MultiHeadAttention(m.d_model, m.num_heads, bias=m.out_proj.bias is not None)
+    m64.load_state_dict(m.state_dict())
+    m64 = m64.double().eval()
+    with torch.no_grad():
+        return m64(x.double(), backend="math")
+
+
+def _step_by_step(m, x, monkeypatch):
+    with monkeypatch.context() as mp, torch.no_grad():
+        mp.setattr(linear_choice, "forced", lambda: "torch")
+        assert _forward(m, x).startswith("forward: step by step")
+        return m(x)
+
+
+@pytest.mark.parametrize("B,T,D,h,bias", [
+    (32, 20, 512, 8, True),   # the seeds' size
+    (3, 1, 64, 4, True),      # one token, d = 16
+    (2, 7, 128, 2, False),    # odd T (a zero key pair), no biases
+    (5, 17, 256, 2, True),    # T past one 16-lane vector, d = 128
+    (1, 64, 96, 6, True),     # the longest T served, D not a multiple of 64 (partial panels)
+    (7, 33, 64, 1, True),     # one head, groups of 2 batch rows (96 // 33) and a short last one
+])
+def test_matches_float64(B, T, D, h, bias, monkeypatch):
+    m = _module(D, h, bias)
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    x = torch.randn(B, T, D, generator=g).bfloat16()
+    with torch.no_grad():
+        assert _forward(m, x).startswith("forward: fused bf16 forward")
+        got = m(x)
+    want = _float64(m, x)
+    ref = _step_by_step(m, x, monkeypatch)
+    assert got.shape == (B, T, D) and got.dtype == torch.bfloat16
+    err = (got.double() - want).abs().max().item()
+    ref_err = (ref.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= 3 * ref_err + 2e-3 * scale, f"fused error {err:.3e}, step by step {ref_err:.3e}"
+
+
+def test_op_equals_module_and_reads_weights_as_they_are():
+    """The module calls the op; a weight changed in place is read by the next call (nothing
+    derived from it is kept)."""
+    m = _module(128, 4)
+    x = torch.randn(4, 12, 128).bfloat16()
+    args = (m.in_proj.weight, m.in_proj.bias, m.out_proj.weight, m.out_proj.bias)
+    with torch.no_grad():
+        y = m(x)
+        assert torch.equal(y, torch.ops.mha.self_attention_bf16(x, *args, 4, 32 ** -0.5))
+        m.out_proj.weight.data.mul_(2)
+        m.out_proj.bias.data.mul_(2)
+        y2 = m(x)
+    torch.testing.assert_close(y2.float(), 2 * y.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_deterministic_across_threads():
+    m = _module(256, 4)
+    x = torch.randn(9, 20, 256).bfloat16()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                outs.append(m(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_nan_propagates_within_its_batch_row():
+    """A NaN in one token of batch row 0 reaches every query of that row (every key is visible:
+    its score is NaN), as SDPA; the other rows stay finite."""
+    m = _module(64, 4)
+    x = torch.randn(3, 10, 64).bfloat16()
+    x[0, 3, 5] = float("nan")
+    with torch.no_grad():
+        y = m(x)
+    assert torch.isnan(y[0]).all()
+    assert torch.isfinite(y[1:]).all()
+
+
+def test_calls_it_does_not_serve_run_step_by_step():
+    m = _module(128, 4)
+    x = torch.randn(2, 10, 128).bfloat16()
+    with torch.no_grad():
+        assert _forward(m, x, causal=True).startswith("forward: step by step: the fused forward "
+                                                    "has no causal")
+        long = torch.randn(1, fused.MAX_T + 1, 128).bfloat16()
+        assert "T <= 64" in _forward(m, long)
+        torch.testing.assert_close(m(long).float(), _float64(m, long).float(), rtol=0.05,
+                                   atol=0.05)
+    assert "a gradient is needed" in _forward(m, x)
+    m32 = _module(128, 4).float()
+    with torch.no_grad():
+        assert "bfloat16 inputs only" in _forward(m32, x.float())
+
+
+def test_training_keeps_gradients():
+    """With gradients the module runs step by step (autograd through the native projections)."""
+    m = _module(64, 4)
+    x = torch.randn(2, 5, 64).bfloat16().requires_grad_()
+    m(x).float().sum().backward()
+    assert x.grad is not None and m.in_proj.weight.grad is not None
+    assert torch.isfinite(x.grad).all()
+
+
+def test_op_refuses_bad_arguments_by_name():
+    w_qkv, w_o = torch.zeros(96, 32).bfloat16(), torch.zeros(32, 32).bfloat16()
+    x = torch.zeros(2, 5, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
+        torch.ops.mha.self_attention_bf16(x.float(), w_qkv, None, w_o, None, 2, 0.25)
+    with pytest.raises(RuntimeError, match="1 <= T <= 64"):
+        torch.ops.mha.self_attention_bf16(torch.zeros(1, 65, 32).bfloat16(), w_qkv, None, w_o,
+                                          None, 2, 0.25)
+    with pytest.raises(RuntimeError, match="w_qkv must be"):
+        torch.ops.mha.self_attention_bf16(x, w_qkv[:64], None, w_o, None, 2, 0.25)
+    with pytest.raises(RuntimeError, match="b_o must have shape"):
+        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, torch.zeros(31).bfloat16(), 2,
+                                          0.25)
+
+
+@pytest.mark.parametrize(("native_s", "fused_runs"), [(1.05, True), (1.5, False)])
+def test_measured_gate(tmp_path, monkeypatch, native_s, fused_runs):
+    """Fused only while the bf16 tiles measured within TILES_MARGIN of torch's bf16 GEMM on the
+    QKV class (injected measurement); the reason names the ratio."""
+    monkeypatch.setattr(linear_choice, "path", lambda: tmp_path / linear_choice.FILE)
+    monkeypatch.setattr(linear_choice, "forced", lambda: None)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "measure_bf16_tiles", lambda shape: (native_s, 1.0))
+    m = _module(128, 4)
+    x = torch.randn(4, 20, 128).bfloat16()
+    with torch.no_grad():
+        line = _forward(m, x)
+        y = m(x)
+    assert line.startswith("forward: fused") == fused_runs, line
+    if not fused_runs:
+        assert "1.50x slower than torch's bf16 GEMM" in line
+    torch.testing.assert_close(y.float(), _float64(m, x).float(), rtol=0.05, atol=0.05)
