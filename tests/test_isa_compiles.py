@@ -35,6 +35,8 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("flash/flash_attn_bwd.cpp", AMX, ("MHA_BWD_AMX",)),
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
+    ("linear/self_attention.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
+    ("linear/self_attention.cpp", AVX2, ("__AVX2__",)),  # the op refuses: no bf16 tiles
     ("linear/gemv.cpp", AVX2, ("__AVX2__",)),
     ("bench/stream_read.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("bench/flash_breakdown.cpp", AMX, ("MHA_FLASH_AMX",)),
