@@ -282,6 +282,37 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
                const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
                float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
                uint16_t* bits, bool exact) {
+  if constexpr (K::kFusedExp) {
+    // every row sees the whole block (no mask, no score variant) and has a max: S = Q K^T and
+    // P with the stale max from the tiles' registers (the lazy softmax's fast path), then the
+    // rows whose block sum passes the limit take the slow path from S (lazy_finish)
+    const float c = P.mods.score_scale(P.scale) * kLog2e;
+    bool fused = c > 0.f && !P.mods.on_scores() && mrow0 == nullptr && pbits_ == nullptr &&
+                 jn == NV * kLanes && j0 >= P.key_start(i0 + rows - 1) &&
+                 j0 + jn <= P.key_limit(b, i0);
+    for (int r = 0; r < rows && fused; ++r) fused = m[r] != kNegInf;
+    if (fused) {
+      float* psum = sc.psum.get(rows * kLanes);
+      for (int c0 = 0; c0 < NV; c0 += 4) {  // column chunks of <= 64 keys
+        const float* kc = kt + c0 * kLanes;
+        const bool first = c0 == 0;
+        float *sc0 = s + c0 * kLanes, *pc0 = p + c0 * kLanes;
+        switch (std::min(4, NV - c0)) {
+#define MHA_QK_EXP(NVC, RMAX)                                                                     \
+  for_row_tiles<RMAX>(rows, QkExpTile<K, NVC>{q, kc, dkp, Nb, int(dkp), sc0, Nb, c, m, pc0, Nb, \
+                                              psum, first});                                      \
+  break;
+          case 1: MHA_QK_EXP(1, rows_for(1))
+          case 2: MHA_QK_EXP(2, rows_for(2))
+          case 3: MHA_QK_EXP(3, rows_for(3))
+          default: MHA_QK_EXP(4, rows_for(4))
+#undef MHA_QK_EXP
+        }
+      }
+      K::template lazy_finish<NV>(s, Nb, rows, c, m, lsum, alpha, p, Nb, psum);
+      return pv_block(p, v, jn, rows, o, alpha);
+    }
+  }
   for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
     const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
     float* sc = s + c0 * kLanes;
@@ -300,6 +331,12 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
   if (exact && !(mrow0 == nullptr && pbits_ == nullptr && j0 >= P.key_start(i0 + rows - 1) &&
                  j0 + jn <= P.key_limit(b, i0)))
     return pv_exact(b, i0, rows, j0, jn, mrow0, p, v, o, alpha);
+  pv_block(p, v, jn, rows, o, alpha);
+}
+
+template <class K, typename T, class Parts>
+void Worker<K, T, Parts>::pv_block(const p_t* p, const packed_t* v, int jn, int rows, float* o,
+                                   const float* alpha) const {
   const int nvt = int(dvp / kLanes);
   for (int c0 = 0; c0 < nvt; c0 += 4) {
     const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);

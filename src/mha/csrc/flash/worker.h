@@ -149,6 +149,10 @@ struct Worker {
                      const float* st, p_t* p, float* m, float* alpha, float* lsum,
                      uint16_t* bits) const;
 
+  // O = alpha O + P V over the jn keys of one key block (register tiles), rows [0, rows).
+  void pv_block(const p_t* p, const packed_t* v, int jn, int rows, float* o,
+                const float* alpha) const;
+
   template <int NV>
   void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn,
                  const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
