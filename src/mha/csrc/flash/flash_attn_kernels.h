@@ -408,15 +408,14 @@ struct Avx512F32 {
 
 #if defined(MHA_FLASH_LAZY_SOFTMAX)
   // The lazy softmax's fast path fused into Q K^T, for key blocks every row sees whole (no mask)
-  // and rows whose m is set: the qk sums, and from the tile's registers P = 2^(s c - m)
-  // (row_exp's arithmetic: the same P and sums) with this chunk's per-lane sums added to psum
-  // (zeroed first when `first`), in column order. S is not stored: lazy_finish recomputes the
-  // rare slow rows' S.
+  // and rows whose m is set: qk, and from the tile's registers P = 2^(s c - m) (row_exp's
+  // arithmetic: the same P and sums) with this chunk's per-lane sums added to psum (zeroed
+  // first when `first`), in column order; S is stored too, for lazy_finish's rare slow rows.
   static constexpr bool kFusedExp = true;
   template <int R, int NV>
   static inline void qk_exp(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
-                            float c, const float* m, float* p, int64_t ldp, float* psum,
-                            bool first) {
+                            float* s, int64_t lds, float c, const float* m, float* p,
+                            int64_t ldp, float* psum, bool first) {
     __m512 acc[R][NV];
     acc_zero(acc);
     for (int kk = 0; kk < dkp; ++kk) {
@@ -425,6 +424,7 @@ struct Avx512F32 {
       for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
       acc_rank1(acc, kv, q + kk, ldq);
     }
+    acc_store(acc, s, lds);
     const __m512 cv = _mm512_set1_ps(c);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -442,11 +442,9 @@ struct Avx512F32 {
   }
 
   // After qk_exp over a whole block (NV vectors): each row's fast path done where its block sum
-  // stays within the limit (l += sum, alpha 1), else the row's S is computed again into s (qk
-  // of one row: the same sums, in the same order) and lazy_move_max takes it from there.
+  // stays within the limit (l += sum, alpha 1), else lazy_move_max from the stored S.
   template <int NV>
-  static inline void lazy_finish(const float* q, int64_t ldq, const float* kt, int64_t ldk,
-                                 int dkp, float* s, int64_t lds, int rows, float c, float* m,
+  static inline void lazy_finish(const float* s, int64_t lds, int rows, float c, float* m,
                                  float* lsum, float* alpha, float* p, int64_t ldp,
                                  const float* psum) {
     const __m512 limit = _mm512_set1_ps(kLazyRescaleLimit);
@@ -458,11 +456,9 @@ struct Avx512F32 {
       alpha[r] = 1.f;
       if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ))
         _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
-      else {
-        qk<1, NV>(q + r * ldq, ldq, kt, ldk, dkp, s + r * lds, lds);
+      else
         lazy_move_max<NV>(s + r * lds, keep, _mm512_set1_ps(c), c, m[r], lr, alpha[r],
                           p + r * ldp);
-      }
     }
   }
 #else

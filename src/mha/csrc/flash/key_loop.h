@@ -284,8 +284,8 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
                uint16_t* bits, bool exact) {
   if constexpr (K::kFusedExp) {
     // every row sees the whole block (no mask, no score variant) and has a max: S = Q K^T and
-    // P with the stale max from the tiles' registers (the lazy softmax's fast path; S is not
-    // stored), then the rows whose block sum passes the limit take the slow path (lazy_finish)
+    // P with the stale max from the tiles' registers (the lazy softmax's fast path), then the
+    // rows whose block sum passes the limit take the slow path from S (lazy_finish)
     const float c = P.mods.score_scale(P.scale) * kLog2e;
     bool fused = c > 0.f && !P.mods.on_scores() && mrow0 == nullptr && pbits_ == nullptr &&
                  jn == NV * kLanes && j0 >= P.key_start(i0 + rows - 1) &&
@@ -296,11 +296,11 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
       for (int c0 = 0; c0 < NV; c0 += 4) {  // column chunks of <= 64 keys
         const float* kc = kt + c0 * kLanes;
         const bool first = c0 == 0;
-        float* pc0 = p + c0 * kLanes;
+        float *sc0 = s + c0 * kLanes, *pc0 = p + c0 * kLanes;
         switch (std::min(4, NV - c0)) {
 #define MHA_QK_EXP(NVC, RMAX)                                                                     \
-  for_row_tiles<RMAX>(rows, QkExpTile<K, NVC>{q, kc, dkp, Nb, int(dkp), c, m, pc0, Nb, psum,    \
-                                              first});                                            \
+  for_row_tiles<RMAX>(rows, QkExpTile<K, NVC>{q, kc, dkp, Nb, int(dkp), sc0, Nb, c, m, pc0, Nb, \
+                                              psum, first});                                      \
   break;
           case 1: MHA_QK_EXP(1, rows_for(1))
           case 2: MHA_QK_EXP(2, rows_for(2))
@@ -309,8 +309,7 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
 #undef MHA_QK_EXP
         }
       }
-      K::template lazy_finish<NV>(q, dkp, kt, Nb, int(dkp), s, Nb, rows, c, m, lsum, alpha, p,
-                                  Nb, psum);
+      K::template lazy_finish<NV>(s, Nb, rows, c, m, lsum, alpha, p, Nb, psum);
       return pv_block(p, v, jn, rows, o, alpha);
     }
   }

@@ -181,6 +181,8 @@ struct QkExpTile {
   const float *q, *kt;
   int64_t ldq, ldk;
   int dkp;
+  float* s;
+  int64_t lds;
   float c;
   const float* m;
   float* p;
@@ -189,8 +191,8 @@ struct QkExpTile {
   bool first;
   template <int R>
   void run(int r0) const {
-    K::template qk_exp<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, c, m + r0, p + r0 * ldp, ldp,
-                              psum + r0 * kLanes, first);
+    K::template qk_exp<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, s + r0 * lds, lds, c, m + r0,
+                              p + r0 * ldp, ldp, psum + r0 * kLanes, first);
   }
 };
 
