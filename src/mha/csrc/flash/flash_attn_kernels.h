@@ -21,6 +21,8 @@
 //                   the online-softmax update of RS rows (two passes: max, then exp2)
 //   kLazySoftmax    softmax_lazy<NV, RS, Masked>(same arguments) exists and serves scale > 0
 //   pv<R, CV>(p, ldp, v, dvp, n, o, ldo, alpha)     O[R][16 CV] = alpha O + P[R][n] . V[n][16 CV]
+//   kFusedExp       qk_exp<R, NV> and lazy_finish<NV> exist (Avx512F32): the lazy softmax's
+//                   fast path in the Q K^T tile, for unmasked key blocks
 #pragma once
 
 #include <cmath>
@@ -52,7 +54,7 @@ struct PortableF32 {
   using p_t = float;
   static constexpr bool kPairs = false;
   static constexpr const char* kName = "portable";
-  static constexpr bool kAmx = false, kLazySoftmax = false;
+  static constexpr bool kAmx = false, kLazySoftmax = false, kFusedExp = false;
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   template <int R, int NV>
@@ -304,6 +306,35 @@ __attribute__((always_inline)) inline __m512 row_exp(const float* s, const __mma
   return sum;
 }
 
+// The lazy softmax of one row past its fast path (none, or a block sum above the limit): this
+// block's max logit moves m where it is above it (m, l rescaled by alpha), then P and l with
+// the new m. sr: the row's scores, lr: its l (16 lanes), alpha preset to 1.
+template <int NV, typename P>
+inline void lazy_move_max(const float* sr, const __mmask16* keep, __m512 cv, float c, float& m,
+                          float* lr, float& alpha, P* pr) {
+  __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
+  __mmask16 nan = 0;  // visible NaN scores: vmaxps drops them, the max must not
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    const __m512 sv = _mm512_loadu_ps(sr + v * kLanes);
+    mx = _mm512_mask_max_ps(mx, keep[v], mx, sv);
+    nan |= _mm512_mask_cmp_ps_mask(keep[v], sv, sv, _CMP_UNORD_Q);
+  }
+  const float mb = nan ? std::numeric_limits<float>::quiet_NaN()
+                       : _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
+  if (mb > m || std::isnan(mb)) {  // NaN: m, alpha, l and P of the row all become NaN
+    alpha = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m - mb)));  // m = -inf: 0
+    m = mb;
+    _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha)));
+  }
+  if (m == kNegInf) {  // nothing visible yet in this row
+    std::memset(pr, 0, NV * kLanes * sizeof(P));
+    return;
+  }
+  const __m512 sum = row_exp<NV>(sr, keep, cv, m, pr);
+  _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+}
+
 // The online-softmax update of RS rows in one pass, for scale c > 0 (max(s c) = c max(s)):
 // P = 2^(s c - m) with the row's lazy max m (see kLazyRescaleLimit); alpha = 1 unless m moved.
 // Masked: lanes past nvalid[r] or with a 0 bit are excluded (P = 0); otherwise every lane is
@@ -337,27 +368,7 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
         continue;
       }
     }
-    __m512 mx = _mm512_set1_ps(kNegInf);  // this block's max logit moves m (rare after the first)
-    __mmask16 nan = 0;  // visible NaN scores: vmaxps drops them, the max must not
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-      const __m512 sv = _mm512_loadu_ps(sr + v * kLanes);
-      mx = _mm512_mask_max_ps(mx, keep[v], mx, sv);
-      nan |= _mm512_mask_cmp_ps_mask(keep[v], sv, sv, _CMP_UNORD_Q);
-    }
-    const float mb = nan ? std::numeric_limits<float>::quiet_NaN()
-                         : _mm512_reduce_max_ps(mx) * c;  // -inf when nothing is visible
-    if (mb > m[r] || std::isnan(mb)) {  // NaN: m, alpha, l and P of the row all become NaN
-      alpha[r] = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m[r] - mb)));  // m = -inf: 0
-      m[r] = mb;
-      _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r])));
-    }
-    if (m[r] == kNegInf) {  // nothing visible yet in this row
-      std::memset(pr, 0, NV * kLanes * sizeof(P));
-      continue;
-    }
-    const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
-    _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+    lazy_move_max<NV>(sr, keep, cv, c, m[r], lr, alpha[r], pr);
   }
 }
 #endif  // __AVX512DQ__
@@ -395,6 +406,65 @@ struct Avx512F32 {
     acc_store(acc, s, lds);
   }
 
+#if defined(MHA_FLASH_LAZY_SOFTMAX)
+  // The lazy softmax's fast path fused into Q K^T, for key blocks every row sees whole (no mask)
+  // and rows whose m is set: qk, and from the tile's registers P = 2^(s c - m) (row_exp's
+  // arithmetic: the same P and sums) with this chunk's per-lane sums added to psum (zeroed
+  // first when `first`), in column order; S is stored too, for lazy_finish's rare slow rows.
+  static constexpr bool kFusedExp = true;
+  template <int R, int NV>
+  static inline void qk_exp(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
+                            float* s, int64_t lds, float c, const float* m, float* p,
+                            int64_t ldp, float* psum, bool first) {
+    __m512 acc[R][NV];
+    acc_zero(acc);
+    for (int kk = 0; kk < dkp; ++kk) {
+      __m512 kv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
+      acc_rank1(acc, kv, q + kk, ldq);
+    }
+    acc_store(acc, s, lds);
+    const __m512 cv = _mm512_set1_ps(c);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 mneg = _mm512_set1_ps(-m[r]);
+      __m512 sum = first ? _mm512_setzero_ps() : _mm512_loadu_ps(psum + r * kLanes);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const __m512 e =
+            mha_exp2::exp2_ftz_avx512(_mm512_fmadd_ps(acc[r][v], cv, mneg), __mmask16(0xFFFF));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(p + r * ldp + v * kLanes, e);
+      }
+      _mm512_storeu_ps(psum + r * kLanes, sum);
+    }
+  }
+
+  // After qk_exp over a whole block (NV vectors): each row's fast path done where its block sum
+  // stays within the limit (l += sum, alpha 1), else lazy_move_max from the stored S.
+  template <int NV>
+  static inline void lazy_finish(const float* s, int64_t lds, int rows, float c, float* m,
+                                 float* lsum, float* alpha, float* p, int64_t ldp,
+                                 const float* psum) {
+    const __m512 limit = _mm512_set1_ps(kLazyRescaleLimit);
+    __mmask16 keep[NV];
+    for (int v = 0; v < NV; ++v) keep[v] = __mmask16(0xFFFF);
+    for (int r = 0; r < rows; ++r) {
+      const __m512 sum = _mm512_loadu_ps(psum + r * kLanes);
+      float* lr = lsum + r * kLanes;
+      alpha[r] = 1.f;
+      if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ))
+        _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+      else
+        lazy_move_max<NV>(s + r * lds, keep, _mm512_set1_ps(c), c, m[r], lr, alpha[r],
+                          p + r * ldp);
+    }
+  }
+#else
+  static constexpr bool kFusedExp = false;
+#endif
+
   template <int NV, int RS>
   static inline void softmax_rows(const float* s, int64_t lds, const int* nvalid,
                                   const uint16_t* bits, int bstride, float c, float* m,
@@ -430,6 +500,7 @@ struct Avx512Bf16 {
   static constexpr const char* kName = "avx512bf16";
   static constexpr bool kAmx = false;
   static constexpr bool kLazySoftmax = true;  // softmax_lazy when scale > 0 (else softmax_rows)
+  static constexpr bool kFusedExp = false;
   static constexpr int kDkAlign = 2, kKeyAlign = kLanes;
 
   // kt: [dkp/2][ldk][2]; q rows: dkp bf16 (dkp even).

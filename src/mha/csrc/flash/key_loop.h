@@ -29,7 +29,10 @@ void Worker<K, T, Parts>::run_item(const Item& it) {
   }
   const int64_t nkeys = round_up(kend, Nb) - kbeg;
   packed_t* kt = sc.kt.get(nkeys * dkp);
-  packed_t* vp = sc.v.get(nkeys * dvp);
+  packed_t* vp = nullptr;
+  if constexpr (std::is_same_v<T, packed_t>)  // the tiles only read V (packed_t* for pack_kv)
+    if (v_in_place) vp = const_cast<packed_t*>(P.v_row(it.b, it.kh, kbeg));
+  if (!vp) vp = sc.v.get(nkeys * dvp);
   if (!P.plan.on()) {
     pack_kv(it.b, it.kh, kbeg, kend, kt, vp);
   } else {  // only the key blocks some query block of the item visits (EMPTY ones: never read)
@@ -41,7 +44,7 @@ void Worker<K, T, Parts>::run_item(const Item& it) {
                  mha_common::kPlanEmpty;
       if (used)  // key block jb alone, at its place in the packed buffers
         pack_kv(it.b, it.kh, jb, std::min(jb + Nb, kend), kt + (jb - kbeg) / Nb * dkp * Nb,
-                vp + (jb - kbeg) * dvp);
+                vp + (jb - kbeg) * ldv);
     }
   }
   for (int64_t hq = h0; hq < h0 + g; ++hq)
@@ -59,7 +62,7 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
   const int64_t jlo = P.key_start(i0) / Nb * Nb;  // the block's first key block (>= kbeg)
   if (kend <= jlo) return zero_rows(b, hq, i0, i1);
   kt += (jlo - kbeg) / Nb * dkp * Nb;  // key block jlo
-  vp += (jlo - kbeg) * dvp;            // same offset for both V layouts (jlo - kbeg is even)
+  vp += (jlo - kbeg) * ldv;            // same offset for both V layouts (jlo - kbeg is even)
   const int rp = K::kAmx ? int(round_up(rows, 16)) : rows;  // AMX tiles take 16 rows
   packed_t* q = sc.q.get(rp * dkp);
   // AMX: one 16-row S and P (a group at a time), two groups' S (group_pair_runs); the exact
@@ -154,7 +157,7 @@ void Worker<K, T, Parts>::key_loop(int64_t b, int64_t i0, int rows, int rp, int6
     const int jn = int(jz - j0);
     const int nv = (jn + kLanes - 1) / kLanes;
     const packed_t* ktb = kt + ((j0 - jlo) / Nb) * dkp * Nb + (j0 % Nb) * (K::kPairs ? 2 : 1);
-    const packed_t* vb = vp + (j0 - jlo) * dvp;  // same offset for both V layouts (even)
+    const packed_t* vb = vp + (j0 - jlo) * ldv;  // same offset for both V layouts (even)
     switch (nv) {
 #define MHA_KEY_BLOCK(NV) \
 case NV: key_block<NV>(b, i0, rows, j0, jn, mrow0, q, ktb, vb, s, p, o, m, alpha, lsum, bits, exact); break;
@@ -191,7 +194,7 @@ void Worker<K, T, Parts>::pv_exact(int64_t b, int64_t i0, int rows, int64_t j0, 
         continue;
       const float pj = to_float(p[r * Nb + n]);
       for (int64_t c = 0; c < P.dv; ++c) {
-        const packed_t x = K::kPairs ? v[(n / 2) * dvp * 2 + c * 2 + (n & 1)] : v[n * dvp + c];
+        const packed_t x = K::kPairs ? v[(n / 2) * dvp * 2 + c * 2 + (n & 1)] : v[n * ldv + c];
         orow[c] += pj * to_float(x);
       }
     }
@@ -279,6 +282,37 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
                const bool* mrow0, const packed_t* q, const packed_t* kt, const packed_t* v,
                float* s, p_t* p, float* o, float* m, float* alpha, float* lsum,
                uint16_t* bits, bool exact) {
+  if constexpr (K::kFusedExp) {
+    // every row sees the whole block (no mask, no score variant) and has a max: S = Q K^T and
+    // P with the stale max from the tiles' registers (the lazy softmax's fast path), then the
+    // rows whose block sum passes the limit take the slow path from S (lazy_finish)
+    const float c = P.mods.score_scale(P.scale) * kLog2e;
+    bool fused = c > 0.f && !P.mods.on_scores() && mrow0 == nullptr && pbits_ == nullptr &&
+                 jn == NV * kLanes && j0 >= P.key_start(i0 + rows - 1) &&
+                 j0 + jn <= P.key_limit(b, i0);
+    for (int r = 0; r < rows && fused; ++r) fused = m[r] != kNegInf;
+    if (fused) {
+      float* psum = sc.psum.get(rows * kLanes);
+      for (int c0 = 0; c0 < NV; c0 += 4) {  // column chunks of <= 64 keys
+        const float* kc = kt + c0 * kLanes;
+        const bool first = c0 == 0;
+        float *sc0 = s + c0 * kLanes, *pc0 = p + c0 * kLanes;
+        switch (std::min(4, NV - c0)) {
+#define MHA_QK_EXP(NVC, RMAX)                                                                     \
+  for_row_tiles<RMAX>(rows, QkExpTile<K, NVC>{q, kc, dkp, Nb, int(dkp), sc0, Nb, c, m, pc0, Nb, \
+                                              psum, first});                                      \
+  break;
+          case 1: MHA_QK_EXP(1, rows_for(1))
+          case 2: MHA_QK_EXP(2, rows_for(2))
+          case 3: MHA_QK_EXP(3, rows_for(3))
+          default: MHA_QK_EXP(4, rows_for(4))
+#undef MHA_QK_EXP
+        }
+      }
+      K::template lazy_finish<NV>(s, Nb, rows, c, m, lsum, alpha, p, Nb, psum);
+      return pv_block(p, v, jn, rows, o, alpha);
+    }
+  }
   for (int c0 = 0; c0 < NV; c0 += 4) {  // S = Q K^T in column chunks of <= 64 keys
     const packed_t* kc = kt + c0 * kLanes * (K::kPairs ? 2 : 1);
     float* sc = s + c0 * kLanes;
@@ -297,15 +331,21 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
   if (exact && !(mrow0 == nullptr && pbits_ == nullptr && j0 >= P.key_start(i0 + rows - 1) &&
                  j0 + jn <= P.key_limit(b, i0)))
     return pv_exact(b, i0, rows, j0, jn, mrow0, p, v, o, alpha);
+  pv_block(p, v, jn, rows, o, alpha);
+}
+
+template <class K, typename T, class Parts>
+void Worker<K, T, Parts>::pv_block(const p_t* p, const packed_t* v, int jn, int rows, float* o,
+                                   const float* alpha) const {
   const int nvt = int(dvp / kLanes);
   for (int c0 = 0; c0 < nvt; c0 += 4) {
     const packed_t* vc = v + c0 * kLanes * (K::kPairs ? 2 : 1);
     float* oc = o + c0 * kLanes;
     switch (std::min(4, nvt - c0)) {
-      case 1: for_row_tiles<rows_for(1)>(rows, PvTile<K, 1>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
-      case 2: for_row_tiles<rows_for(2)>(rows, PvTile<K, 2>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
-      case 3: for_row_tiles<rows_for(3)>(rows, PvTile<K, 3>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
-      default: for_row_tiles<rows_for(4)>(rows, PvTile<K, 4>{p, Nb, vc, dvp, jn, oc, dvp, alpha}); break;
+      case 1: for_row_tiles<rows_for(1)>(rows, PvTile<K, 1>{p, Nb, vc, ldv, jn, oc, dvp, alpha}); break;
+      case 2: for_row_tiles<rows_for(2)>(rows, PvTile<K, 2>{p, Nb, vc, ldv, jn, oc, dvp, alpha}); break;
+      case 3: for_row_tiles<rows_for(3)>(rows, PvTile<K, 3>{p, Nb, vc, ldv, jn, oc, dvp, alpha}); break;
+      default: for_row_tiles<rows_for(4)>(rows, PvTile<K, 4>{p, Nb, vc, ldv, jn, oc, dvp, alpha}); break;
     }
   }
 }

@@ -135,6 +135,7 @@ void Worker<K, T, Parts>::pack_v_pair_bf16(int64_t b, int64_t kh, int64_t j, int
 template <class K, typename T, class Parts>
 void Worker<K, T, Parts>::pack_v_row(const T* vrow, int64_t j, bool real, packed_t* vp) const {
   if constexpr (!K::kPairs) {
+    if (v_in_place) return;
     if (!real) return std::fill(vp + j * dvp, vp + (j + 1) * dvp, packed_t(0));
     if (std::is_same_v<T, packed_t> && P.vs[3] == 1) {
       std::memcpy(vp + j * dvp, vrow, P.dv * sizeof(packed_t));

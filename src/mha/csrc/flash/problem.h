@@ -128,7 +128,7 @@ template <class K>
 struct Scratch {
   static constexpr size_t kKeepBytes = size_t(8) << 20;
   Buffer<typename K::packed_t> kt, v, q;
-  Buffer<float> s, o, m, alpha, lsum, arun;
+  Buffer<float> s, o, m, alpha, lsum, arun, psum;
   Buffer<typename K::p_t> p, prun;
   Buffer<uint16_t> bits;
   void trim() {
@@ -172,6 +172,27 @@ struct QkTile {
   template <int R>
   void run(int r0) const {
     K::template qk<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, s + r0 * lds, lds);
+  }
+};
+
+// Q K^T with the lazy softmax's fast path (K::qk_exp): P and per-row sums psum from the tile.
+template <class K, int NV>
+struct QkExpTile {
+  const float *q, *kt;
+  int64_t ldq, ldk;
+  int dkp;
+  float* s;
+  int64_t lds;
+  float c;
+  const float* m;
+  float* p;
+  int64_t ldp;
+  float* psum;
+  bool first;
+  template <int R>
+  void run(int r0) const {
+    K::template qk_exp<R, NV>(q + r0 * ldq, ldq, kt, ldk, dkp, s + r0 * lds, lds, c, m + r0,
+                              p + r0 * ldp, ldp, psum + r0 * kLanes, first);
   }
 };
 

@@ -15,6 +15,11 @@ struct Worker {
   using p_t = typename K::p_t;
   const Problem<T>& P;
   int64_t Nb, dkp, dvp, g;
+  // V read where it lies (fp32 rows of one head packed one after another, d_v a multiple of
+  // 16, not paged): the tiles read its rows at stride ldv = d_v and nothing packs V. Else ldv
+  // is dvp, the packed buffer's row.
+  bool v_in_place = false;
+  int64_t ldv;
   Scratch<K>& sc;
   int64_t hq_ = 0;  // the query head of the block in flight (the score variants read it)
   // With a block plan: the query block's entries (one per plan key block), and the bits of the
@@ -27,6 +32,9 @@ struct Worker {
     dkp = round_up(P.dk, K::kDkAlign);
     dvp = round_up(P.dv, kLanes);
     g = P.h / P.hkv;
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<packed_t, float> && !K::kAmx)
+      v_in_place = P.block_table == nullptr && P.vs[3] == 1 && P.vs[2] == P.dv && P.dv == dvp;
+    ldv = v_in_place ? P.vs[2] : dvp;
   }
 
   // K transposed per key block: [dkp][Nb] (fp32) or [dkp/2][Nb][2] (bf16 pairs of d_k).
@@ -43,14 +51,14 @@ struct Worker {
                         packed_t* vp) const;
 #endif
 
-  // V row into packed row j (relative to the first packed key).
+  // V row into packed row j (relative to the first packed key); nothing when V is read in place.
   void pack_v_row(const T* vrow, int64_t j, bool real, packed_t* vp) const;
 
   void zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i1) const;
 
   void run_item(const Item& it);
 
-  // kt, vp: keys packed from kbeg (pack_kv).
+  // kt, vp: keys packed from kbeg (pack_kv); vp: V's row kbeg where V is read in place.
   void query_block(int64_t b, int64_t hq, int64_t i0, int64_t i1, int64_t kbeg,
                    const packed_t* kt, const packed_t* vp);
 
@@ -65,8 +73,8 @@ struct Worker {
   // O = alpha O + P V for the rows [i0, i0 + rows) of one key block (keys j0 + n, n < jn),
   // adding only the keys each row may attend (key_start, key_limit, the bool mask): the exact
   // pass for blocks where a row would otherwise add 0 * (a non-finite V). Plain loops (hostile
-  // inputs only). p rows of Nb (fp32, or bf16 bits), v packed from key j0 (fp32 [n][dvp], or
-  // bf16 pairs [n/2][dvp][2]).
+  // inputs only). p rows of Nb (fp32, or bf16 bits), v from key j0 (fp32 [n][ldv], or bf16
+  // pairs [n/2][dvp][2]).
   void pv_exact(int64_t b, int64_t i0, int rows, int64_t j0, int jn, const bool* mrow0,
                 const p_t* p, const packed_t* v, float* o, const float* alpha) const;
 
@@ -140,6 +148,10 @@ struct Worker {
   void softmax_group(int64_t b, int64_t ia, int rg, int64_t j0, const bool* mrow0,
                      const float* st, p_t* p, float* m, float* alpha, float* lsum,
                      uint16_t* bits) const;
+
+  // O = alpha O + P V over the jn keys of one key block (register tiles), rows [0, rows).
+  void pv_block(const p_t* p, const packed_t* v, int jn, int rows, float* o,
+                const float* alpha) const;
 
   template <int NV>
   void key_block(int64_t b, int64_t i0, int rows, int64_t j0, int jn,
