@@ -142,8 +142,9 @@ def check_case(case: str) -> str:
     import torch
 
     from mha.ops import flash
-    from oracle import FLOOR, max_err
     from test_flash_bwd import _cancellation, _reference_grads
+
+    from oracle import FLOOR, max_err
 
     B, h, h_kv, Tq, Tk, d_k, d_v, *_, layout = CASES[case]
     seed = Tq * 7 + Tk
@@ -239,8 +240,9 @@ def check_auto_runs_the_tiles() -> str:
     import mha
     from mha.masks import MaskSpec
     from mha.ops import flash
-    from oracle import FLOOR, max_err
     from test_flash_bwd import _cancellation, _reference_grads
+
+    from oracle import FLOOR, max_err
 
     B, h, T, d = 1, 2, 96, 64
     q, k, v, go, _ = _inputs(B, h, h, T, T, d, d, "bthd", seed=3)
@@ -276,10 +278,11 @@ def check_variants_and_mask_mod() -> str:
 
     import mha
     from mha import mods, reference
-    from oracle import FLOOR, max_err
     from test_flash_bwd import _cancellation
     from test_flash_plan import _expected, _grads
     from test_variants import _allowed
+
+    from oracle import FLOOR, max_err
 
     g = torch.Generator().manual_seed(11)
     B, h, h_kv, T, d = 1, 4, 2, 160, 64

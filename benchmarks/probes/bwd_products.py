@@ -57,7 +57,7 @@ def main() -> None:
             except RuntimeError as e:
                 missing.append(f"{math} unavailable ({str(e).splitlines()[0]})")
                 continue
-            fns[math] = (lambda m=math: torch.ops.mha._flash_attention_bwd_fused_math(*call, m))
+            fns[math] = (lambda m=math, c=call: torch.ops.mha._flash_attention_bwd_fused_math(*c, m))
         times = interleaved(fns, args.rounds, min_time=0.2)
         print(f"{spec}:")
         for math, t in times.items():
