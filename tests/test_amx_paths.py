@@ -35,31 +35,17 @@ from pathlib import Path
 
 import pytest
 
+from amx_mode import cpu_flags, mode
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
-AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
-EMULATION_FLAGS = frozenset({"avx512f", "avx512_bf16"})  # what the software tiles need
-
-
-def _mode(flags: set[str]) -> tuple[dict | None, str]:
-    """The variables of the run on a CPU with these flags (None: it cannot run) and why."""
-    env = {"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"}
-    if AMX_FLAGS <= flags:
-        return env, "amx"
-    if EMULATION_FLAGS <= flags:
-        return {**env, "MHA_AMX_EMULATE": "1"}, "amx-emulated"
-    missing = " / ".join(sorted(EMULATION_FLAGS - flags))
-    return None, f"no {missing} on this CPU: neither AMX nor its software tiles can run here"
-
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
     """Every check's outcome from one subprocess: check -> "ok" | the failure."""
     import subprocess
 
-    from test_kernel_paths import cpu_flags
-
-    forced, name = _mode(cpu_flags())
+    forced, name = mode(cpu_flags())
     if forced is None:
         pytest.skip(name)
     env = {k: v for k, v in os.environ.items()
@@ -459,11 +445,11 @@ def test_amx(results, check):
 
 def test_the_mode_follows_the_cpu_flags():
     avx512 = {"avx512f", "avx512bw", "avx512_bf16"}
-    assert _mode(avx512 | {"amx_tile", "amx_bf16"}) == (
+    assert mode(avx512 | {"amx_tile", "amx_bf16"}) == (
         {"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"}, "amx")
-    assert _mode(avx512) == ({"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx",
+    assert mode(avx512) == ({"MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx",
                               "MHA_AMX_EMULATE": "1"}, "amx-emulated")
-    forced, why = _mode({"avx2", "fma", "avx512f"})
+    forced, why = mode({"avx2", "fma", "avx512f"})
     assert forced is None and why.startswith("no avx512_bf16 on this CPU")
 
 

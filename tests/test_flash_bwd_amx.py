@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from amx_mode import cpu_flags, mode
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
@@ -56,30 +58,17 @@ EXTRA = ["selected", "random_shapes", "auto_runs_the_tiles", "variants_and_mask_
 SCALE = 0.3
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
 
 
 @cache
 def _run_subprocess() -> dict:
     """Every check's verdict from one process with the tile products forced; {} plus a
     "skip" reason where they cannot run."""
-    flags = cpu_flags()
-    env = dict(os.environ, MHA_FLASH_BF16="amx")
-    env.pop("MHA_DECODE_BF16", None)
-    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
-        env.pop("MHA_AMX_EMULATE", None)  # native tiles
-    elif {"avx512f", "avx512_bf16"} <= flags:
-        env["MHA_AMX_EMULATE"] = "1"  # software tiles
-    else:
-        return {"skip": "neither AMX-BF16 nor AVX512_BF16 on this CPU: no tile products here"}
+    forced, why = mode(cpu_flags())  # native tiles, or the software ones
+    if forced is None:
+        return {"skip": why}
+    env = {k: v for k, v in os.environ.items() if k not in ("MHA_AMX_EMULATE", "MHA_LINEAR")}
+    env.update(forced)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE),
                                          *filter(None, [env.get("PYTHONPATH")])])
     res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,

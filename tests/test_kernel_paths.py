@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from amx_mode import cpu_flags
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
@@ -76,16 +78,6 @@ PATHS = [
 FORCING = ("MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR", "MHA_AMX_EMULATE")
 
 
-def cpu_flags() -> set[str]:
-    """The first processor's flags in /proc/cpuinfo (empty where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
