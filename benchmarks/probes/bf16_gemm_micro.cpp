@@ -11,7 +11,9 @@
 //    vdpbf16ps per pair of K) over 128 pairs held in L1;
 // 3. the QKV projection of the seeds' module, 640 x 1536 x 512, in 8 groups of 80 rows from
 //    packed panels: chunked (an fp32 (80, 64) block, K in chunks of 128 pairs, as
-//    mha::linear_bf16) and whole-K tiles (rows_bf16.h).
+//    mha::linear_bf16) and whole-K tiles (rows_bf16.h);
+// 4. W_O's shape, 640 x 512 x 512, alone and after the QKV projection in each group of 80 rows
+//    (the fused call's order, attention left out).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -135,6 +137,25 @@ int main() {
            mha_rows_bf16::project(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
                                   k->wp->data(), k->bias->data(),
                                   k->out->data() + g * 80 * 1536, 1536);
+       }},
+      {"W_O 640x512x512, whole-K tiles", 2.0 * M * D * D,
+       [](void* c) {  // W_O's shape: the first 8 panels as its weight
+         auto* k = static_cast<Ctx*>(c);
+         for (int64_t g = 0; g < 640 / 80; ++g)
+           mha_rows_bf16::project(80, 512, 256, k->x->data() + g * 80 * 512, 512,
+                                  k->wp->data(), k->bias->data(),
+                                  k->out->data() + g * 80 * 512, 512);
+       }},
+      {"QKV + W_O per group of 80 rows", flops + 2.0 * M * D * D,
+       [](void* c) {  // the fused call's projections without attention: Q, K, V in L2, then
+         auto* k = static_cast<Ctx*>(c);  // W_O (8 panels) on the group's first 512 columns
+         static std::vector<uint16_t> qkv(80 * 1536);
+         for (int64_t g = 0; g < 640 / 80; ++g) {
+           mha_rows_bf16::project(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
+                                  k->wp->data(), k->bias->data(), qkv.data(), 1536);
+           mha_rows_bf16::project(80, 512, 256, qkv.data(), 1536, k->wp->data() + 8 * 256 * 128,
+                                  k->bias->data(), k->out->data() + g * 80 * 512, 512);
+         }
        }},
   };
   const int nv = sizeof(variants) / sizeof(variants[0]);
