@@ -122,6 +122,27 @@ def test_nan_propagates_within_its_batch_row():
     assert torch.isfinite(y[1:]).all()
 
 
+def test_no_state_carried_between_calls():
+    """The buffers are not zero-filled: a call after one full of NaN (and of another shape)
+    gives the bits a call gives on its own, at 1 and 2 threads (T = 20 and 13: Q^T columns
+    past T read rows never written in the call)."""
+    m = _module(128, 4)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for T in (20, 13):
+                x = torch.randn(5, T, 128).bfloat16()
+                with torch.no_grad():
+                    alone = m(x)
+                    m(torch.full((7, 33, 128), float("nan")).bfloat16())
+                    after = m(x)
+                assert torch.isfinite(alone).all()
+                assert torch.equal(after, alone)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_calls_it_does_not_serve_run_step_by_step():
     m = _module(128, 4)
     x = torch.randn(2, 10, 128).bfloat16()

@@ -11,7 +11,10 @@
 //    vdpbf16ps per pair of K) over 128 pairs held in L1;
 // 3. the QKV projection of the seeds' module, 640 x 1536 x 512, in 8 groups of 80 rows from
 //    packed panels: chunked (an fp32 (80, 64) block, K in chunks of 128 pairs, as
-//    mha::linear_bf16) and whole-K tiles (rows_bf16.h).
+//    mha::linear_bf16) and whole-K tiles (rows_bf16.h);
+// 4. W_O's shape, 640 x 512 x 512, alone and after the QKV projection in each group of 80 rows
+//    (the fused call's order, attention left out);
+// 5. packing W_qkv into panels (panels.h), as the fused call does on each call (0 GFLOP).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -113,7 +116,8 @@ int main() {
   struct Ctx {
     std::vector<uint16_t>*x, *wp, *out;
     std::vector<float>*bias, *cb;
-  } ctx{&x, &wp, &out, &bias, &cb};
+    std::vector<uint16_t>* w;
+  } ctx{&x, &wp, &out, &bias, &cb, &w};
   const Variant variants[] = {
       {"peak (registers)", 24.0 * 64 * 200000, [](void*) { peak(200000); }},
       {"6x64 tile, data in L1", 24.0 * 64 * 128 * 2000,
@@ -136,6 +140,33 @@ int main() {
                                   k->wp->data(), k->bias->data(),
                                   k->out->data() + g * 80 * 1536, 1536);
        }},
+      {"W_O 640x512x512, whole-K tiles", 2.0 * M * D * D,
+       [](void* c) {  // W_O's shape: the first 8 panels as its weight
+         auto* k = static_cast<Ctx*>(c);
+         for (int64_t g = 0; g < 640 / 80; ++g)
+           mha_rows_bf16::project(80, 512, 256, k->x->data() + g * 80 * 512, 512,
+                                  k->wp->data(), k->bias->data(),
+                                  k->out->data() + g * 80 * 512, 512);
+       }},
+      {"QKV + W_O per group of 80 rows", flops + 2.0 * M * D * D,
+       [](void* c) {  // the fused call's projections without attention: Q, K, V in L2, then
+         auto* k = static_cast<Ctx*>(c);  // W_O (8 panels) on the group's first 512 columns
+         static std::vector<uint16_t> qkv(80 * 1536);
+         for (int64_t g = 0; g < 640 / 80; ++g) {
+           mha_rows_bf16::project(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
+                                  k->wp->data(), k->bias->data(), qkv.data(), 1536);
+           mha_rows_bf16::project(80, 512, 256, qkv.data(), 1536, k->wp->data() + 8 * 256 * 128,
+                                  k->bias->data(), k->out->data() + g * 80 * 512, 512);
+         }
+       }},
+      {"pack W_qkv (1536 x 512) into panels", 0.0,
+       [](void* c) {  // what the fused call does to both weights (2048 rows) on each call
+         auto* k = static_cast<Ctx*>(c);
+         const int64_t n = int64_t(k->w->size()) / 512;  // 1536 rows (not a constant:
+         for (int64_t p = 0; p < n / kPanel; ++p)         // the tail loop stays unfolded)
+           mha_panels::pack_panel_bf16(k->w->data(), n, 256, 512, p,
+                                       k->wp->data() + p * 256 * 128);
+       }},
   };
   const int nv = sizeof(variants) / sizeof(variants[0]);
   std::vector<double> best(nv, 1e30), sum(nv, 0.0);
@@ -147,7 +178,7 @@ int main() {
       best[v] = std::min(best[v], t), sum[v] += t;
     }
   for (int v = 0; v < nv; ++v)
-    std::printf("%-34s best %8.3f ms = %5.0f GFLOP/s   mean %8.3f ms\n", variants[v].name,
+    std::printf("%-36s best %8.3f ms = %5.0f GFLOP/s   mean %8.3f ms\n", variants[v].name,
                 best[v] * 1e3, variants[v].flops / best[v] / 1e9, sum[v] / rounds * 1e3);
   std::printf("(checksum %g %d)\n", double(sink), int(out[12345]));
   return 0;

@@ -11,13 +11,17 @@
 // Why one call: at B = 32, T = 20, D = 512, h = 8 the module is four GEMMs around 256 heads of
 // 20 x 20. Run step by step, the QKV output (B T x 3 D bf16, 2 MB) is written past L2 by its
 // GEMM and read back by attention, and every step is an operator call of its own. Here:
-//   1. both weights are packed into 64-column panels of bf16 pairs (panels.h), one parallel
-//      region over the panels; nothing outlives the call (a weight changed by any means is read
-//      as it is);
+//   1. both weights are packed into 64-column panels of bf16 pairs (panels.h); nothing outlives
+//      the call (a weight changed by any means is read as it is);
 //   2. work items are groups of whole batch rows (<= kGroupRows rows, at::parallel_for); each
 //      item projects its rows to Q, K, V (R x 3 hd, in a buffer of the thread), runs attention
 //      for each (batch row, head) from that buffer and writes the merged heads (R x hd, the
 //      layout W_O reads), then applies W_O to them.
+// One parallel region per call: each thread of the groups' region first packs the panels it
+// claims (an atomic counter) and waits for the others' (measured against a packing region of
+// its own: one fork / join less, which a busy neighbour makes cost a scheduler slice). The
+// buffers are not zero-filled (2 MB per call): what is read before it is written (Q^T's
+// columns past T) feeds only score lanes of queries never output, each lane one query.
 // Attention per head, all on vdpbf16ps with fp32 sums, the scores transposed so the softmax
 // runs down the keys with 16 queries per vector (no horizontal reductions): S^T = K Q^T (K's
 // rows read in place, Q^T packed as pairs along d by 8 x 8 register transposes), P = 2^(t - max)
@@ -33,8 +37,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -61,13 +68,17 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // The first n of 16 lanes (1 <= n <= 16).
 __mmask16 lanes_below(int64_t n) { return __mmask16((1u << n) - 1u); }
 
-// The per-thread buffers of one work item (sized for the largest group).
+// n elements, not initialised.
+template <typename E>
+std::unique_ptr<E[]> uninit(int64_t n) { return std::unique_ptr<E[]>(new E[n]); }
+
+// The per-thread buffers of one work item (sized for the largest group), not initialised.
 struct Scratch {
-  std::vector<uint16_t> qkv, heads;  // (R + kSlackRows, 3 hd), (R, hd) bf16
-  std::vector<uint32_t> qt;          // (d / 2, Tp) pairs: Q^T of one head
-  std::vector<float> st;             // (T, Tp) scores, keys by queries, then 2^(t - max)
-  std::vector<uint32_t> ppt;         // (T2, Tp) probabilities: pairs of keys per query
-  std::vector<uint32_t> vp;          // (ceil(d / 64), T2, 64) pairs of V rows, by panels
+  std::unique_ptr<uint16_t[]> qkv, heads;  // (R + kSlackRows, 3 hd), (R, hd) bf16
+  std::unique_ptr<uint32_t[]> qt;          // (d / 2, Tp) pairs: Q^T of one head
+  std::unique_ptr<float[]> st;             // (T, Tp) scores, keys by queries, then 2^(t - max)
+  std::unique_ptr<uint32_t[]> ppt;         // (T2, Tp) probabilities: pairs of keys per query
+  std::unique_ptr<uint32_t[]> vp;          // (ceil(d / 64), T2, 64) pairs of V rows, by panels
 };
 // O (R rows, 64 columns of one panel) = P V for the query rows q0 .. q0 + R: P^T pairs
 // ppt[k][q] (pairs of keys 2k, 2k + 1 for query q, Tp per k), V panel vp[k][64] pairs.
@@ -98,19 +109,20 @@ constexpr PvFn kPv[7] = {nullptr, &pv_tile<1>, &pv_tile<2>, &pv_tile<3>, &pv_til
 void head(int64_t T, int64_t d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
           int64_t ld, float scale, Scratch& sc, uint16_t* out, int64_t ldo) {
   const int64_t Tp = round_up(T, kLanes), d2 = d / 2, T2 = (T + 1) / 2;
-  uint32_t* qt = sc.qt.data();  // qt[k2][i] = pair k2 of query i (columns i >= T: rows past
-                                // the head, scores of queries never output)
+  uint32_t* qt = sc.qt.get();  // qt[k2][i] = pair k2 of query i (columns i >= T: rows past the
+                               // head or never written, scores of queries never output: each
+                               // lane is one query down to P, which reads queries < T only)
   const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
   for (int64_t j = 0; j < T; j += 8)
     for (int64_t c = 0; c < d2; c += 8)
       mha_panels::transpose8(reinterpret_cast<const float*>(q32 + j * (ld / 2) + c), ld / 2,
                              reinterpret_cast<float*>(qt + c * Tp + j), Tp);
-  float* st = sc.st.data();  // S^T (T keys, Tp queries)
+  float* st = sc.st.get();  // S^T (T keys, Tp queries)
   mha_gemm::gemm<uint16_t>(T, Tp, d2, k, ld, 0, reinterpret_cast<const uint16_t*>(qt), Tp, st,
                            Tp, false);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(scale * kLog2e);
-  uint32_t* ppt = sc.ppt.data();  // (T2, Tp) pairs of P^T rows
+  uint32_t* ppt = sc.ppt.get();  // (T2, Tp) pairs of P^T rows
   for (int64_t c = 0; c < Tp; c += kLanes) {  // 16 queries at a time, down the keys
     __m512 m = neg;
     for (int64_t j = 0; j < T; ++j) {
@@ -133,7 +145,7 @@ void head(int64_t T, int64_t d, const uint16_t* q, const uint16_t* k, const uint
       _mm512_storeu_si512(ppt + j2 * Tp + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
-  uint32_t* vp = sc.vp.data();  // V in panels of 64 columns of row pairs, zero past T and d
+  uint32_t* vp = sc.vp.get();  // V in panels of 64 columns of row pairs, zero past T and d
   const int64_t dp = round_up(d, kPanel);
   for (int64_t j2 = 0; j2 < T2; ++j2) {
     const uint16_t* a = v + 2 * j2 * ld;
@@ -170,9 +182,13 @@ std::vector<float> padded_bias(const std::optional<at::Tensor>& b, int64_t n, co
   check_bf16(*b, name);
   TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "mha self_attention_bf16: ", name,
               " must have shape (", n, ",), got ", b->sizes());
-  const at::Tensor f = b->to(at::kFloat).contiguous();  // exact: every bf16 is an fp32
+  const at::Tensor c = b->contiguous();
+  const uint16_t* s = bits(c);
   std::vector<float> out(round_up(n, kPanel), 0.f);
-  std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n, out.begin());
+  for (int64_t i = 0; i < n; ++i) {  // exact: a bf16 is the high half of an fp32
+    const uint32_t u = uint32_t(s[i]) << 16;
+    std::memcpy(&out[i], &u, sizeof u);
+  }
   return out;
 }
 
@@ -203,16 +219,15 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   const at::Tensor xc = x.contiguous(), wq = w_qkv.contiguous(), wo = w_o.contiguous();
   const int64_t K2q = D / 2, K2o = hd / 2;
   const int64_t Pq = (3 * hd + kPanel - 1) / kPanel, Po = (N + kPanel - 1) / kPanel;
-  std::vector<uint16_t> wq_p(Pq * K2q * kPanel * 2), wo_p(Po * K2o * kPanel * 2);
-  at::parallel_for(0, Pq + Po, 1, [&](int64_t p0, int64_t p1) {  // 1. pack both weights
-    for (int64_t p = p0; p < p1; ++p) {
-      if (p < Pq) mha_panels::pack_panel_bf16(bits(wq), 3 * hd, K2q, D, p,
-                                              wq_p.data() + p * K2q * kPanel * 2);
-      else mha_panels::pack_panel_bf16(bits(wo), N, K2o, hd, p - Pq,
-                                       wo_p.data() + (p - Pq) * K2o * kPanel * 2);
-    }
-  });
-  // 2. groups of whole batch rows; as many groups as fit kGroupRows, evened out
+  const int64_t wq_n = K2q * kPanel * 2, wo_n = K2o * kPanel * 2;  // bf16 per panel
+  const std::unique_ptr<uint16_t[]> wq_p = uninit<uint16_t>(Pq * wq_n),
+                                    wo_p = uninit<uint16_t>(Po * wo_n);
+  std::atomic<int64_t> claimed{0}, packed{0};  // panels claimed / packed, W_qkv's first
+  auto pack = [&](int64_t p) {
+    if (p < Pq) mha_panels::pack_panel_bf16(bits(wq), 3 * hd, K2q, D, p, wq_p.get() + p * wq_n);
+    else mha_panels::pack_panel_bf16(bits(wo), N, K2o, hd, p - Pq, wo_p.get() + (p - Pq) * wo_n);
+  };
+  // groups of whole batch rows; as many groups as fit kGroupRows, evened out
   const int64_t per = std::max<int64_t>(1, kGroupRows / T);
   const int64_t groups = (B + per - 1) / per, G = (B + groups - 1) / groups;
   const uint16_t* xb = bits(xc);
@@ -220,22 +235,31 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   const float* bqp = bq.empty() ? nullptr : bq.data();
   const float* bop = bo.empty() ? nullptr : bo.data();
   at::parallel_for(0, (B + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
+    // 1. the panels this thread claims, then the others' (each claimed one is being packed by
+    // a thread already running, so the wait ends)
+    for (int64_t p; (p = claimed.fetch_add(1, std::memory_order_relaxed)) < Pq + Po;) {
+      pack(p);
+      packed.fetch_add(1, std::memory_order_acq_rel);
+    }
+    while (packed.load(std::memory_order_acquire) < Pq + Po) _mm_pause();
+    // 2. the groups
     Scratch sc;
     const int64_t Tp = round_up(T, kLanes), R = G * T;
-    sc.qkv.resize((R + kSlackRows) * 3 * hd), sc.heads.resize(R * hd);
-    sc.qt.resize(d / 2 * Tp), sc.st.resize(T * Tp), sc.ppt.resize((T + 1) / 2 * Tp);
-    sc.vp.resize((T + 1) / 2 * round_up(d, kPanel));
+    sc.qkv = uninit<uint16_t>((R + kSlackRows) * 3 * hd), sc.heads = uninit<uint16_t>(R * hd);
+    sc.qt = uninit<uint32_t>(d / 2 * Tp), sc.st = uninit<float>(T * Tp);
+    sc.ppt = uninit<uint32_t>((T + 1) / 2 * Tp);
+    sc.vp = uninit<uint32_t>((T + 1) / 2 * round_up(d, kPanel));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * G, nb = std::min(G, B - b0), rows = nb * T;
-      mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.data(), bqp,
-                             sc.qkv.data(), 3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
+      mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.get(), bqp,
+                             sc.qkv.get(), 3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t hh = 0; hh < heads; ++hh) {
-          const uint16_t* q = sc.qkv.data() + b * T * 3 * hd + hh * d;  // (T, d), rows 3 hd apart
+          const uint16_t* q = sc.qkv.get() + b * T * 3 * hd + hh * d;  // (T, d), rows 3 hd apart
           head(T, d, q, q + hd, q + 2 * hd, 3 * hd, float(scale), sc,
-               sc.heads.data() + b * T * hd + hh * d, hd);  // (T, d) of (rows, h d)
+               sc.heads.get() + b * T * hd + hh * d, hd);  // (T, d) of (rows, h d)
         }
-      mha_rows_bf16::project(rows, N, K2o, sc.heads.data(), hd, wo_p.data(), bop,
+      mha_rows_bf16::project(rows, N, K2o, sc.heads.get(), hd, wo_p.get(), bop,
                              yb + b0 * T * N, N);  // (rows, h d) -> (rows, N_out)
     }
   });
