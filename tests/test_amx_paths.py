@@ -439,7 +439,7 @@ CHECKS = {
 @pytest.mark.parametrize("check", ["selected", *CHECKS])
 def test_amx(results, check):
     if check != "selected" and results["selected"] != "ok":
-        pytest.fail(f"not run, the process did not select the AMX paths: {results['selected']}")
+        pytest.fail(f"not run, the process did not select the AMX paths: {results[check]}")
     assert results[check] == "ok", f"{check}: {results[check]}"
 
 
@@ -455,19 +455,10 @@ def test_the_mode_follows_the_cpu_flags():
 
 def main(expect: str) -> None:
     """Run every check in this process (its variables already set): one JSON line, check ->
-    "ok" | the failure; nothing but the selection when the selection is wrong."""
-    import time
+    "ok" | the failure; each check reports the selection's verdict when it is wrong."""
+    from check_runner import run_checks
 
-    results = {"selected": check_selected(expect)}
-    if results["selected"] == "ok":
-        for name, check in CHECKS.items():
-            start = time.perf_counter()
-            try:
-                results[name] = check()
-            except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
-                results[name] = f"error: {type(e).__name__}: {e}"
-            print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    print(json.dumps(results))
+    run_checks(check_selected(expect), CHECKS, timings=True)
 
 
 if __name__ == "__main__":

@@ -361,8 +361,9 @@ def check_dout_nan_units_fall_back() -> str:
 def main() -> None:
     """Run every check in this process (its variables already set); print one JSON line,
     check -> "ok" | the failure | "not built: ..."."""
-    checks = {"selected": check_selected}
-    checks.update({c: (lambda c=c: check_case(c)) for c in CASES})
+    from check_runner import run_checks
+
+    checks = {c: (lambda c=c: check_case(c)) for c in CASES}
     checks.update({f"nan_{c}_{s}": (lambda c=c, s=s: check_nan(c, s))
                    for c in NAN_CASES for s in NAN_SPECS})
     checks.update({"random_shapes": check_random_shapes,
@@ -370,18 +371,7 @@ def main() -> None:
                    "variants_and_mask_mod": check_variants_and_mask_mod,
                    "same_bits_across_threads": check_same_bits_across_threads,
                    "dout_nan_units_fall_back": check_dout_nan_units_fall_back})
-    results = {}
-    for name, fn in checks.items():
-        if name != "selected" and results["selected"] != "ok":
-            results[name] = results["selected"]
-            continue
-        try:
-            results[name] = fn()
-        except AssertionError as e:
-            results[name] = f"failed: {e}"
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
-            results[name] = f"error: {type(e).__name__}: {e}"
-    print(json.dumps(results))
+    run_checks(check_selected(), checks)
 
 
 if __name__ == "__main__":

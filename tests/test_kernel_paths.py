@@ -244,18 +244,9 @@ CHECKS = {
 def main(selection: str, checks: list[str]) -> None:
     """Run the checks in this process (its variables already set); print one JSON line,
     check -> "ok" | the failure | "not built: ..."."""
-    results = {"selected": check_selected(selection)}
-    for name in checks:
-        if results["selected"].startswith("not built:"):
-            results[name] = results["selected"]
-            continue
-        try:
-            results[name] = CHECKS[name]()
-        except AssertionError as e:
-            results[name] = f"failed: {e}"
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
-            results[name] = f"error: {type(e).__name__}: {e}"
-    print(json.dumps(results))
+    from check_runner import run_checks
+
+    run_checks(check_selected(selection), {name: CHECKS[name] for name in checks})
 
 
 if __name__ == "__main__":
