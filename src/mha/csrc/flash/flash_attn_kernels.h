@@ -392,10 +392,10 @@ struct Avx512F32 {
 #endif
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
+  // acc = Q K^T for R rows and NV vectors of keys: q rows of ldq, kt [dkp][ldk] packed keys.
   template <int R, int NV>
-  static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
-                        float* s, int64_t lds) {
-    __m512 acc[R][NV];
+  MHA_TILE_INLINE static void qk_acc(const float* q, int64_t ldq, const float* kt, int64_t ldk,
+                                     int dkp, __m512 (&acc)[R][NV]) {
     acc_zero(acc);
     for (int kk = 0; kk < dkp; ++kk) {
       __m512 kv[NV];
@@ -403,6 +403,13 @@ struct Avx512F32 {
       for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
       acc_rank1(acc, kv, q + kk, ldq);
     }
+  }
+
+  template <int R, int NV>
+  static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
+                        float* s, int64_t lds) {
+    __m512 acc[R][NV];
+    qk_acc(q, ldq, kt, ldk, dkp, acc);
     acc_store(acc, s, lds);
   }
 
@@ -417,13 +424,7 @@ struct Avx512F32 {
                             float* s, int64_t lds, float c, const float* m, float* p,
                             int64_t ldp, float* psum, bool first) {
     __m512 acc[R][NV];
-    acc_zero(acc);
-    for (int kk = 0; kk < dkp; ++kk) {
-      __m512 kv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
-      acc_rank1(acc, kv, q + kk, ldq);
-    }
+    qk_acc(q, ldq, kt, ldk, dkp, acc);
     acc_store(acc, s, lds);
     const __m512 cv = _mm512_set1_ps(c);
 #pragma GCC unroll 16
