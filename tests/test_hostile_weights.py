@@ -248,3 +248,95 @@ def test_inf_and_nan_in_x_and_weight_together():
     with torch.no_grad():
         assert linear.why_not_native(x, w, b) is None
         _same_nan_pattern(linear.linear(x, w, b), F.linear(x, w, b))
+
+
+# ----------------------------------------------------------------------------- frozen modules
+# freeze() keeps the fused bf16 forward's packed weights between calls (opt-in): a weight moved
+# in a way its version counter or storage pointer shows is packed again; writes that bypass both
+# (through .data, numpy, the storage) are not seen until freeze() again. The routes below are the
+# ones above; which side each is on is the documented contract.
+FROZEN_SEEN = ("data_rebind", "data_clone_then_write", "load_state_dict", "no_grad_mul",
+               "no_grad_copy", "init_normal", "dtype_round_trip", "bias_only")
+FROZEN_UNSEEN = ("data_mul", "data_copy", "data_normal", "numpy_write", "storage_write",
+                 "out_proj_only")
+
+
+def _numpy_bits_write(m):  # numpy has no bfloat16: the bits, through an int16 view
+    w = _projection(m).weight
+    w.detach().view(torch.int16).numpy()[:] = _new_values(w).view(torch.int16).numpy()
+
+
+FROZEN_ROUTES = dict(ROUTES, numpy_write=_numpy_bits_write)
+
+
+def _frozen_pair():
+    """A frozen bf16 module and its unfrozen twin (same weights)."""
+    if not linear.bf16_tiles():
+        pytest.skip("freeze() needs the native op's bf16 tiles (AVX512_BF16): not in this build")
+    torch.manual_seed(0)
+    m = _packed().bfloat16().eval()
+    twin = _packed().bfloat16().eval()
+    twin.load_state_dict(m.state_dict())
+    return m.freeze(), twin
+
+
+def _current(m, x):
+    """What an unfrozen module with m's weights as they are now gives."""
+    fresh = _packed().to(m.in_proj.weight.dtype).eval()
+    fresh.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        return fresh(x)
+
+
+def test_frozen_routes_are_each_named():
+    assert sorted(FROZEN_SEEN + FROZEN_UNSEEN) == sorted(set(ROUTES) - {"optimizer_step"})
+
+
+@pytest.mark.parametrize("route", FROZEN_SEEN)
+def test_frozen_module_sees_versioned_changes(route):
+    m, _ = _frozen_pair()
+    x = _inputs(m, "packed")[0].bfloat16()
+    with torch.no_grad():
+        assert m.explain(x).splitlines()[-1].startswith("forward: fused")
+        before = m(x)
+        FROZEN_ROUTES[route](m)
+        after = m(x.to(m.in_proj.weight.dtype))
+    want = _current(m, x.to(m.in_proj.weight.dtype))
+    assert not torch.equal(before.float(), want.float()), "the route changed nothing"
+    assert torch.equal(after, want), f"{route}: the frozen module kept a stale weight"
+
+
+@pytest.mark.parametrize("route", FROZEN_UNSEEN)
+def test_frozen_module_misses_unversioned_writes_until_freeze(route):
+    """The documented price of freeze(): these writes keep the old panels; freeze() again (or
+    unfreeze()) reads the weights as they are."""
+    m, twin = _frozen_pair()
+    x = _inputs(m, "packed")[0].bfloat16()
+    with torch.no_grad():
+        m(x)
+        FROZEN_ROUTES[route](m)
+        stale = m(x)
+        want = _current(m, x)
+        assert not torch.equal(stale, want), "the route changed nothing"
+        assert torch.equal(stale, twin(x))  # the weights as they were when packed
+        assert torch.equal(m.freeze()(x), want)
+        FROZEN_ROUTES[route](m)
+        assert torch.equal(m.unfreeze()(x), _current(m, x))
+
+
+def test_frozen_module_optimizer_step_is_seen():
+    """Training a frozen module: the forward under autograd runs step by step on the weights as
+    they are, and the optimizer's in-place step bumps the versions, so the next fused inference
+    call packs again."""
+    m, _ = _frozen_pair()
+    x = _inputs(m, "packed")[0].bfloat16()
+    with torch.no_grad():
+        m(x)
+    packs = m.frozen.packs
+    opt = torch.optim.SGD(m.parameters(), lr=10.0)
+    m(x).float().square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        after = m(x)
+    assert m.frozen.packs == packs + 2
+    assert torch.equal(after, _current(m, x))

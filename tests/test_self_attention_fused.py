@@ -200,3 +200,87 @@ def test_measured_gate(tmp_path, monkeypatch, native_s, fused_runs):
     if not fused_runs:
         assert "1.50x slower than torch's bf16 GEMM" in line
     torch.testing.assert_close(y.float(), _float64(m, x).float(), rtol=0.05, atol=0.05)
+
+
+# ----------------------------------------------------------------------------- packed panels
+@pytest.mark.parametrize("N,K", [(192, 64), (96, 128), (16, 32), (130, 48)])
+def test_pack_panels_layout(N, K):
+    """panels[p, k2, j, e] = W[64 p + j, 2 k2 + e], zero past N (partial last panel)."""
+    w = torch.randn(N, K).bfloat16()
+    got = torch.ops.mha.pack_panels_bf16(w)
+    P = (N + 63) // 64
+    padded = torch.zeros(P * 64, K, dtype=torch.bfloat16)
+    padded[:N] = w
+    want = padded.view(P, 64, K // 2, 2).transpose(1, 2)  # (P, 64, K2, 2) -> (P, K2, 64, 2)
+    assert got.shape == (P, K // 2, 64, 2) and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("B,T,D,h", [(32, 20, 512, 8), (1, 64, 96, 6), (3, 7, 64, 4)])
+def test_given_panels_give_the_same_bits(B, T, D, h):
+    m = _module(D, h)
+    x = torch.randn(B, T, D).bfloat16()
+    args = (m.in_proj.weight, m.in_proj.bias, m.out_proj.weight, m.out_proj.bias, h, 0.125)
+    wq_p = torch.ops.mha.pack_panels_bf16(m.in_proj.weight)
+    wo_p = torch.ops.mha.pack_panels_bf16(m.out_proj.weight)
+    with torch.no_grad():
+        packed_here = torch.ops.mha.self_attention_bf16(x, *args)
+        for panels in ((wq_p, wo_p), (wq_p, None), (None, wo_p)):
+            assert torch.equal(torch.ops.mha.self_attention_bf16(x, *args, *panels), packed_here)
+
+
+def test_op_refuses_bad_panels_by_name():
+    w_qkv, w_o = torch.zeros(96, 32).bfloat16(), torch.zeros(32, 32).bfloat16()
+    x = torch.zeros(2, 5, 32).bfloat16()
+    good_q = torch.ops.mha.pack_panels_bf16(w_qkv)
+    with pytest.raises(RuntimeError, match="w_qkv_panels must be contiguous with shape"):
+        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, good_q[:1], None)
+    with pytest.raises(RuntimeError, match="w_o_panels must be contiguous with shape"):
+        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, None, good_q)
+    with pytest.raises(RuntimeError, match="w_o_panels must be a bfloat16"):
+        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, None,
+                                          torch.ops.mha.pack_panels_bf16(w_o).float())
+    with pytest.raises(RuntimeError, match="K even"):
+        torch.ops.mha.pack_panels_bf16(torch.zeros(4, 5).bfloat16())
+
+
+def test_freeze_keeps_the_bits_and_says_so():
+    m = _module(128, 4)
+    x = torch.randn(4, 12, 128).bfloat16()
+    with torch.no_grad():
+        y = m(x)
+        assert m.freeze() is m and m.frozen.packs == 2
+        assert torch.equal(m(x), y) and torch.equal(m(x), y)
+    assert m.frozen.packs == 2  # packed once, not per call
+    with torch.no_grad():
+        assert "weights packed by freeze()" in _forward(m, x)
+        assert "weights packed by freeze()" not in _forward(m.unfreeze(), x)
+
+
+def test_freeze_refusals_leave_the_module_unchanged():
+    cases = [(_module(128, 4).float(), ValueError, "in_proj.weight is torch.float32"),
+             (mha.MultiHeadAttention(128, 4, kdim=96, vdim=96).bfloat16(), ValueError,
+              "kdim == vdim == d_model"),
+             (mha.MultiHeadAttention(128, 8, num_kv_heads=2).bfloat16(), ValueError,
+              "equal query and key/value heads")]
+    for m, error, match in cases:
+        state = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(error, match=match):
+            m.freeze()
+        assert m.frozen is None
+        assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+
+
+def test_frozen_module_serves_other_calls_with_current_weights():
+    """Calls the fused forward does not serve (causal, gradients, fp32 after .float()) read the
+    weights as they are, frozen or not."""
+    m = _module(64, 4).freeze()
+    x = torch.randn(2, 9, 64).bfloat16()
+    with torch.no_grad():
+        m(x)
+        m.in_proj.weight.data.mul_(2)  # not seen by the fused call (documented), seen by these
+        twin = _module(64, 4)
+        twin.load_state_dict(m.state_dict())
+        assert torch.equal(m(x, causal=True), twin(x, causal=True))
+        m.float()
+        assert torch.equal(m(x.float()), twin.float()(x.float()))

@@ -42,8 +42,9 @@ from mha.functional import attention
 from mha.functional import explain as explain_attention
 from mha.linear import describe, linear
 from mha.mods import check_mod
+from mha.ops.linear import bf16_tiles as native_bf16_tiles
+from mha.ops.self_attention import Panels, self_attention_bf16, why_not_fused
 from mha.ops.self_attention import describe as describe_fused
-from mha.ops.self_attention import self_attention_bf16, why_not_fused
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
@@ -128,6 +129,8 @@ class MultiHeadAttention(nn.Module):
         #: ranks the heads are split over (mha.distributed.tensor_parallel); the head counts
         #: above are then this rank's
         self.tensor_parallel = 1
+        #: the weights packed once for the fused bf16 forward (:meth:`freeze`), or None
+        self.frozen: Panels | None = None
 
     # Widths of the projected Q, K, V (derived, not stored).
     @property
@@ -260,7 +263,7 @@ class MultiHeadAttention(nn.Module):
                 cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants)) is None:
             return self_attention_bf16(query, self.in_proj.weight, self.in_proj.bias,
                                        self.out_proj.weight, self.out_proj.bias, self.num_heads,
-                                       self.head_dim ** -0.5)  # (B, T, d_model)
+                                       self.head_dim ** -0.5, self.frozen)  # (B, T, d_model)
         q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
@@ -274,6 +277,45 @@ class MultiHeadAttention(nn.Module):
                                                dropout_p, want_weights, backend, variants)
         y = self._output(out, weights, rec)  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
+
+    def freeze(self) -> MultiHeadAttention:
+        """Pack ``W_qkv`` and ``W_O`` once for the fused bf16 inference forward
+        (:mod:`mha.ops.self_attention`) instead of at every call, and return the module.
+
+        Unfrozen, the fused call packs both weights into its panels each time (at the seeds'
+        bf16 size about a twentieth of the call), so no way of changing a weight can leave a
+        stale copy. Frozen, the panels are packed again only when a weight moves in a way its
+        version counter or storage shows (an optimizer step, ``load_state_dict``, ``nn.init``,
+        an in-place op, ``p.data = t``); writes through ``p.data.<op>_()`` or ``.numpy()`` are
+        **not** seen until :meth:`freeze` is called again (which packs anew) or
+        :meth:`unfreeze`. Calls that do not run fused (fp32, masks, gradients, ...) read the
+        weights as they are, frozen or not. Refused (the module unchanged) unless the module
+        has the packed ``[W^Q; W^K; W^V]`` weight (kdim == vdim == d_model), equal query and
+        key/value heads on one rank, bfloat16 weights on the CPU, and the native op its bf16
+        tiles."""
+        if not (self.packed and self.tensor_parallel == 1 and self.num_kv_heads == self.num_heads
+                and self.v_head_dim == self.head_dim):
+            raise ValueError("freeze() packs the fused bf16 forward's weights, which serves the "
+                             "packed [W^Q; W^K; W^V] weight (kdim == vdim == d_model) with equal "
+                             "query and key/value heads on one rank")
+        for name, p in (("in_proj.weight", self.in_proj.weight),
+                        ("out_proj.weight", self.out_proj.weight)):
+            if p.device.type != "cpu" or p.dtype != torch.bfloat16:
+                raise ValueError(f"freeze() packs bfloat16 CPU weights for the fused forward; "
+                                 f"{name} is {p.dtype} on {p.device} (module.to(torch.bfloat16) "
+                                 f"first)")
+        if not native_bf16_tiles():
+            raise RuntimeError("freeze() needs the native op's bf16 tiles (AVX512_BF16), which "
+                               "this build lacks: the fused forward cannot run here")
+        panels = Panels()
+        panels.current(self.in_proj.weight, self.out_proj.weight)
+        self.frozen = panels
+        return self
+
+    def unfreeze(self) -> MultiHeadAttention:
+        """Drop the packed weights of :meth:`freeze`: every call reads the weights as they are."""
+        self.frozen = None
+        return self
 
     def _why_not_fused(self, query, self_attention: bool, call: dict) -> str | None:
         """Why this call runs step by step rather than in the fused bf16 forward
@@ -420,6 +462,9 @@ class MultiHeadAttention(nn.Module):
         forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
                                   self.out_proj.weight, self.out_proj.bias, self.num_heads)
                    if reason is None else f"step by step: {reason}")
+        if reason is None and self.frozen is not None:
+            forward += ("; weights packed by freeze() (repacked when a weight's version counter "
+                        "or storage moves; writes through p.data or .numpy() are not seen)")
         return "\n".join(lines + [f"forward: {forward}"])
 
     def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None):

@@ -259,9 +259,14 @@ def module_case(s: Shape, ctx: Context) -> Case:
         st = setup()
         return peers.torch_module_call(st["torch"], st["x"], s.causal)
 
-    def make_mha():
+    def make_mha(frozen: bool = False):
         st = setup()
         m = mha.MultiHeadAttention.from_torch(st["torch"]).to(dtype).eval()
+        if frozen:
+            try:
+                m.freeze()
+            except (ValueError, RuntimeError) as e:
+                raise Skip(str(e)) from None
         x = st["x"]
         fn = lambda: m(x, causal=s.causal)  # noqa: E731
 
@@ -279,9 +284,12 @@ def module_case(s: Shape, ctx: Context) -> Case:
         return fn
 
     proj = 4 * 2.0 * s.B * s.T * d_model * d_model  # Q, K, V, O projections
+    impls = [Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha)]
+    if s.dtype == "bf16":  # freeze() packs the fused bf16 forward's weights once (opt-in)
+        impls.append(Impl("mha module frozen", lambda: make_mha(frozen=True)))
     return Case(name=f"module B{s.B} T{s.T} d_model{d_model} h{s.h} {s.dtype} "
                      f"{'causal' if s.causal else 'dense'}",
-                impls=[Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha)],
+                impls=impls,
                 flops=proj + s.flops, metric="gflops", baseline="torch nn.MHA", peak=s.dtype,
                 params=dict(B=s.B, T=s.T, d_model=d_model, h=s.h, dtype=s.dtype,
                             causal=s.causal, module=True),
@@ -295,7 +303,8 @@ def _gemms(m, x: torch.Tensor, causal: bool) -> str:
 
     with torch.no_grad():
         if m.explain(x, causal=causal).splitlines()[-1].startswith("forward: fused"):
-            return "fused bf16 forward (QKV, attention and W_O in one call on the bf16 tiles)"
+            return ("fused bf16 forward (QKV, attention and W_O in one call on the bf16 tiles"
+                    + ("; weights packed once by freeze())" if m.frozen is not None else ")"))
     w_o = m.out_proj.weight
     sides = [describe(inp, w, None).split(":")[0] for inp, w in
              ((x, m.in_proj.weight), (x.new_empty(()).expand(*x.shape[:-1], w_o.shape[1]), w_o))]

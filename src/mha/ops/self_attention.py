@@ -90,8 +90,49 @@ def _measured(M: int, N: int, K: int) -> linear_choice.Measured:
 
 def self_attention_bf16(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
                         w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, panels: Panels | None = None) -> torch.Tensor:
     """``(B, T, D) -> (B, T, N_out)``: ``W_O(attention(x W_qkv^T + b_qkv)) + b_O`` in one native
-    call (no autograd: the caller makes sure nothing needs a gradient)."""
+    call (no autograd: the caller makes sure nothing needs a gradient). ``panels``: the two
+    weights packed once (a frozen module's, :class:`Panels`); without them the call packs both."""
+    wq_p, wo_p = (None, None) if panels is None else panels.current(w_qkv, w_o)
     return torch.ops.mha.self_attention_bf16(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads,
-                                             float(scale))
+                                             float(scale), wq_p, wo_p)
+
+
+class Panels:
+    """``W_qkv`` and ``W_O`` packed once into the fused call's panels
+    (``torch.ops.mha.pack_panels_bf16``: ``(ceil(N / 64), K / 2, 64, 2)`` bf16 pairs), for a
+    frozen module (:meth:`mha.MultiHeadAttention.freeze`).
+
+    Each weight's panels are kept with what identifies its contents — the tensor, its storage
+    pointer and its version counter — and :meth:`current` packs a weight again when any of these
+    moved: an optimizer step, ``load_state_dict``, ``nn.init``, any in-place op on the parameter
+    or on a ``detach()``-ed view, ``p.data = t``. Writes that bypass the version counter (through
+    ``p.data`` or ``.numpy()``) are not seen: that is the price of not packing per call, and why
+    freezing is an explicit choice."""
+
+    def __init__(self) -> None:
+        # name -> (the weight, its (storage pointer, version, shape, strides, dtype), panels);
+        # holding the weight keeps its storage, so a pointer seen here is never reused
+        self._packed: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
+        #: how many times a weight was packed (2 at the first fused call, +1 per weight moved)
+        self.packs = 0
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype)
+
+    def current(self, w_qkv: torch.Tensor, w_o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The panels of ``w_qkv`` and ``w_o`` as they are now (packed again if they moved)."""
+        return self._panels("w_qkv", w_qkv), self._panels("w_o", w_o)
+
+    def _panels(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        key = self._key(w)
+        hit = self._packed.get(name)
+        if hit is not None and hit[0] is w and hit[1] == key:
+            return hit[2]
+        with torch.no_grad():
+            packed = torch.ops.mha.pack_panels_bf16(w)  # (N, K) -> (ceil(N / 64), K / 2, 64, 2)
+        self._packed[name] = (w, key, packed)
+        self.packs += 1
+        return packed

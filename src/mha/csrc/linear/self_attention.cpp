@@ -12,7 +12,8 @@
 // 20 x 20. Run step by step, the QKV output (B T x 3 D bf16, 2 MB) is written past L2 by its
 // GEMM and read back by attention, and every step is an operator call of its own. Here:
 //   1. both weights are packed into 64-column panels of bf16 pairs (panels.h); nothing outlives
-//      the call (a weight changed by any means is read as it is);
+//      the call (a weight changed by any means is read as it is), unless the caller passes the
+//      panels made once by pack_panels_bf16 (mha.MultiHeadAttention.freeze());
 //   2. work items are groups of whole batch rows (<= kGroupRows rows, at::parallel_for); each
 //      item projects its rows to Q, K, V (R x 3 hd, in a buffer of the thread), runs attention
 //      for each (batch row, head) from that buffer and writes the merged heads (R x hd, the
@@ -192,11 +193,49 @@ std::vector<float> padded_bias(const std::optional<at::Tensor>& b, int64_t n, co
   return out;
 }
 
+// The panels of pack_panels_bf16 for W (N, K): (ceil(N / 64), K / 2, 64, 2).
+std::vector<int64_t> panel_shape(int64_t N, int64_t K) {
+  return {(N + kPanel - 1) / kPanel, K / 2, kPanel, 2};
+}
+
+// W (N, K) bf16, K even -> its panels (ceil(N / 64), K / 2, 64, 2) bf16 (panels.h's layout,
+// zero past N): what self_attention_bf16 packs per call, made once for a frozen module.
+at::Tensor pack_panels_bf16(const at::Tensor& w) {
+  check_bf16(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0,
+              "mha pack_panels_bf16: w must be (N, K) with K even, got ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::empty(panel_shape(N, K), w.options());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t per = K * kPanel;  // bf16 per panel
+  at::parallel_for(0, out.size(0), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      mha_panels::pack_panel_bf16(bits(wc), N, K / 2, K, p, dst + p * per);
+  });
+  return out;
+}
+
+// Panels given for a weight (N, K): they must have pack_panels_bf16's shape.
+void check_panels(const std::optional<at::Tensor>& panels, int64_t N, int64_t K,
+                  const char* name) {
+  if (!panels.has_value()) return;
+  check_bf16(*panels, name);
+  TORCH_CHECK(panels->sizes() == at::IntArrayRef(panel_shape(N, K)) && panels->is_contiguous(),
+              "mha self_attention_bf16: ", name, " must be contiguous with shape ",
+              at::IntArrayRef(panel_shape(N, K)), " (pack_panels_bf16 of the weight), got ",
+              panels->sizes());
+}
+
 // y (B, T, N_out) = W_O(attention(split(x W_qkv^T + b_qkv))) + b_O: the module's self-attention
-// forward without masks or score variants (see the file comment).
+// forward without masks or score variants (see the file comment). w_qkv_panels / w_o_panels:
+// the weights already packed (pack_panels_bf16; a frozen module's), read instead of packing
+// w_qkv / w_o, whose shapes still define the call.
 at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
                                const std::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
-                               const std::optional<at::Tensor>& b_o, int64_t heads, double scale) {
+                               const std::optional<at::Tensor>& b_o, int64_t heads, double scale,
+                               const std::optional<at::Tensor>& w_qkv_panels,
+                               const std::optional<at::Tensor>& w_o_panels) {
   check_bf16(x, "x");
   check_bf16(w_qkv, "w_qkv");
   check_bf16(w_o, "w_o");
@@ -212,6 +251,8 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == 3 * hd && w_qkv.size(1) == D,
               "mha self_attention_bf16: w_qkv must be (3 * heads * d, D) = (", 3 * hd, ", ", D,
               "), got ", w_qkv.sizes());
+  check_panels(w_qkv_panels, 3 * hd, D, "w_qkv_panels");
+  check_panels(w_o_panels, N, hd, "w_o_panels");
   const std::vector<float> bq = padded_bias(b_qkv, 3 * hd, "b_qkv");
   const std::vector<float> bo = padded_bias(b_o, N, "b_o");
   at::Tensor out = at::empty({B, T, N}, x.options());
@@ -220,12 +261,20 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   const int64_t K2q = D / 2, K2o = hd / 2;
   const int64_t Pq = (3 * hd + kPanel - 1) / kPanel, Po = (N + kPanel - 1) / kPanel;
   const int64_t wq_n = K2q * kPanel * 2, wo_n = K2o * kPanel * 2;  // bf16 per panel
-  const std::unique_ptr<uint16_t[]> wq_p = uninit<uint16_t>(Pq * wq_n),
-                                    wo_p = uninit<uint16_t>(Po * wo_n);
+  // the panels: given (nothing to pack) or packed here into buffers of the call
+  std::unique_ptr<uint16_t[]> wq_own, wo_own;
+  if (!w_qkv_panels.has_value()) wq_own = uninit<uint16_t>(Pq * wq_n);
+  if (!w_o_panels.has_value()) wo_own = uninit<uint16_t>(Po * wo_n);
+  const uint16_t* wq_p = wq_own ? wq_own.get() : bits(*w_qkv_panels);
+  const uint16_t* wo_p = wo_own ? wo_own.get() : bits(*w_o_panels);
+  const int64_t to_pack_q = wq_own ? Pq : 0, to_pack = to_pack_q + (wo_own ? Po : 0);
   std::atomic<int64_t> claimed{0}, packed{0};  // panels claimed / packed, W_qkv's first
   auto pack = [&](int64_t p) {
-    if (p < Pq) mha_panels::pack_panel_bf16(bits(wq), 3 * hd, K2q, D, p, wq_p.get() + p * wq_n);
-    else mha_panels::pack_panel_bf16(bits(wo), N, K2o, hd, p - Pq, wo_p.get() + (p - Pq) * wo_n);
+    if (p < to_pack_q)
+      mha_panels::pack_panel_bf16(bits(wq), 3 * hd, K2q, D, p, wq_own.get() + p * wq_n);
+    else
+      mha_panels::pack_panel_bf16(bits(wo), N, K2o, hd, p - to_pack_q,
+                                  wo_own.get() + (p - to_pack_q) * wo_n);
   };
   // groups of whole batch rows; as many groups as fit kGroupRows, evened out
   const int64_t per = std::max<int64_t>(1, kGroupRows / T);
@@ -237,11 +286,11 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
   at::parallel_for(0, (B + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     // 1. the panels this thread claims, then the others' (each claimed one is being packed by
     // a thread already running, so the wait ends)
-    for (int64_t p; (p = claimed.fetch_add(1, std::memory_order_relaxed)) < Pq + Po;) {
+    for (int64_t p; (p = claimed.fetch_add(1, std::memory_order_relaxed)) < to_pack;) {
       pack(p);
       packed.fetch_add(1, std::memory_order_acq_rel);
     }
-    while (packed.load(std::memory_order_acquire) < Pq + Po) _mm_pause();
+    while (packed.load(std::memory_order_acquire) < to_pack) _mm_pause();
     // 2. the groups
     Scratch sc;
     const int64_t Tp = round_up(T, kLanes), R = G * T;
@@ -251,7 +300,7 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
     sc.vp = uninit<uint32_t>((T + 1) / 2 * round_up(d, kPanel));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * G, nb = std::min(G, B - b0), rows = nb * T;
-      mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p.get(), bqp,
+      mha_rows_bf16::project(rows, 3 * hd, K2q, xb + b0 * T * D, D, wq_p, bqp,
                              sc.qkv.get(), 3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t hh = 0; hh < heads; ++hh) {
@@ -259,7 +308,7 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
           head(T, d, q, q + hd, q + 2 * hd, 3 * hd, float(scale), sc,
                sc.heads.get() + b * T * hd + hh * d, hd);  // (T, d) of (rows, h d)
         }
-      mha_rows_bf16::project(rows, N, K2o, sc.heads.get(), hd, wo_p.get(), bop,
+      mha_rows_bf16::project(rows, N, K2o, sc.heads.get(), hd, wo_p, bop,
                              yb + b0 * T * N, N);  // (rows, h d) -> (rows, N_out)
     }
   });
@@ -272,11 +321,13 @@ at::Tensor self_attention_bf16(const at::Tensor& x, const at::Tensor& w_qkv,
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("self_attention_bf16(Tensor x, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, "
-        "int heads, float scale) -> Tensor");
+        "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None) -> Tensor");
+  m.def("pack_panels_bf16(Tensor w) -> Tensor");
 }
 
 #if defined(MHA_GEMM_BF16)
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
   m.impl("self_attention_bf16", &mha_self_attention::self_attention_bf16);
+  m.impl("pack_panels_bf16", &mha_self_attention::pack_panels_bf16);
 }
 #endif
