@@ -288,10 +288,26 @@ def test_forced_value_is_checked(monkeypatch):
         assert linear_choice.forced() == want
     monkeypatch.setenv(linear_choice.ENV, "mkl")
     linear_choice.forced.cache_clear()
-    with pytest.raises(ValueError, match="MHA_LINEAR='mkl'"):
+    with pytest.raises(ValueError, match="MHA_LINEAR=mkl is not a choice: expected one of "
+                                         "native, torch, measure"):
         linear_choice.forced()
     monkeypatch.delenv(linear_choice.ENV)
     linear_choice.forced.cache_clear()
+
+
+def test_forced_native_that_cannot_run_is_refused(monkeypatch):
+    """``MHA_LINEAR=native`` where the native op did not build: the projection is refused with
+    the reason (mha.ops.forcing's words), never quietly handed to F.linear; torch still runs."""
+    reason = "mha_linear unavailable (no C++ compiler found)"
+    monkeypatch.setattr(linear, "load", lambda: reason)
+    x, w = torch.randn(64, 256), torch.randn(512, 256)  # big enough to be measured
+    monkeypatch.setattr(linear_choice, "forced", lambda: "native")
+    with pytest.raises(RuntimeError, match=r"MHA_LINEAR=native cannot run here: mha_linear "
+                                           r"unavailable \(no C\+\+ compiler found\) \(choices "
+                                           r"this build can run: torch, measure"):
+        linear.linear(x, w)
+    monkeypatch.setattr(linear_choice, "forced", lambda: "torch")
+    torch.testing.assert_close(linear.linear(x, w), F.linear(x, w), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("tiles_s", "torch_s", "tiles"), [(1.0, 3.0, True), (3.0, 1.0, False)])

@@ -6,8 +6,10 @@ Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, 
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX, or
 ``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
 the backward's products for bf16 inputs (AMX tiles, vdpbf16ps or fp32), the decode kernel's
-bf16 q.k, the compiler and the cache path. Exit code 1 when a build fails or the cache
-directory cannot be used (the reason is printed, one line).
+bf16 q.k (and, where the build has AMX tiles the OS refuses, why they are not used), the
+compiler and the cache path. Exit code 1 when a build fails, the cache directory cannot be
+used, or a forcing variable (``MHA_FLASH_BF16``, ``MHA_DECODE_BF16``) names a kernel this build
+cannot run (the reason is printed, one line).
 """
 
 from __future__ import annotations
@@ -46,14 +48,20 @@ def run(args) -> int:
     print(f"  AVX-512F:    {'yes' if 'avx512f' in isa else 'no (portable loops)'}")
     print(f"  AVX512_BF16: {'yes' if 'avx512bf16' in isa else 'no (bf16 widened to fp32)'}")
     print(f"  compiled in: {', '.join(isa)}")
-    picked = flash.kernels()
-    emulated = "amx-emulated" in isa
-    soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
-    print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
-          + (soft if emulated and picked["bfloat16"] == "amx" else ""))
+    status = 0
+    picked = _or_refusal(flash.kernels)
+    if isinstance(picked, str):  # MHA_FLASH_BF16 names a kernel this build cannot run
+        print(f"  tiles used:  bfloat16 refused: {picked}")
+        status = 1
+    else:
+        emulated = "amx-emulated" in isa
+        soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
+        print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
+              + (soft if emulated and picked["bfloat16"] == "amx" else ""))
+        if flash.amx_refused() is not None:
+            print(f"  AMX tiles not used: {flash.amx_refused()}")
     from mha.ops import decode, gemv, linear
 
-    status = 0
     for name, sources in ((flash.BWD_NAME, flash.BWD_SOURCES),
                           (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES),
                           (gemv.NAME, gemv.SOURCES)):
@@ -61,11 +69,29 @@ def run(args) -> int:
     if flash.load_backward() is None:
         import torch
 
-        math = torch.ops.mha.flash_attention_bwd_bf16_math()
+        math = _or_refusal(torch.ops.mha.flash_attention_bwd_bf16_math)
         print(f"  backward, bfloat16 inputs: {BACKWARD_WORDS.get(math, math)}")
+        status |= math.startswith("refused: ")
     if decode.unavailable() is None:
-        print(f"  decode, bfloat16 q.k: {decode.bf16_qk()}")
+        qk = _or_refusal(decode.bf16_qk)
+        refused = qk.startswith("refused: ")
+        why = None if refused else decode.amx_refused()
+        print(f"  decode, bfloat16 q.k: {qk}" + (f" (not AMX: {why})" if why else ""))
+        status |= refused
     return status
+
+
+def _or_refusal(fn):
+    """``fn()``, or the refusal's one line when a forcing variable names a kernel this build
+    cannot run (:mod:`mha.ops.forcing`); any other error propagates."""
+    from mha.ops import forcing
+
+    try:
+        return fn()
+    except RuntimeError as e:
+        if not forcing.is_refusal(e):
+            raise
+        return f"refused: {str(e).strip().splitlines()[0]}"
 
 
 # The fused backward's products for bf16 inputs (from one 64-row, 64-key block on), in words.

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mha.ops import build
+from mha.ops import build, forcing
 
 FORMAT = 1
 FILE = "mha_linear-choice.json"
@@ -191,9 +191,10 @@ def forced() -> str | None:
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "measure"):
         return None
-    if value not in SIDES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'native', 'torch' or 'measure' "
-                         f"(unset is 'measure')")
+    if value not in SIDES:  # the words of mha.ops.forcing (whether native can run: linear.py)
+        raise ValueError(forcing.refusal(ENV, os.environ[ENV].strip(),
+                                         dict.fromkeys((*SIDES, "measure")),
+                                         "the measured side"))
     return value
 
 
