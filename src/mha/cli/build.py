@@ -7,7 +7,9 @@ instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX
 ``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
 the backward's products for bf16 inputs (AMX tiles, vdpbf16ps or fp32), the decode kernel's
 bf16 q.k (and, where the build has AMX tiles the OS refuses, why they are not used), the
-compiler and the cache path. Exit code 1 when a build fails, the cache directory cannot be
+compiler and the cache path. ``--remeasure`` measures again the projections' GEMM choices
+recorded for this machine (:func:`mha.ops.linear_choice.remeasure`) and prints each with the
+conditions it was taken under. Exit code 1 when a build fails, the cache directory cannot be
 used, or a forcing variable (``MHA_FLASH_BF16``, ``MHA_DECODE_BF16``) names a kernel this build
 cannot run (the reason is printed, one line).
 """
@@ -19,6 +21,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("build", help="compile the native CPU kernels now (cached) and print "
                                      "the instruction sets they target")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure again the projections' GEMM choices recorded for this machine "
+                        "(native tiles or torch's, per shape class: mha_linear-choice.json), "
+                        "e.g. after they were measured on a loaded machine")
     p.set_defaults(func=run)
 
 
@@ -78,7 +84,32 @@ def run(args) -> int:
         why = None if refused else decode.amx_refused()
         print(f"  decode, bfloat16 q.k: {qk}" + (f" (not AMX: {why})" if why else ""))
         status |= refused
+    if args.remeasure:
+        status |= _remeasure()
     return status
+
+
+def _remeasure() -> int:
+    """``--remeasure``: every GEMM choice recorded for this machine, measured again; one line
+    each, the record before and after with its conditions (load, the rounds' spread)."""
+    from mha.ops import build, linear, linear_choice
+
+    reason = linear.load()
+    if reason is not None:
+        print(f"remeasure: nothing to measure: {reason}")
+        return 1
+    try:
+        done = linear_choice.remeasure(linear.kernel())
+    except build.BuildError as e:
+        print(f"remeasure: {e}")
+        return 1
+    if not done:
+        print("remeasure: no GEMM choice recorded for this machine yet (each shape class is "
+              "measured at its first projection)")
+    for name, before, after in done:
+        was = "no sane record" if before is None else f"was {before.choice}"
+        print(f"remeasured {name}: {after.choice} ({was}): {after.describe()}")
+    return 0
 
 
 def _or_refusal(fn):
