@@ -177,6 +177,28 @@ def test_forcing_that_cannot_run(case: Refusal):
     assert verdict == "ok", f"{case.name}: {verdict}"
 
 
+def test_mha_build_says_why_the_amx_tiles_are_not_used():
+    """``mha build`` where the build has AMX tiles the OS refuses (the seam, software tiles):
+    the bf16 choices are the next kernels, each with the reason, exit 0."""
+    flags = cpu_flags()
+    if not {"avx512f", "avx512_bf16"} <= flags or AMX_FLAGS & flags:
+        pytest.skip("needs the software tiles: a CPU with AVX512_BF16 and without AMX")
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in FORCING + SEAMS}
+    env.update(MHA_AMX_EMULATE="1", MHA_TEST_AMX_REFUSED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
+    res = subprocess.run([sys.executable, "-m", "mha.cli", "build"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    why = "the OS refuses the AMX tile state (MHA_TEST_AMX_REFUSED=1)"
+    lines = res.stdout.splitlines()
+    assert any("bfloat16 -> avx512bf16" in ln for ln in lines), res.stdout
+    assert f"  AMX tiles not used: {why}" in lines, res.stdout
+    assert f"  decode, bfloat16 q.k: avx512bf16 (not AMX: {why})" in lines, res.stdout
+    assert "  backward, bfloat16 inputs: bf16 products (vdpbf16ps)" in lines, res.stdout
+
+
 def check_refusal(words: list[str] | None) -> str:
     """In the child: every bf16 entry point refuses with ``words`` (those the forcing reaches:
     the flash forward, its backward and paged forward, decode, the read-backs), fp32 runs; or
