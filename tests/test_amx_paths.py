@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from amx_mode import cpu_flags, mode
+from amx_mode import current, mode, tile_state_refused
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -45,7 +45,7 @@ def results() -> dict[str, str]:
     """Every check's outcome from one subprocess: check -> "ok" | the failure."""
     import subprocess
 
-    forced, name = mode(cpu_flags())
+    forced, name = current()
     if forced is None:
         pytest.skip(name)
     env = {k: v for k, v in os.environ.items()
@@ -451,6 +451,18 @@ def test_the_mode_follows_the_cpu_flags():
                               "MHA_AMX_EMULATE": "1"}, "amx-emulated")
     forced, why = mode({"avx2", "fma", "avx512f"})
     assert forced is None and why.startswith("no avx512_bf16 on this CPU")
+    # an AMX CPU whose OS refuses the tile state: a reason to skip, not a failure
+    refused = "the OS refuses the AMX tile state: arch_prctl(ARCH_REQ_XCOMP_PERM) failed (x)"
+    forced, why = mode(avx512 | {"amx_tile", "amx_bf16"}, refused)
+    assert forced is None and why.startswith(f"the CPU has AMX but {refused}")
+    forced, why = mode(avx512, "the OS refuses the AMX tile state (MHA_TEST_AMX_REFUSED=1)")
+    assert forced is None and "MHA_TEST_AMX_REFUSED=1" in why
+
+
+def test_the_os_answer_follows_the_seam(monkeypatch):
+    monkeypatch.setenv("MHA_TEST_AMX_REFUSED", "1")
+    assert "MHA_TEST_AMX_REFUSED=1" in tile_state_refused()
+    assert current()[0] is None
 
 
 def main(expect: str) -> None:

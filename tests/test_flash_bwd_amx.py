@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from amx_mode import cpu_flags, mode
+from amx_mode import current
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -64,7 +64,7 @@ SCALE = 0.3
 def _run_subprocess() -> dict:
     """Every check's verdict from one process with the tile products forced; {} plus a
     "skip" reason where they cannot run."""
-    forced, why = mode(cpu_flags())  # native tiles, or the software ones
+    forced, why = current()  # native tiles, or the software ones
     if forced is None:
         return {"skip": why}
     env = {k: v for k, v in os.environ.items() if k not in ("MHA_AMX_EMULATE", "MHA_LINEAR")}

@@ -213,6 +213,43 @@ def test_cli_build_with_unusable_build_dir_says_one_line(tmp_path):
     assert len(failed) == 1 and "set MHA_BUILD_DIR to a writable directory" in failed[0]
 
 
+@pytest.mark.parametrize(("value", "flags", "words"), [
+    ("yes", {"avx512f", "avx512_bf16"},
+     "MHA_AMX_EMULATE=yes is not a choice: expected one of 1, 0 (this build can run: 1, 0;"),
+    ("1", {"avx2", "avx512f"},
+     "MHA_AMX_EMULATE=1 cannot run here: software AMX tiles need avx512f and avx512_bf16; the "
+     "CPU lacks avx512_bf16 (choices this build can run: 0;"),
+])
+def test_amx_emulate_that_cannot_run_is_refused(monkeypatch, value, flags, words):
+    """An unknown MHA_AMX_EMULATE, or 1 where the software tiles cannot run, is a build error
+    in mha.ops.forcing's words (warned once, the fallback backends), never ignored."""
+    from mha.ops import forcing
+
+    with pytest.raises(ValueError) as e:
+        forcing.amx_emulate(value, frozenset(flags))
+    assert str(e.value).startswith(words), str(e.value)
+    assert forcing.amx_emulate("1", frozenset({"avx512f", "avx512_bf16"}))
+    assert not forcing.amx_emulate("0") and not forcing.amx_emulate(None)
+    monkeypatch.setenv("MHA_AMX_EMULATE", "yes")
+    with pytest.raises(build.BuildError, match="MHA_AMX_EMULATE=yes is not a choice"):
+        build.flags()
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"MHA_FLASH_BF16": "avx512"}, "refused: MHA_FLASH_BF16=avx512 is not a choice"),
+    ({"MHA_DECODE_BF16": "fp16"}, "refused: MHA_DECODE_BF16=fp16 is not a choice"),
+])
+def test_cli_build_with_a_forcing_that_cannot_run(env, words):
+    """``mha build`` says which forcing cannot run (one line each, no traceback), exit 1."""
+    script = "import sys; from mha.cli import main; sys.exit(main(['build']))"
+    res = subprocess.run([sys.executable, "-c", script],
+                         env=_env(MHA_BUILD_DIR=os.environ.get("MHA_BUILD_DIR"), **env),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr
+    assert any(words in line for line in res.stdout.splitlines()), res.stdout
+
+
 def test_unwritable_home_falls_back_to_a_private_temp_dir(toolchain, tmp_path):
     """No MHA_BUILD_DIR and ~/.cache unusable: build in <tempdir>/mha-build-<uid>, say so once."""
     tmpdir = tmp_path / "tmp"

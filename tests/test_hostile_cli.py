@@ -261,6 +261,11 @@ def _raising(exc):
     (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib"), 1,
      ["mha shapes: matplotlib is not installed: pip install 'mha[viz]'"]),
     (UsageError("--heads: two\nlines"), 2, ["mha shapes: --heads: two lines"]),
+    (RuntimeError("MHA_DECODE_BF16=amx cannot run here: no AMX tiles in this build (...)\n"
+                  "Exception raised from check_forced at kernel_choice.h:40"), 1,
+     ["mha shapes: MHA_DECODE_BF16=amx cannot run here: no AMX tiles in this build"]),
+    (ValueError("MHA_LINEAR=mkl is not a choice: expected one of native, torch, measure"), 1,
+     ["mha shapes: MHA_LINEAR=mkl is not a choice"]),
 ])
 def test_runtime_failures_are_one_line(monkeypatch, capsys, exc, code, expected):
     monkeypatch.setattr(mha.cli.shapes, "record", _raising(exc))

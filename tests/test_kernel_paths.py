@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from amx_mode import cpu_flags
+from amx_mode import AMX_FLAGS, cpu_flags, current
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -89,6 +89,8 @@ def test_forced_path(path: KernelPath):
     if present:
         pytest.skip(f"{' / '.join(present)} on this CPU: the hardware path runs instead of "
                     f"{path.name}")
+    if AMX_FLAGS <= path.needs and current()[0] is None:
+        pytest.skip(current()[1])  # an AMX CPU whose OS refuses the tile state
     import subprocess
 
     env = dict(os.environ, **path.env)
@@ -107,6 +109,151 @@ def test_forced_path(path: KernelPath):
         pytest.skip(f"{path.name}: {next(iter(not_built.values()))}")
     failed = {k: v for k, v in results.items() if v != "ok"}
     assert not failed, f"{path.name}: {failed}"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A forcing this build / CPU / OS cannot honour (or, ``refused`` None, a fallback it must
+    take instead): the variables, the CPU flags it applies on (``needs``; ``absent`` must be
+    missing), and what the child checks (:func:`check_refusal`)."""
+
+    name: str
+    env: dict = field(hash=False)
+    refused: tuple | None  # the words every refused bf16 call must say; None: no refusal
+    needs: frozenset = frozenset()
+    absent: frozenset = frozenset()
+
+
+REFUSALS = [
+    Refusal("flash_unknown", {"MHA_FLASH_BF16": "avx512"},
+            ("MHA_FLASH_BF16=avx512 is not a choice: expected one of avx512bf16, avx512f, "
+             "portable, amx",)),
+    Refusal("decode_unknown", {"MHA_DECODE_BF16": "vdpbf16ps"},
+            ("MHA_DECODE_BF16=vdpbf16ps is not a choice: expected one of amx, avx512bf16",)),
+    Refusal("flash_amx_without_tiles", {"MHA_FLASH_BF16": "amx"},
+            ("MHA_FLASH_BF16=amx cannot run here: no AMX tiles in this build: the CPU lacks "
+             "amx_bf16", "choices this build can run: avx512bf16, avx512f, portable"),
+            absent=AMX_FLAGS),
+    Refusal("decode_amx_without_tiles", {"MHA_DECODE_BF16": "amx"},
+            ("MHA_DECODE_BF16=amx cannot run here: no AMX tiles in this build: the CPU lacks "
+             "amx_bf16", "choices this build can run: avx512bf16"),
+            needs=frozenset({"avx512f", "avx512_bf16"}), absent=AMX_FLAGS),
+    Refusal("flash_avx512f_without_it", {"MHA_FLASH_BF16": "avx512f"},
+            ("MHA_FLASH_BF16=avx512f cannot run here: this build lacks avx512f",),
+            absent=frozenset({"avx512f"})),
+    # an OS that refuses the tile state (forced by the test seam, on software tiles): the
+    # default falls back to the next kernel and says why; forcing amx is refused
+    Refusal("os_refuses_tiles_default", {"MHA_AMX_EMULATE": "1", "MHA_TEST_AMX_REFUSED": "1"},
+            None, needs=frozenset({"avx512f", "avx512_bf16"}), absent=AMX_FLAGS),
+    Refusal("os_refuses_tiles_forced", {"MHA_AMX_EMULATE": "1", "MHA_TEST_AMX_REFUSED": "1",
+                                        "MHA_FLASH_BF16": "amx", "MHA_DECODE_BF16": "amx"},
+            ("=amx cannot run here: the OS refuses the AMX tile state "
+             "(MHA_TEST_AMX_REFUSED=1)",),
+            needs=frozenset({"avx512f", "avx512_bf16"}), absent=AMX_FLAGS),
+]
+SEAMS = ("MHA_TEST_AMX_REFUSED",)
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[r.name for r in REFUSALS])
+def test_forcing_that_cannot_run(case: Refusal):
+    """A value that cannot run here is refused at every bf16 call with the variable, the
+    value, the choices and why (fp32 calls unaffected); an OS that refuses the AMX tile state
+    makes the default fall back to the next kernel, with the reason in mha.explain."""
+    flags = cpu_flags()
+    if not case.needs <= flags or case.absent & flags:
+        pytest.skip(f"{case.name} applies on a CPU with {sorted(case.needs) or 'any flags'} "
+                    f"and without {sorted(case.absent)}")
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in FORCING + SEAMS}
+    env.update(case.env)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE),
+                                         *filter(None, [os.environ.get("PYTHONPATH")])])
+    words = json.dumps(case.refused)
+    res = subprocess.run([sys.executable, __file__, "--refusal", words], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"the {case.name} process failed:\n{res.stderr[-4000:]}"
+    verdict = json.loads(res.stdout.strip().splitlines()[-1])
+    assert verdict == "ok", f"{case.name}: {verdict}"
+
+
+def test_mha_build_says_why_the_amx_tiles_are_not_used():
+    """``mha build`` where the build has AMX tiles the OS refuses (the seam, software tiles):
+    the bf16 choices are the next kernels, each with the reason, exit 0."""
+    flags = cpu_flags()
+    if not {"avx512f", "avx512_bf16"} <= flags or AMX_FLAGS & flags:
+        pytest.skip("needs the software tiles: a CPU with AVX512_BF16 and without AMX")
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in FORCING + SEAMS}
+    env.update(MHA_AMX_EMULATE="1", MHA_TEST_AMX_REFUSED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
+    res = subprocess.run([sys.executable, "-m", "mha.cli", "build"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    why = "the OS refuses the AMX tile state (MHA_TEST_AMX_REFUSED=1)"
+    lines = res.stdout.splitlines()
+    assert any("bfloat16 -> avx512bf16" in ln for ln in lines), res.stdout
+    assert f"  AMX tiles not used: {why}" in lines, res.stdout
+    assert f"  decode, bfloat16 q.k: avx512bf16 (not AMX: {why})" in lines, res.stdout
+    assert "  backward, bfloat16 inputs: bf16 products (vdpbf16ps)" in lines, res.stdout
+
+
+def check_refusal(words: list[str] | None) -> str:
+    """In the child: every bf16 entry point refuses with ``words`` (those the forcing reaches:
+    the flash forward, its backward and paged forward, decode, the read-backs), fp32 runs; or
+    (``words`` None) the AMX fallback: the next kernel runs bf16 and explain says why."""
+    import torch
+
+    import mha
+    from mha.ops import decode, flash
+
+    q, k, v = _inputs(1, 4, 2, 70, 100, 64, seed=1)
+    d1 = q[:, :, :1]
+    if words is None:
+        if flash.load_backward() is not None:
+            return f"not built: {flash.load_backward()}"
+        picked = (flash.kernels()["bfloat16"], decode.bf16_qk(),
+                  torch.ops.mha.flash_attention_bwd_bf16_math())
+        if picked != ("avx512bf16", "avx512bf16", "bf16"):
+            return f"failed: expected the fallback (avx512bf16 x2, bf16), got {picked}"
+        why = flash.amx_refused() or ""
+        if "refuses the AMX tile state" not in why or decode.amx_refused() != why:
+            return f"failed: reasons {why!r} / {decode.amx_refused()!r}"
+        said = [str(v) for v in [*mha.explain(q, k, v), *mha.explain(d1, k, v)]]
+        chosen = [line for line in said if " chosen " in line and f"not AMX: {why}" in line]
+        if [line.split()[0] for line in chosen] != ["flash_cpu", "flash_decode"]:
+            return f"failed: explain does not say why: {said}"
+        check_forward()
+        _decode(False)
+        return "ok"
+    attempts = {
+        "forward": lambda: mha.attention(q, k, v, backend="flash_cpu"),
+        "kernels": flash.kernels,
+        "backward": lambda: flash.load_backward() or torch.ops.mha.flash_attention_bwd_bf16_math(),
+        "decode": lambda: decode.flash_decode(d1, k, v),
+        "bf16_qk": decode.bf16_qk,
+        "small": lambda: mha.attention(q[:, :, :8], k[:, :, :32], v[:, :, :32],
+                                       backend="flash_cpu"),  # the small-problem path
+    }
+    refused = []
+    for name, fn in attempts.items():
+        try:
+            fn()
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+            if not all(w in msg for w in words):
+                return f"failed: {name}: {msg!r} lacks {words}"
+            refused.append(name)
+    var = words[0].partition("=")[0]  # "" when the words fit both variables
+    want = ({"forward", "kernels", "backward", "small"} if var == "MHA_FLASH_BF16" else
+            {"decode", "bf16_qk"} if var == "MHA_DECODE_BF16" else set(attempts))
+    if set(refused) != want:
+        return f"failed: refused by {sorted(refused)}, expected {sorted(want)}"
+    f32 = [t.float() for t in (q, k, v)]  # fp32 calls never read the bf16 choice
+    mha.attention(*f32, backend="flash_cpu")
+    decode.flash_decode(f32[0][:, :, :1], f32[1], f32[2])
+    return "ok"
 
 
 # ----------------------------------------------------------------------------- the subprocess
@@ -250,4 +397,10 @@ def main(selection: str, checks: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--refusal":
+        try:
+            print(json.dumps(check_refusal(json.loads(sys.argv[2]))))
+        except AssertionError as e:
+            print(json.dumps(f"failed: {e}"))
+    else:
+        main(sys.argv[1], sys.argv[2:])

@@ -160,8 +160,10 @@ def test_measured_once_then_read_from_the_file(cache_file, monkeypatch):
     data = json.loads(cache_file.read_text())
     mine = data["machines"][linear_choice.machine_key(KERNEL)]
     assert sorted(mine) == ["M512 N2048 K512", "M512 N512 K512"]
-    assert mine["M512 N2048 K512"] == {"choice": "torch", "native_s": 2.0, "torch_s": 1.0,
-                                       "shape": [512, 2048, 512]}
+    rec = mine["M512 N2048 K512"]
+    assert {k: rec[k] for k in ("choice", "native_s", "torch_s", "shape")} == {
+        "choice": "torch", "native_s": 2.0, "torch_s": 1.0, "shape": [512, 2048, 512]}
+    assert {"load", "cpus"} <= rec.keys()  # the conditions it was taken under
     assert data["machines"]["another CPU | torch 0 | k"] == other["machines"]["another CPU | torch 0 | k"]
     assert linear_choice.machine_key("mha_linear-rebuilt") in data["machines"]
 
@@ -288,10 +290,26 @@ def test_forced_value_is_checked(monkeypatch):
         assert linear_choice.forced() == want
     monkeypatch.setenv(linear_choice.ENV, "mkl")
     linear_choice.forced.cache_clear()
-    with pytest.raises(ValueError, match="MHA_LINEAR='mkl'"):
+    with pytest.raises(ValueError, match="MHA_LINEAR=mkl is not a choice: expected one of "
+                                         "native, torch, measure"):
         linear_choice.forced()
     monkeypatch.delenv(linear_choice.ENV)
     linear_choice.forced.cache_clear()
+
+
+def test_forced_native_that_cannot_run_is_refused(monkeypatch):
+    """``MHA_LINEAR=native`` where the native op did not build: the projection is refused with
+    the reason (mha.ops.forcing's words), never quietly handed to F.linear; torch still runs."""
+    reason = "mha_linear unavailable (no C++ compiler found)"
+    monkeypatch.setattr(linear, "load", lambda: reason)
+    x, w = torch.randn(64, 256), torch.randn(512, 256)  # big enough to be measured
+    monkeypatch.setattr(linear_choice, "forced", lambda: "native")
+    with pytest.raises(RuntimeError, match=r"MHA_LINEAR=native cannot run here: mha_linear "
+                                           r"unavailable \(no C\+\+ compiler found\) \(choices "
+                                           r"this build can run: torch, measure"):
+        linear.linear(x, w)
+    monkeypatch.setattr(linear_choice, "forced", lambda: "torch")
+    torch.testing.assert_close(linear.linear(x, w), F.linear(x, w), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("tiles_s", "torch_s", "tiles"), [(1.0, 3.0, True), (3.0, 1.0, False)])
@@ -309,8 +327,9 @@ def test_bf16_tiles_follow_their_measurement(cache_file, monkeypatch, tiles_s, t
                                                                    (1536,)))
     text = linear.describe(x, w, b)
     if tiles:
-        assert text == ("the native bf16 tiles: measured 3.00x faster than torch's bf16 GEMM "
-                        "for (M=512, N=2048, K=512) on " + linear_choice.cpu_model())
+        assert text.startswith("the native bf16 tiles: measured 3.00x faster than torch's "
+                               "bf16 GEMM for (M=512, N=2048, K=512) on "
+                               + linear_choice.cpu_model() + " (measured at load ")
     else:
         assert text.startswith("torch's bf16 GEMM: measured 3.00x faster than the native bf16")
     with torch.no_grad():
@@ -377,3 +396,88 @@ def test_both_sides_forced_give_the_same_numbers(monkeypatch, bias):
     torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-4, atol=1e-5)
 
 
+
+
+# ----------------------------------------------------------------------------- conditions
+def test_a_record_says_under_what_conditions_it_was_taken(cache_file, monkeypatch):
+    """The load average, the CPU count and the rounds' speedup range are stored and shown;
+    a file written without them stays valid (and says nothing about them)."""
+    monkeypatch.setattr(linear_choice.os, "getloadavg", lambda: (3.25, 2.0, 1.0))
+    inject(monkeypatch, 1.0, 2.0, "measure")
+    monkeypatch.setattr(linear_choice, "measure", lambda shape: (1.0, 2.0, (1.8, 2.3)))
+    got = linear_choice.choose(640, 1536, 512, KERNEL)
+    (entries,) = json.loads(cache_file.read_text())["machines"].values()
+    rec = entries["M512 N2048 K512"]
+    assert rec["load"] == 3.25 and rec["cpus"] == (linear_choice.os.cpu_count() or 1)
+    assert rec["speedups"] == [1.8, 2.3]
+    text = got.describe()
+    assert "measured at load 3.25 on" in text and "native speedup 1.80-2.30x over 5 rounds" in text
+    assert "noise" not in text
+    linear_choice.forget()
+    assert linear_choice.choose(640, 1536, 512, KERNEL).describe() == text  # read back
+    for key in ("load", "cpus", "speedups"):  # a record written before conditions existed
+        del rec[key]
+    cache_file.write_text(json.dumps({"format": 1, "machines": {
+        linear_choice.machine_key(KERNEL): entries}}))
+    linear_choice.forget()
+    old = linear_choice.choose(640, 1536, 512, KERNEL)
+    assert old.choice == "native" and old.conditions is None and "load" not in old.describe()
+
+
+@pytest.mark.parametrize(("speedups", "noise"), [((0.93, 1.12), True), ((1.01, 1.2), False),
+                                                 ((0.7, 0.98), False), (None, False)])
+def test_sides_within_the_measurements_noise_are_said_to_be(speedups, noise):
+    c = linear_choice.Conditions(1.5, 2, speedups)
+    m = linear_choice.Measured.of(1.0, 1.03, (512, 512, 512), "a CPU", conditions=c)
+    assert c.within_noise == noise
+    assert ("within this measurement's noise" in m.describe()) == noise
+
+
+def test_fastest_reports_the_rounds_spread():
+    best_a, best_b, (lo, hi) = linear_choice._fastest((lambda: None, lambda: None))
+    assert best_a > 0 and best_b > 0 and 0 < lo <= hi
+
+
+def test_remeasure_replaces_this_machines_records(cache_file, monkeypatch):
+    """``remeasure``: every class recorded for this machine measured again, in the file and
+    in memory; another machine's records and an unknown class name are left alone."""
+    other = {"choice": "native", "native_s": 1.0, "torch_s": 2.0, "shape": [1, 16, 16]}
+    inject(monkeypatch, 1.0, 2.0)
+    inject(monkeypatch, 1.0, 2.0, "measure_bf16_tiles")
+    linear_choice.choose(640, 1536, 512, KERNEL)
+    linear_choice.choose(640, 512, 512, KERNEL, bf16=True, tiles=True)
+    data = json.loads(cache_file.read_text())
+    data["machines"]["another CPU | torch 0 | k"] = {"M1 N16 K16": other}
+    data["machines"][linear_choice.machine_key(KERNEL)]["a name of another format"] = other
+    cache_file.write_text(json.dumps(data))
+    asked = inject(monkeypatch, 2.0, 1.0)
+    asked_tiles = inject(monkeypatch, 3.0, 1.0, "measure_bf16_tiles")
+    done = linear_choice.remeasure(KERNEL)
+    assert [(n, b.choice, a.choice) for n, b, a in done] == [
+        ("M512 N2048 K512", "native", "torch"), ("bf16 tiles M512 N512 K512", "native", "torch")]
+    assert asked == [(512, 2048, 512)] and asked_tiles == [(512, 512, 512)]
+    assert linear_choice.choose(640, 1536, 512, KERNEL).choice == "torch"  # memory
+    linear_choice.forget()
+    assert linear_choice.choose(640, 1536, 512, KERNEL).choice == "torch"  # the file
+    data = json.loads(cache_file.read_text())
+    assert data["machines"]["another CPU | torch 0 | k"] == {"M1 N16 K16": other}
+    assert data["machines"][linear_choice.machine_key(KERNEL)]["a name of another format"] == other
+    assert len(asked) == 1
+
+
+def test_cli_build_remeasure_prints_each_class(cache_file, monkeypatch, capsys):
+    """``mha build --remeasure``'s step: one line per class, before and after, with the
+    conditions; a machine with no record says so."""
+    import mha.cli.build as cli_build
+
+    monkeypatch.setattr(linear, "load", lambda: None)
+    monkeypatch.setattr(linear, "kernel", lambda: KERNEL)
+    assert cli_build._remeasure() == 0
+    assert "no GEMM choice recorded for this machine yet" in capsys.readouterr().out
+    inject(monkeypatch, 1.0, 2.0)
+    linear_choice.choose(640, 1536, 512, KERNEL)
+    monkeypatch.setattr(linear_choice, "measure", lambda shape: (1.0, 1.02, (0.95, 1.1)))
+    assert cli_build._remeasure() == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("remeasured M512 N2048 K512: torch (was native): torch's GEMM: ")
+    assert "measured at load" in line and "within this measurement's noise" in line

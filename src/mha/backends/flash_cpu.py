@@ -32,18 +32,20 @@ PORTABLE_MIN_TK = 512  # from here on SDPA's fused kernel beats the portable loo
 
 
 @functools.cache
-def _portable_kernels() -> frozenset[torch.dtype]:
-    """The dtypes whose tile kernel is the portable C++ loops on this CPU (no AVX-512)."""
+def _portable_kernel(dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s tile kernel is the portable C++ loops on this CPU (no AVX-512). Only
+    bf16 asks for the bf16 choice (a ``MHA_FLASH_BF16`` this build cannot run fails bf16 calls,
+    never fp32 ones)."""
     from mha.ops import flash
 
-    kernels = flash.kernels()  # e.g. {"float32": "avx512f", "bfloat16": "avx512bf16"}
-    return frozenset(d for d in (torch.float32, torch.bfloat16)
-                     if kernels[str(d).replace("torch.", "")] == "portable")
+    if dtype == torch.float32:
+        return "avx512f" not in flash.isa().split(",")
+    return flash.kernels()["bfloat16"] == "portable"  # e.g. "avx512bf16", "amx"
 
 
 @torch.compiler.assume_constant_result
 def _portable(dtype: torch.dtype) -> bool:
-    return dtype in _portable_kernels()
+    return _portable_kernel(dtype)
 
 
 def _defers(call: AttentionCall) -> str | None:
@@ -96,14 +98,21 @@ AMX_SMALL_MAX_TK = 32  # up to this Tk, bf16 calls of an AMX build take the smal
 
 def _note(call: AttentionCall) -> str | None:
     """bf16 calls on the AMX kernel of a ``MHA_AMX_EMULATE=1`` build run on software tiles
-    (score variants and mask_mod plans go to the AVX-512 tiles, Tk <= 32 to the small path)."""
+    (score variants and mask_mod plans go to the AVX-512 tiles, Tk <= 32 to the small path);
+    where the build has AMX tiles the OS refuses, they run the next kernel, and say why."""
     from mha.ops import flash
 
     amx = (call.dtype == torch.bfloat16 and not call.scores.kinds
            and call.masks.mask_mod is None and call.Tk > AMX_SMALL_MAX_TK)
-    if amx and "amx-emulated" in flash.isa().split(",") and flash.kernels()["bfloat16"] == "amx":
+    if not amx:
+        return None
+    kernel = flash.kernels()["bfloat16"]
+    if "amx-emulated" in flash.isa().split(",") and kernel == "amx":
         return ("bf16 tiles: amx-emulated, software AMX tiles of a MHA_AMX_EMULATE=1 build: "
                 "for tests, not for speed")
+    refused = flash.amx_refused()
+    if refused is not None and kernel != "amx":
+        return f"bf16 tiles: {kernel}, not AMX: {refused}"
     return None
 
 

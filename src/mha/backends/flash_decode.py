@@ -32,12 +32,19 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
 
 def _note(call: AttentionCall) -> str | None:
     """bf16 q.k on the AMX tiles of a ``MHA_AMX_EMULATE=1`` build runs in software (where they
-    fit: G = h / h_kv * Tq <= 16 query rows, d_k % 32 == 0, d_k <= 128, runs of 32 keys)."""
+    fit: G = h / h_kv * Tq <= 16 query rows, d_k % 32 == 0, d_k <= 128, runs of 32 keys); where
+    the build has AMX tiles the OS refuses, it runs on vdpbf16ps, and says why."""
     fits = (call.h // call.h_kv * call.Tq <= 16 and call.d_k % 32 == 0 and call.d_k <= 128
             and call.Tk >= 32)
-    if call.dtype == torch.bfloat16 and fits and decode.bf16_qk() == "amx-emulated":
+    if call.dtype != torch.bfloat16 or not fits:
+        return None
+    qk = decode.bf16_qk()
+    if qk == "amx-emulated":
         return ("bf16 q.k: amx-emulated, software AMX tiles of a MHA_AMX_EMULATE=1 build: "
                 "for tests, not for speed")
+    refused = decode.amx_refused()
+    if refused is not None and not refused.startswith("MHA_DECODE_BF16"):
+        return f"bf16 q.k: {qk}, not AMX: {refused}"
     return None
 
 

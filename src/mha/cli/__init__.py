@@ -5,7 +5,9 @@ registers its parser and sets ``func`` (called with the parsed args; returns an 
 Errors (see :func:`main`): a user's mistake is one line on stderr, never a traceback —
 exit 2 for the command line (argparse's code: a bad value, a wrong combination of options),
 1 for a failure while running (a file that cannot be written, memory that cannot be had, a
-missing optional dependency, with its ``pip install`` hint), 130 for Ctrl-C. Any other
+missing optional dependency, with its ``pip install`` hint, a forcing variable such as
+``MHA_FLASH_BF16`` naming a kernel that cannot run here: :mod:`mha.ops.forcing`), 130 for
+Ctrl-C. Any other
 exception is a bug in mha and keeps its traceback. ``mha --debug ...`` prints the traceback
 of every error too.
 """
@@ -123,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(prog, _os_message(e), 1, debug)
     except MemoryError as e:
         return _fail(prog, f"out of memory: {e}" if str(e) else "out of memory", 1, debug)
-    except RuntimeError as e:
-        if not _allocation_failure(e):
+    except (RuntimeError, ValueError) as e:
+        from mha.ops import forcing
+
+        if forcing.is_refusal(e):  # MHA_FLASH_BF16 & co. naming what cannot run here
+            return _fail(prog, str(e).strip().splitlines()[0], 1, debug)
+        if not isinstance(e, RuntimeError) or not _allocation_failure(e):
             raise
         return _fail(prog, f"out of memory: {str(e).splitlines()[0]}", 1, debug)
 

@@ -6,8 +6,12 @@ Builds ``mha_flash`` (``mha.ops.flash``), its fused backward ``mha_flash_bwd``, 
 instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX, or
 ``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
 the backward's products for bf16 inputs (AMX tiles, vdpbf16ps or fp32), the decode kernel's
-bf16 q.k, the compiler and the cache path. Exit code 1 when a build fails or the cache
-directory cannot be used (the reason is printed, one line).
+bf16 q.k (and, where the build has AMX tiles the OS refuses, why they are not used), the
+compiler and the cache path. ``--remeasure`` measures again the projections' GEMM choices
+recorded for this machine (:func:`mha.ops.linear_choice.remeasure`) and prints each with the
+conditions it was taken under. Exit code 1 when a build fails, the cache directory cannot be
+used, or a forcing variable (``MHA_FLASH_BF16``, ``MHA_DECODE_BF16``) names a kernel this build
+cannot run (the reason is printed, one line).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("build", help="compile the native CPU kernels now (cached) and print "
                                      "the instruction sets they target")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure again the projections' GEMM choices recorded for this machine "
+                        "(native tiles or torch's, per shape class: mha_linear-choice.json), "
+                        "e.g. after they were measured on a loaded machine")
     p.set_defaults(func=run)
 
 
@@ -46,14 +54,20 @@ def run(args) -> int:
     print(f"  AVX-512F:    {'yes' if 'avx512f' in isa else 'no (portable loops)'}")
     print(f"  AVX512_BF16: {'yes' if 'avx512bf16' in isa else 'no (bf16 widened to fp32)'}")
     print(f"  compiled in: {', '.join(isa)}")
-    picked = flash.kernels()
-    emulated = "amx-emulated" in isa
-    soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
-    print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
-          + (soft if emulated and picked["bfloat16"] == "amx" else ""))
+    status = 0
+    picked = _or_refusal(flash.kernels)
+    if isinstance(picked, str):  # MHA_FLASH_BF16 names a kernel this build cannot run
+        print(f"  tiles used:  bfloat16 refused: {picked}")
+        status = 1
+    else:
+        emulated = "amx-emulated" in isa
+        soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
+        print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
+              + (soft if emulated and picked["bfloat16"] == "amx" else ""))
+        if flash.amx_refused() is not None:
+            print(f"  AMX tiles not used: {flash.amx_refused()}")
     from mha.ops import decode, gemv, linear
 
-    status = 0
     for name, sources in ((flash.BWD_NAME, flash.BWD_SOURCES),
                           (decode.EXTENSION, decode.SOURCES), (linear.NAME, linear.SOURCES),
                           (gemv.NAME, gemv.SOURCES)):
@@ -61,11 +75,54 @@ def run(args) -> int:
     if flash.load_backward() is None:
         import torch
 
-        math = torch.ops.mha.flash_attention_bwd_bf16_math()
+        math = _or_refusal(torch.ops.mha.flash_attention_bwd_bf16_math)
         print(f"  backward, bfloat16 inputs: {BACKWARD_WORDS.get(math, math)}")
+        status |= math.startswith("refused: ")
     if decode.unavailable() is None:
-        print(f"  decode, bfloat16 q.k: {decode.bf16_qk()}")
+        qk = _or_refusal(decode.bf16_qk)
+        refused = qk.startswith("refused: ")
+        why = None if refused else decode.amx_refused()
+        print(f"  decode, bfloat16 q.k: {qk}" + (f" (not AMX: {why})" if why else ""))
+        status |= refused
+    if args.remeasure:
+        status |= _remeasure()
     return status
+
+
+def _remeasure() -> int:
+    """``--remeasure``: every GEMM choice recorded for this machine, measured again; one line
+    each, the record before and after with its conditions (load, the rounds' spread)."""
+    from mha.ops import build, linear, linear_choice
+
+    reason = linear.load()
+    if reason is not None:
+        print(f"remeasure: nothing to measure: {reason}")
+        return 1
+    try:
+        done = linear_choice.remeasure(linear.kernel())
+    except build.BuildError as e:
+        print(f"remeasure: {e}")
+        return 1
+    if not done:
+        print("remeasure: no GEMM choice recorded for this machine yet (each shape class is "
+              "measured at its first projection)")
+    for name, before, after in done:
+        was = "no sane record" if before is None else f"was {before.choice}"
+        print(f"remeasured {name}: {after.choice} ({was}): {after.describe()}")
+    return 0
+
+
+def _or_refusal(fn):
+    """``fn()``, or the refusal's one line when a forcing variable names a kernel this build
+    cannot run (:mod:`mha.ops.forcing`); any other error propagates."""
+    from mha.ops import forcing
+
+    try:
+        return fn()
+    except RuntimeError as e:
+        if not forcing.is_refusal(e):
+            raise
+        return f"refused: {str(e).strip().splitlines()[0]}"
 
 
 # The fused backward's products for bf16 inputs (from one 64-row, 64-key block on), in words.

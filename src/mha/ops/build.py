@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from mha.ops import forcing
+
 try:
     import fcntl
 except ImportError:  # not a POSIX system: builds stay atomic, concurrent ones may duplicate work
@@ -73,8 +75,14 @@ EMULATE_AMX = ("-DMHA_AMX_EMULATE",)
 
 def flags() -> tuple[str, ...]:
     """The compiler flags of a build in this process: :data:`FLAGS`, plus
-    :data:`EMULATE_AMX` when ``MHA_AMX_EMULATE=1``."""
-    return FLAGS + (EMULATE_AMX if os.environ.get("MHA_AMX_EMULATE") == "1" else ())
+    :data:`EMULATE_AMX` when ``MHA_AMX_EMULATE=1``. Raises :class:`BuildError` (the words of
+    :mod:`mha.ops.forcing`) for another value, or for ``1`` on a CPU the software tiles cannot
+    run on."""
+    try:
+        emulate = forcing.amx_emulate(os.environ.get("MHA_AMX_EMULATE"))
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    return FLAGS + (EMULATE_AMX if emulate else ())
 _FIX = "set MHA_BUILD_DIR to a writable directory"
 _lock = threading.Lock()
 _loaded: dict[tuple[str, tuple[Path, ...]], Path] = {}

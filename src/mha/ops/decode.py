@@ -59,11 +59,22 @@ def bf16_qk() -> str:
     """The bf16 q.k this process runs where the AMX tiles fit (G = h / h_kv * Tq <= 16,
     d_k % 32 == 0, d_k <= 128): ``amx``, ``amx-emulated`` (software tiles, a
     ``MHA_AMX_EMULATE=1`` build), ``avx512bf16`` or ``fp32``; chosen once per process from the
-    build, the OS and ``MHA_DECODE_BF16``. Raises RuntimeError when the kernel is unavailable."""
+    build, the OS and ``MHA_DECODE_BF16``. Raises RuntimeError when the kernel is unavailable,
+    or naming the variable, its choices and why when ``MHA_DECODE_BF16`` names a q.k this build
+    cannot run (as every bf16 call does)."""
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(f"flash_decode: {reason}")
     return torch.ops.mha.flash_decode_bf16_qk()
+
+
+@functools.cache
+def amx_refused() -> str | None:
+    """Why the AMX q.k compiled into this build does not run in this process (the OS refuses
+    the tile state, or ``MHA_DECODE_BF16=avx512bf16``): bf16 q.k then runs on ``vdpbf16ps``.
+    None when it runs or is not compiled in. Raises RuntimeError as :func:`bf16_qk` does."""
+    bf16_qk()
+    return torch.ops.mha.flash_decode_amx() or None
 
 
 def _fake(q, k, v, key_lengths, mask, scale, causal, softcap=None, sinks=None, bias=None,

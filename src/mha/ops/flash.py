@@ -79,11 +79,23 @@ def isa() -> str:
 def kernels() -> dict[str, str]:
     """The tile kernel each dtype runs on this CPU, e.g. ``{"float32": "avx512f", ...}``: the
     choice the extension made once when it was loaded (``csrc/common/kernel_choice.h``: the
-    CPU's instruction sets and ``MHA_FLASH_BF16``), read here once. Every consumer (the
-    backend's deferral rule, ``mha build``, the bench's CPU record) asks this function."""
+    CPU's instruction sets, whether the OS grants the AMX tile state, and ``MHA_FLASH_BF16``),
+    read here once. Every consumer (the backend's deferral rule, ``mha build``, the bench's CPU
+    record) asks this function. Raises RuntimeError naming the variable, its choices and why
+    when ``MHA_FLASH_BF16`` names a kernel this build cannot run (as every bf16 call does)."""
     _ready()
     f32, bf16 = torch.ops.mha.flash_attention_kernels()
     return {"float32": f32, "bfloat16": bf16}
+
+
+@functools.cache
+def amx_refused() -> str | None:
+    """Why the AMX tiles compiled into this build do not run in this process (e.g. "the OS
+    refuses the AMX tile state: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed (...)"): bf16
+    calls then run the next kernel (:func:`kernels`). None when they run or are not compiled in.
+    ``MHA_TEST_AMX_REFUSED=1`` (tests only) makes a build with tiles act as if refused."""
+    _ready()
+    return torch.ops.mha.flash_attention_amx() or None
 
 
 def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, sinks=None,

@@ -45,7 +45,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mha.ops import build, linear_choice
+from mha.ops import build, forcing, linear_choice
 
 NAME = "mha_linear"
 SOURCES = ("linear/linear.cpp", "linear/self_attention.cpp")
@@ -103,10 +103,14 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     if x.numel() * weight.shape[0] < SMALL:
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
+    side = linear_choice.forced()
     reason = load()
     if reason is not None:
+        if side == "native":  # forced where it cannot run: refused (mha.ops.forcing), never F.linear
+            raise RuntimeError(forcing.refusal(
+                linear_choice.ENV, "native", {"native": reason, "torch": None, "measure": None},
+                "the measured side"))
         return reason
-    side = linear_choice.forced()
     if side is not None:
         return None if side == "native" else f"torch's GEMM: forced by {linear_choice.ENV}=torch"
     M, (N, K) = x.numel() // x.shape[-1], weight.shape

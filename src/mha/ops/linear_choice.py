@@ -22,7 +22,17 @@ The file, ``<build cache>/mha_linear-choice.json`` (:func:`mha.ops.build.cache_r
     {"format": 1,
      "machines": {"<cpu> | torch <version> | <kernel build key>": {
          "M512 N2048 K512": {"choice": "torch", "native_s": 2.1e-3, "torch_s": 1.2e-3,
-                             "shape": [512, 2048, 512]}}}}
+                             "shape": [512, 2048, 512], "load": 1.85, "cpus": 2,
+                             "speedups": [0.55, 0.61]}}}}
+
+Each record says under what conditions it was taken: the 1-minute load average and the CPU
+count when it was measured (``load``, ``cpus``) and the range of the native side's speedup
+(``torch_s / native_s``) over the ``ROUNDS`` batch pairs (``speedups``, lowest and highest).
+:meth:`Measured.describe` (so ``mha.explain`` and :func:`mha.ops.linear.why_not_native`) shows
+them, and says when the two sides are within the measurement's own noise (the per-round
+speedups fall on both sides of 1). Records without them (older files) stay valid.
+``mha build --remeasure`` (:func:`remeasure`) measures every class recorded for this machine
+again, e.g. after a measurement taken on a loaded machine.
 
 The machine key holds the CPU's identity (model name, vendor, family / model / stepping and its
 instruction-set flags: VMs show several kinds of CPU as the same "AMD EPYC"), torch's version
@@ -64,7 +74,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mha.ops import build
+from mha.ops import build, forcing
 
 FORMAT = 1
 FILE = "mha_linear-choice.json"
@@ -119,17 +129,21 @@ class Measured:
     cpu: str
     bf16: bool = False  # a bfloat16 class: "native" is the fp32 GEMM on upcast inputs ...
     tiles: bool = False  # ... or, with tiles, the native op's bf16 tiles
+    conditions: Conditions | None = None  # how it was taken (None: a record without them)
 
     @classmethod
     def of(cls, native_s: float, torch_s: float, shape, cpu: str, bf16: bool = False,
-           tiles: bool = False) -> Measured:
+           tiles: bool = False, conditions: Conditions | None = None) -> Measured:
         choice = "native" if native_s * MARGIN <= torch_s else "torch"
-        return cls(choice, native_s, torch_s, tuple(shape), cpu, bf16, bf16 and tiles)
+        return cls(choice, native_s, torch_s, tuple(shape), cpu, bf16, bf16 and tiles,
+                   conditions)
 
     def describe(self) -> str:
-        """One sentence: what runs and the measurement behind it."""
+        """One sentence: what runs, the measurement behind it and its conditions."""
         M, N, K = self.shape
         where = f"for (M={M}, N={N}, K={K}) on {self.cpu}"
+        if self.conditions is not None:
+            where += f" ({self.conditions.describe()})"
         ours, theirs = (("the native bf16 tiles", "torch's bf16 GEMM") if self.tiles
                         else ("an fp32 GEMM on upcast inputs", "torch's bf16 GEMM") if self.bf16
                         else ("the native tiles", "torch's GEMM"))
@@ -142,8 +156,65 @@ class Measured:
                 f"(less than the {MARGIN}x required) {where}")
 
     def record(self) -> dict:
-        return {"choice": self.choice, "native_s": self.native_s, "torch_s": self.torch_s,
-                "shape": list(self.shape)}
+        rec = {"choice": self.choice, "native_s": self.native_s, "torch_s": self.torch_s,
+               "shape": list(self.shape)}
+        if self.conditions is not None:
+            rec.update(self.conditions.record())
+        return rec
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """Under what a measurement was taken: the 1-minute load average and CPU count then, and
+    the lowest and highest speedup of the native side (``torch_s / native_s``) over the
+    rounds (None when the timer did not report them)."""
+
+    load: float
+    cpus: int
+    speedups: tuple[float, float] | None = None
+
+    @classmethod
+    def now(cls, speedups: tuple[float, float] | None = None) -> Conditions:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            load = math.nan
+        return cls(round(load, 2), os.cpu_count() or 1, speedups)
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the rounds disagree on which side is faster (speedups on both sides of 1):
+        the two sides are within this measurement's own noise."""
+        return self.speedups is not None and self.speedups[0] < 1 < self.speedups[1]
+
+    def describe(self) -> str:
+        said = f"measured at load {self.load:.2f} on {self.cpus} CPUs"
+        if self.speedups is not None:
+            lo, hi = self.speedups
+            said += f", native speedup {lo:.2f}-{hi:.2f}x over {ROUNDS} rounds"
+        if self.within_noise:
+            said += ("; the two sides are within this measurement's noise "
+                     "(`mha build --remeasure` on an idle machine measures again)")
+        return said
+
+    def record(self) -> dict:
+        rec = {"load": self.load, "cpus": self.cpus}
+        if self.speedups is not None:
+            rec["speedups"] = [round(x, 4) for x in self.speedups]
+        return rec
+
+    @classmethod
+    def from_record(cls, e: dict) -> Conditions | None:
+        """The conditions stored in a record, or None when absent or not sane."""
+        try:
+            load, cpus = float(e["load"]), int(e["cpus"])
+            sp = e.get("speedups")
+            speedups = None if sp is None else (float(sp[0]), float(sp[1]))
+        except (TypeError, KeyError, ValueError, IndexError):
+            return None
+        if speedups is not None and not (0 < speedups[0] <= speedups[1] < math.inf):
+            speedups = None
+        return cls(load, max(cpus, 1), speedups)
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -191,25 +262,28 @@ def forced() -> str | None:
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "measure"):
         return None
-    if value not in SIDES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'native', 'torch' or 'measure' "
-                         f"(unset is 'measure')")
+    if value not in SIDES:  # the words of mha.ops.forcing (whether native can run: linear.py)
+        raise ValueError(forcing.refusal(ENV, os.environ[ENV].strip(),
+                                         dict.fromkeys((*SIDES, "measure")),
+                                         "the measured side"))
     return value
 
 
 # ----------------------------------------------------------------------------- measuring
-def measure(shape: tuple[int, int, int]) -> tuple[float, float]:
+def measure(shape: tuple[int, int, int]) -> tuple:
     """Seconds per call of ``(native tiles, torch's F.linear)`` on fp32 ``x (M, K)``, ``W (N, K)``
-    and a bias, alternating, the fastest of ``ROUNDS`` batches each. The native op must be
-    loaded. Tests replace this function to inject a measurement."""
+    and a bias, alternating, the fastest of ``ROUNDS`` batches each, then the range of the
+    native side's per-round speedup. The native op must be loaded. Tests replace this function
+    to inject a measurement (a pair of times is enough)."""
     M, N, K = shape
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g) for s in ((M, K), (N, K), (N,)))
     return _fastest((lambda: torch.ops.mha.linear(x, w, b), lambda: F.linear(x, w, b)))
 
 
-def _fastest(fns) -> tuple[float, float]:
-    """The two functions called alternately: the fastest of ``ROUNDS`` batches of each."""
+def _fastest(fns) -> tuple[float, float, tuple[float, float]]:
+    """The two functions called alternately: the fastest of ``ROUNDS`` batches of each, and
+    the lowest and highest per-round speedup of the first (``second / first``: the noise)."""
     with torch.no_grad():
         reps = []
         for fn in fns:
@@ -217,17 +291,20 @@ def _fastest(fns) -> tuple[float, float]:
             t0 = time.perf_counter()
             fn()
             reps.append(max(1, min(1000, int(BATCH_S / max(time.perf_counter() - t0, 1e-7)))))
-        best = [math.inf, math.inf]
+        best, speedups = [math.inf, math.inf], []
         for _ in range(ROUNDS):
+            took = []
             for i, fn in enumerate(fns):
                 t0 = time.perf_counter()
                 for _ in range(reps[i]):
                     fn()
-                best[i] = min(best[i], (time.perf_counter() - t0) / reps[i])
-    return best[0], best[1]
+                took.append((time.perf_counter() - t0) / reps[i])
+                best[i] = min(best[i], took[i])
+            speedups.append(took[1] / max(took[0], 1e-12))
+    return best[0], best[1], (min(speedups), max(speedups))
 
 
-def measure_bf16(shape: tuple[int, int, int]) -> tuple[float, float]:
+def measure_bf16(shape: tuple[int, int, int]) -> tuple:
     """Seconds per call of ``(fp32 GEMM on upcast inputs, torch's bf16 F.linear)`` on bfloat16
     ``x (M, K)``, ``W (N, K)`` and a bias, as :func:`measure` times its pair."""
     M, N, K = shape
@@ -237,7 +314,7 @@ def measure_bf16(shape: tuple[int, int, int]) -> tuple[float, float]:
                      lambda: F.linear(x, w, b)))
 
 
-def measure_bf16_tiles(shape: tuple[int, int, int]) -> tuple[float, float]:
+def measure_bf16_tiles(shape: tuple[int, int, int]) -> tuple:
     """Seconds per call of ``(the native op's bf16 tiles, torch's bf16 F.linear)`` on bfloat16
     ``x (M, K)``, ``W (N, K)`` and a bias, as :func:`measure` times its pair. The native op must
     be loaded with its bf16 tiles."""
@@ -304,8 +381,10 @@ def _from_file_or_measure(machine: str, bucket: Bucket, name: str, bf16: bool,
 
 def _measured(bucket: Bucket, bf16: bool, tiles: bool) -> Measured:
     timer = measure_bf16_tiles if tiles else measure_bf16 if bf16 else measure
-    native_s, torch_s = timer(bucket.shape)
-    return Measured.of(native_s, torch_s, bucket.shape, cpu_model(), bf16, tiles)
+    timed = timer(bucket.shape)  # (native_s, torch_s[, (lowest, highest) speedup])
+    native_s, torch_s = timed[0], timed[1]
+    conditions = Conditions.now(tuple(timed[2]) if len(timed) > 2 else None)
+    return Measured.of(native_s, torch_s, bucket.shape, cpu_model(), bf16, tiles, conditions)
 
 
 def _read(file: Path) -> dict:
@@ -333,7 +412,47 @@ def _entry(data: dict, machine: str, name: str, bf16: bool, tiles: bool) -> Meas
     if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or len(shape) != 3 \
             or e.get("choice") != Measured.of(native_s, torch_s, shape, "").choice:
         return None
-    return Measured.of(native_s, torch_s, shape, cpu_model(), bf16, tiles)
+    return Measured.of(native_s, torch_s, shape, cpu_model(), bf16, tiles,
+                       Conditions.from_record(e))
+
+
+def remeasure(kernel: str) -> list[tuple[str, Measured | None, Measured]]:
+    """Measure again every class recorded for this machine (``kernel``: the native build's key,
+    as :func:`choose` takes it) and replace the records, in the file and in this process's
+    memory: ``(class name, before, after)`` each, ``before`` None when the record was not sane.
+    Under the file's lock, like a first measurement. Raises
+    :class:`mha.ops.build.BuildError` without a usable cache directory."""
+    machine, file = machine_key(kernel), path()
+    done = []
+    with _lock, build._exclusive(file.with_name(LOCK)):
+        data = _read(file)
+        entries = data["machines"].get(machine, {})
+        for name in sorted(entries):
+            parsed = _parse(name)
+            if parsed is None:
+                continue  # not a class name of this format: left as it is
+            bucket, bf16, tiles = parsed
+            before = _entry(data, machine, name, bf16, tiles)
+            after = _measured(bucket, bf16, tiles)
+            entries[name] = after.record()
+            _memo[machine, name] = after
+            done.append((name, before, after))
+        if done:
+            _write(file, data)
+    return done
+
+
+def _parse(name: str) -> tuple[Bucket, bool, bool] | None:
+    """``(bucket, bf16, tiles)`` of a stored class name (``"bf16 tiles M.. N.. K.."``, ...)."""
+    words = name.split()
+    bf16, tiles = words[:1] == ["bf16"], words[:2] == ["bf16", "tiles"]
+    dims = words[1 + tiles:] if bf16 else words
+    try:
+        M, N, K = (int(w[1:]) for w, letter in zip(dims, "MNK", strict=True)
+                   if w[:1] == letter)
+    except ValueError:
+        return None
+    return Bucket(M, N, K), bf16, tiles
 
 
 def _write(file: Path, data: dict) -> None:

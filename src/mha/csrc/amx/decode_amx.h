@@ -34,12 +34,11 @@ using mha_amx::TileConfig;
 
 // Whether bf16 q.k runs on AMX: the OS grants the tile state and MHA_DECODE_BF16 is unset or
 // `amx`; `avx512bf16` keeps q.k on vdpbf16ps (to test and measure that path on an AMX CPU).
-// Read once per process; any other value is refused.
+// Read once per process; flash_decode.cpp's check_decode_bf16 refuses the values that cannot
+// run here before any call gets this far.
 inline bool amx_permitted() {
   static const bool ok = [] {
     const auto& env = mha_common::decode_bf16_override();
-    TORCH_CHECK(!env || *env == "amx" || *env == "avx512bf16", "MHA_DECODE_BF16=", *env,
-                ": expected amx or avx512bf16 (unset: amx where the CPU allows it)");
     return (!env || *env == "amx") && mha_amx::amx_permitted();
   }();
   return ok;

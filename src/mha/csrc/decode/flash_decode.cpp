@@ -85,6 +85,7 @@
 #endif
 
 #include "common/exp2.h"
+#include "common/kernel_choice.h"  // MHA_DECODE_BF16 and the rule for a forced value
 #include "amx/decode_amx.h"  // MHA_DECODE_AMX and the AMX q.k, when the target has AMX
 #ifdef _OPENMP
 #include <omp.h>
@@ -592,6 +593,30 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
+// MHA_DECODE_BF16 against what this build and process can run (common/kernel_choice.h's rule:
+// an unknown value or one that cannot run here is refused at every bf16 call). Once per process.
+void check_decode_bf16() {
+  static const bool checked = [] {
+    if (const auto& env = mha_common::decode_bf16_override()) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const std::string dot = "";
+#else
+      const std::string dot = "this build lacks avx512bf16 (the CPU has no AVX512_BF16)";
+#endif
+#ifdef MHA_DECODE_AMX
+      const std::string amx = mha_amx::tiles_unavailable();
+#elif defined(MHA_AMX_TILES)
+      const std::string amx = "no AMX tiles in the decode kernel of this build (it lacks avx512f)";
+#else
+      const std::string amx = mha_amx::tiles_unavailable();
+#endif
+      mha_common::check_forced("MHA_DECODE_BF16", *env, {{"amx", amx}, {"avx512bf16", dot}});
+    }
+    return true;
+  }();
+  (void)checked;
+}
+
 template <bool kVec>
 at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& key_lengths,
@@ -610,6 +635,7 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
       return int8 ? run<float, kVec, int8_t>(q, k, v, key_lengths, mask, scale, causal, va)
                   : run<float, kVec>(q, k, v, key_lengths, mask, scale, causal, va);
     case at::kBFloat16:
+      check_decode_bf16();
       return int8 ? run<bf16, kVec, int8_t>(q, k, v, key_lengths, mask, scale, causal, va)
                   : run<bf16, kVec>(q, k, v, key_lengths, mask, scale, causal, va);
     default:
@@ -654,8 +680,10 @@ at::Tensor flash_decode_autograd(const at::Tensor& q, const at::Tensor& k, const
 
 // The bf16 q.k this process runs where the AMX tiles fit (G <= 16, d_k % 32 == 0, d_k <= 128):
 // "amx", "amx-emulated" (software tiles: a MHA_AMX_EMULATE build), "avx512bf16" (vdpbf16ps) or
-// "fp32" (widened). Read back by tests and `mha build`; MHA_DECODE_BF16 is read here as in a call.
+// "fp32" (widened). Read back by tests and `mha build`; MHA_DECODE_BF16 is read (and refused
+// when it cannot run here) as in a call.
 std::string flash_decode_bf16_qk() {
+  check_decode_bf16();
 #ifdef MHA_DECODE_AMX
   if (mha_decode_amx::amx_permitted()) {
 #if defined(MHA_AMX_EMULATED)
@@ -669,6 +697,20 @@ std::string flash_decode_bf16_qk() {
   return "avx512bf16";
 #else
   return "fp32";
+#endif
+}
+
+// Why the AMX q.k compiled into this build does not run in this process (the OS refuses the
+// tile state, or MHA_DECODE_BF16=avx512bf16), for mha.explain and `mha build`; "" when it runs
+// (where the tiles fit) or is not compiled in.
+std::string flash_decode_amx() {
+  check_decode_bf16();
+#ifdef MHA_DECODE_AMX
+  if (mha_decode_amx::amx_permitted()) return "";
+  if (!mha_amx::tiles_unavailable().empty()) return mha_amx::tiles_unavailable();
+  return "MHA_DECODE_BF16=avx512bf16";
+#else
+  return "";
 #endif
 }
 
@@ -687,6 +729,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
         "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None, "
         "Tensor? block_table=None) -> Tensor");
   m.def("flash_decode_bf16_qk() -> str", &flash_decode_bf16_qk);
+  m.def("flash_decode_amx() -> str", &flash_decode_amx);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {

@@ -140,6 +140,19 @@ void run_forward(const Problem<T>& P) {
 namespace mha_flash {
 namespace {
 
+// Why the forward's AMX tiles cannot run here, or "".
+const std::string& amx_why_not() {
+#if defined(MHA_FLASH_AMX)
+  return mha_amx::tiles_unavailable();
+#elif defined(MHA_AMX_TILES)
+  static const std::string why =
+      "no AMX tiles in the forward of this build (it needs avx512f, avx512bf16 and avx512dq too)";
+  return why;
+#else
+  return mha_amx::tiles_unavailable();
+#endif
+}
+
 std::string flash_attention_isa() {
   std::string isa = "portable";
 #if defined(__AVX512F__)
@@ -162,8 +175,10 @@ std::string flash_attention_isa() {
 
 // bf16 inputs: vdpbf16ps tiles where the dot-product unit is fast (AMD Zen 4/5: twice the
 // fp32 FMA rate); elsewhere (Intel cores run vdpbf16ps at half the fp32 FMA FLOP rate, measured)
-// bf16 is widened to fp32 when packed and runs the fp32 tiles. MHA_FLASH_BF16=avx512bf16 |
-// avx512f | portable overrides. Fixed per process, so results stay deterministic.
+// bf16 is widened to fp32 when packed and runs the fp32 tiles; AMX tiles first where they can
+// run (compiled in and granted by the OS; else the next kernel: flash_attention_amx says why).
+// MHA_FLASH_BF16=avx512bf16 | avx512f | portable | amx overrides; a value this build cannot run
+// is refused at every bf16 call (check_forced). Fixed per process, so results stay deterministic.
 const std::string& default_kernel(at::ScalarType dtype) {
   static const std::string f32 =
 #if defined(__AVX512F__)
@@ -171,8 +186,23 @@ const std::string& default_kernel(at::ScalarType dtype) {
 #else
       "portable";
 #endif
+  if (dtype != at::kBFloat16) return f32;
   static const std::string bf16 = [] {
-    if (const auto& env = mha_common::flash_bf16_override()) return *env;
+    if (const auto& env = mha_common::flash_bf16_override()) {
+#if defined(__AVX512F__)
+      constexpr bool avx512f = true;
+#else
+      constexpr bool avx512f = false;
+#endif
+#if defined(MHA_FLASH_BF16_TILES)
+      constexpr bool bf16_tiles = true;
+#else
+      constexpr bool bf16_tiles = false;
+#endif
+      mha_common::check_forced("MHA_FLASH_BF16", *env,
+                               mha_common::flash_bf16_choices(avx512f, bf16_tiles, amx_why_not()));
+      return *env;
+    }
 #if defined(MHA_FLASH_AMX)
     if (amx_permitted()) return std::string("amx");
 #endif
@@ -181,12 +211,23 @@ const std::string& default_kernel(at::ScalarType dtype) {
 #endif
     return f32;
   }();
-  return dtype == at::kBFloat16 ? bf16 : f32;
+  return bf16;
 }
 
-// The kernels chosen for float32 and bfloat16 inputs.
+// The kernels chosen for float32 and bfloat16 inputs (raises for bf16 as a call would when
+// MHA_FLASH_BF16 names a kernel this build cannot run).
 std::vector<std::string> flash_attention_kernels() {
   return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
+}
+
+// Why the AMX tiles compiled into this build do not run in this process (the OS refuses the
+// tile state), read by mha.explain and `mha build`; "" when they run or are not compiled in.
+std::string flash_attention_amx() {
+#if defined(MHA_FLASH_AMX)
+  return amx_why_not();
+#else
+  return "";
+#endif
 }
 
 }  // namespace
@@ -279,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 #if defined(MHA_FLASH_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>)
       if (kn == "amx") {
-        TORCH_CHECK(amx_permitted(), "flash_attention: the OS does not grant AMX to this process");
+        TORCH_CHECK(amx_permitted(), "flash_attention: kernel 'amx': ", amx_why_not());
         return run_forward<AmxBf16, Parts>(P);
       }
 #endif
@@ -387,6 +428,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("_flash_exp2_ftz(Tensor x) -> Tensor");
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
   m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);
+  m.def("flash_attention_amx() -> str", &mha_flash::flash_attention_amx);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {

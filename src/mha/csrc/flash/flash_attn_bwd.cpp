@@ -79,8 +79,9 @@ bool amx_tiles_usable() {
 // (tdpbf16ps tiles) where they are compiled in and usable; else "bf16" (vdpbf16ps) where the
 // dot-product unit is fast (AMD Zen 4/5: twice the fp32 FMA rate); else "fp32" (Intel cores
 // without AMX run vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=amx | avx512bf16 forces
-// the tiles | vdpbf16ps (where compiled in), any other value fp32; math "amx" / "bf16" / "fp32"
-// (the test op) overrides both. Fixed per process.
+// the tiles | vdpbf16ps, avx512f | portable fp32; a value this build cannot run is refused as
+// the forward refuses it (check_forced); math "amx" / "bf16" / "fp32" (the test op) overrides
+// both. Fixed per process.
 std::string bf16_products(const std::string& math) {
 #if defined(MHA_BWD_BF16)
   constexpr bool pairs_built = true;
@@ -89,13 +90,27 @@ std::string bf16_products(const std::string& math) {
 #endif
   TORCH_CHECK(math != "bf16" || pairs_built,
               "flash_attention_bwd: bf16 products are not compiled in");
-  TORCH_CHECK(math != "amx" || amx_tiles_usable(),
-              "flash_attention_bwd: AMX tile products are not compiled in or not granted by the "
-              "OS");
+  TORCH_CHECK(math != "amx" || amx_tiles_usable(), "flash_attention_bwd: no AMX tile products: ",
+              mha_amx::tiles_unavailable().empty() ? std::string("not compiled in")
+                                                   : mha_amx::tiles_unavailable());
   if (math != "auto") return math;
   if (const auto& env = mha_common::flash_bf16_override()) {
-    if (*env == "amx" && amx_tiles_usable()) return "amx";
-    return *env == "avx512bf16" && pairs_built ? "bf16" : "fp32";
+#if defined(__AVX512F__)
+    constexpr bool avx512f = true;
+#else
+    constexpr bool avx512f = false;
+#endif
+#if defined(MHA_BWD_AMX)
+    const std::string amx_why_not = mha_amx::tiles_unavailable();
+#elif defined(MHA_AMX_TILES)
+    const std::string amx_why_not = "no AMX tiles in the backward of this build (no bf16 pairs)";
+#else
+    const std::string amx_why_not = mha_amx::tiles_unavailable();
+#endif
+    mha_common::check_forced("MHA_FLASH_BF16", *env,
+                             mha_common::flash_bf16_choices(avx512f, pairs_built, amx_why_not));
+    if (*env == "amx") return "amx";
+    return *env == "avx512bf16" ? "bf16" : "fp32";
   }
   if (amx_tiles_usable()) return "amx";
   return pairs_built && mha_common::bf16_dot_is_fast() ? "bf16" : "fp32";
