@@ -9,7 +9,8 @@ head merge + output projection — and torch's GEMMs vs mha.linear's native tile
 products. One process, calls interleaved round-robin, medians. The line ``forward: ...`` says
 whether the module runs fused (bf16 inference, :mod:`mha.ops.self_attention`: one native call)
 or step by step; where it runs fused, "native forced" is the fused call and "torch forced" the
-step-by-step module on torch's GEMMs (the pieces time the steps alone either way).
+step-by-step module on torch's GEMMs (the pieces time the steps alone either way); bf16 cases
+add the module frozen (``freeze()``: the fused call's weights packed once).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
         benchmarks/probes/module.py --small --dtype bf16 --threads 1 --clock cpu --pieces
@@ -97,6 +98,9 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
     if _native_built():
         for side in ("torch", "native"):
             fns[f"module, {side} forced"] = _forcing(side, lambda: m(x))
+    if dtype == torch.bfloat16 and linear.bf16_tiles():  # freeze(): the weights packed once
+        frozen = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval().freeze()
+        fns["module frozen"] = lambda: frozen(x)
     if with_pieces:
         fns.update(pieces(m, x))
         fns.update(gemms(B * T, 3 * D, D, dtype))
@@ -112,7 +116,7 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
         weight = torch.empty(width, D, dtype=dtype)
         print(f"    {w} projection: {mha.linear.describe(x, weight, None)}")
     for name, sec in t.items():
-        if "forced" in name:
+        if "forced" in name or name == "module frozen":
             print(f"    {name}: {sec * 1e3:.3f} ms = {base / sec:.2f}x nn.MHA")
         elif name not in ("nn.MHA", "mha module"):
             print(f"    {name:28s} {sec * 1e3:8.3f} ms ({sec / t['mha module']:5.1%} of the module)")
