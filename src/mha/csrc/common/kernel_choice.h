@@ -61,6 +61,14 @@ inline void check_forced(const char* var, const std::string& value,
               "; unset it for the CPU's default)");
 }
 
+// Whether the including translation unit targets AVX-512F (each unit has its own flags;
+// namespace-scope constexpr: internal linkage, one value per unit).
+#if defined(__AVX512F__)
+constexpr bool kUnitAvx512f = true;
+#else
+constexpr bool kUnitAvx512f = false;
+#endif
+
 // MHA_FLASH_BF16's choices (the forward's bf16 tile kernels; the backward's products follow
 // them), given what the translation unit compiled in and why the AMX tiles cannot run ("" when
 // they can).

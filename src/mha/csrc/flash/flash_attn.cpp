@@ -189,18 +189,14 @@ const std::string& default_kernel(at::ScalarType dtype) {
   if (dtype != at::kBFloat16) return f32;
   static const std::string bf16 = [] {
     if (const auto& env = mha_common::flash_bf16_override()) {
-#if defined(__AVX512F__)
-      constexpr bool avx512f = true;
-#else
-      constexpr bool avx512f = false;
-#endif
 #if defined(MHA_FLASH_BF16_TILES)
       constexpr bool bf16_tiles = true;
 #else
       constexpr bool bf16_tiles = false;
 #endif
       mha_common::check_forced("MHA_FLASH_BF16", *env,
-                               mha_common::flash_bf16_choices(avx512f, bf16_tiles, amx_why_not()));
+                               mha_common::flash_bf16_choices(mha_common::kUnitAvx512f,
+                                                              bf16_tiles, amx_why_not()));
       return *env;
     }
 #if defined(MHA_FLASH_AMX)

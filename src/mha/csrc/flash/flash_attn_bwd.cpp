@@ -95,11 +95,6 @@ std::string bf16_products(const std::string& math) {
                                                    : mha_amx::tiles_unavailable());
   if (math != "auto") return math;
   if (const auto& env = mha_common::flash_bf16_override()) {
-#if defined(__AVX512F__)
-    constexpr bool avx512f = true;
-#else
-    constexpr bool avx512f = false;
-#endif
 #if defined(MHA_BWD_AMX)
     const std::string amx_why_not = mha_amx::tiles_unavailable();
 #elif defined(MHA_AMX_TILES)
@@ -108,7 +103,8 @@ std::string bf16_products(const std::string& math) {
     const std::string amx_why_not = mha_amx::tiles_unavailable();
 #endif
     mha_common::check_forced("MHA_FLASH_BF16", *env,
-                             mha_common::flash_bf16_choices(avx512f, pairs_built, amx_why_not));
+                             mha_common::flash_bf16_choices(mha_common::kUnitAvx512f,
+                                                            pairs_built, amx_why_not));
     if (*env == "amx") return "amx";
     return *env == "avx512bf16" ? "bf16" : "fp32";
   }
