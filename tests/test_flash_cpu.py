@@ -163,6 +163,35 @@ def test_fp32_lazy_max(growth, causal):
     want = s.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (B, h, Tq)
     assert (lse.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
+@pytest.mark.skipif("avx512f" not in flash.isa().split(","), reason="the avx512f kernel is not "
+                    "compiled in (needs a CPU with AVX-512)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_score_far_above_the_stale_max(causal):
+    """The one-pass softmax's fast path takes 2^(s c - m) without a clamp: a logit ~2^31 above
+    the row's stale max gives +inf there, or -inf where it lies just below a power of two.
+    Every such row must leave the fast path (dense: the fused Q K^T tile; causal: the masked
+    pass of the diagonal blocks) and see that one key alone: out = v[j], lse = its score."""
+    T, d, j = 256, 16, 200
+    scale = 1.0
+    c = torch.tensor(scale, dtype=torch.float32) * torch.tensor(1.4426950408889634)  # fp32 c
+    r = torch.arange(T, dtype=torch.float64) * 1531.0 + 7.0  # logits spread below 2^31
+    a = ((2.0**31 - r) / c.double()).float()  # (T,) row i's score against key j
+    q = torch.zeros(1, 1, T, d)
+    q[0, 0, :, 0] = a
+    k = torch.zeros(1, 1, T, d)  # every other score is 0: the first block sets m = 0
+    k[0, 0, j, 0] = 1.0
+    v = torch.randn(1, 1, T, d, generator=torch.Generator().manual_seed(3))
+    out, lse = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, None, None, causal, scale,
+                                                         "avx512f")
+    sees = torch.arange(T) >= j if causal else torch.ones(T, dtype=torch.bool)
+    torch.testing.assert_close(out[0, 0, sees], v[0, 0, j].expand(int(sees.sum()), d),
+                               rtol=1e-6, atol=0)  # (P v) / P
+    want = a[sees].double() * scale
+    assert (lse[0, 0, sees].double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    exact = _ref(q, k, v, causal=causal, scale=scale)
+    assert (out.double() - exact.double()).abs().max().item() <= 1e-5
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
 SAMPLES = [  # (B, h, h_kv, Tq, Tk, d_k, d_v, dtype, causal, key_lengths, mask)
     (2, 4, 2, 9, 13, 16, 24, torch.float32, False, None, None),
     (1, 2, 1, 12, 7, 32, 32, torch.float32, True, None, None),

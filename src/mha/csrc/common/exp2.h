@@ -80,9 +80,13 @@ __attribute__((always_inline)) inline __m512 exp2_avx512(__m512 x) {
 // a vscalefps that also zeroes the lanes outside `keep`. Four multiply-adds instead of the
 // degree-7 polynomial's seven and a vreduceps: ~1 % of the whole fp32 forward on Zen 5
 // (benchmarks/probes/flash_ab.py). Max relative error 1.1e-7 over [-126, 16], under one ulp
-// (exp2_avx512: 0.83 ulp). x is clamped to [-150, 200] (NaN kept): below -126 the result
-// flushes to 0 (no microcode assist with FTZ set), -inf gives 0, above 128 +inf.
-__attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
+// (exp2_avx512: 0.83 ulp). No clamp: every finite x below 2^22 gives what the clamped form
+// gives (0 below -126, flushed: no microcode assist with FTZ set; +inf above 128; the same
+// bits within [-150, 200]), but a finite x from 2^22 on may give -inf (just below a power of
+// two, where f is far off), and +-inf or NaN inputs are left to the hardware. The one-pass
+// softmax's fast path takes it so (its sums then leave [0, limit] and the row takes the slow
+// path, lazy_sums_ok): each clamp instruction cost ~0.5 % of the fp32 forward on Zen 5.
+__attribute__((always_inline)) inline __m512 exp2_ftz_unclamped_avx512(__m512 x, __mmask16 keep) {
   const __m512 tlo = _mm512_castsi512_ps(_mm512_setr_epi32(
       0x3f800000, 0x3f82cd87, 0x3f85aac3, 0x3f88980f, 0x3f8b95c2, 0x3f8ea43a, 0x3f91c3d3,
       0x3f94f4f0, 0x3f9837f0, 0x3f9b8d3a, 0x3f9ef532, 0x3fa27043, 0x3fa5fed7, 0x3fa9a15b,
@@ -92,7 +96,6 @@ __attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16
       0x3fd2a81e, 0x3fd744fd, 0x3fdbfbb8, 0x3fe0ccdf, 0x3fe5b907, 0x3feac0c7, 0x3fefe4ba,
       0x3ff5257d, 0x3ffa83b3));
   const __m512 magic = _mm512_set1_ps(393216.f);  // 1.5 * 2^18: its ulp is 1/32
-  x = _mm512_max_ps(_mm512_set1_ps(-150.f), _mm512_min_ps(_mm512_set1_ps(200.f), x));
   const __m512 y = _mm512_add_ps(x, magic);   // x rounded to 1/32, k = 32 x in the low bits
   const __m512 xi = _mm512_sub_ps(y, magic);  // k / 32
   const __m512 f = _mm512_sub_ps(x, xi);      // [-1/64, 1/64]
@@ -101,6 +104,13 @@ __attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16
   r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(kExp2C1));
   r = _mm512_mul_ps(r, f);  // 2^f - 1
   return _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(t, r, t), xi);  // times 2^floor(k/32)
+}
+
+// exp2_ftz_unclamped_avx512 of x clamped to [-150, 200] (NaN kept): -inf gives 0, x above 128
+// +inf, NaN NaN; within [-150, 200] the same bits.
+__attribute__((always_inline)) inline __m512 exp2_ftz_avx512(__m512 x, __mmask16 keep) {
+  x = _mm512_max_ps(_mm512_set1_ps(-150.f), _mm512_min_ps(_mm512_set1_ps(200.f), x));
+  return exp2_ftz_unclamped_avx512(x, keep);
 }
 #endif
 

@@ -241,6 +241,7 @@ inline void softmax_rows_avx512(const float* s, int64_t lds, const int* nvalid,
 #if defined(__AVX512DQ__)
 #define MHA_FLASH_LAZY_SOFTMAX 1  // softmax_lazy_avx512 (vreduceps is AVX512DQ)
 using mha_exp2::exp2_ftz_avx512;
+using mha_exp2::exp2_ftz_unclamped_avx512;
 
 // 2^x for a P that is rounded to bf16 (8-bit mantissa, relative rounding error up to 2^-9)
 // before P V, x <= 16 (see kLazyRescaleLimit; or masked): a degree-3 polynomial suffices.
@@ -267,10 +268,20 @@ inline __m512 exp2_bf16_avx512(__m512 x, __mmask16 keep) {
 // visible block of a row sets m to its max. Saves the per-block max and most O rescales.
 constexpr float kLazyRescaleLimit = 65536.f;  // 2^16
 
+// The fast path's test on a row's block sums (16 lanes): every lane in [0, limit]. A lane
+// outside (above the limit, or -inf / NaN from the unclamped exp2: a score of +-inf, NaN, or
+// far above the stale max) sends the row to the slow path, lazy_move_max, which clamps.
+__attribute__((always_inline)) inline bool lazy_sums_ok(__m512 sum, __m512 limit) {
+  return (_mm512_cmp_ps_mask(sum, limit, _CMP_LE_OQ) &
+          _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GE_OQ)) == __mmask16(0xFFFF);
+}
+
 // P of one row and this block's sum of it per lane: P = 2^(s c - m) (one FMA and one exp2 per
 // 16 lanes). P as fp32 (degree-7 exp2, fp32 accuracy) or as bf16 pairs (degree-3 exp2; keys
 // 2i, 2i + 1 in one 32-bit word: the layout vdpbf16ps broadcasts and the AMX A tile reads).
-template <int NV, typename P>
+// Clamp: fp32 P by exp2_ftz_avx512 (the slow path), else by exp2_ftz_unclamped_avx512 (the
+// fast path, whose sums lazy_sums_ok judges).
+template <int NV, bool Clamp, typename P>
 __attribute__((always_inline)) inline __m512 row_exp(const float* s, const __mmask16* keep,
                                                      __m512 cv, float m, P* pr) {
   const __m512 mneg = _mm512_set1_ps(-m);
@@ -278,8 +289,9 @@ __attribute__((always_inline)) inline __m512 row_exp(const float* s, const __mma
   if constexpr (std::is_same_v<P, float>) {
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
+      const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg);
       const __m512 e =
-          exp2_ftz_avx512(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * kLanes), cv, mneg), keep[v]);
+          Clamp ? exp2_ftz_avx512(x, keep[v]) : exp2_ftz_unclamped_avx512(x, keep[v]);
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(pr + v * kLanes, e);
     }
@@ -331,7 +343,7 @@ inline void lazy_move_max(const float* sr, const __mmask16* keep, __m512 cv, flo
     std::memset(pr, 0, NV * kLanes * sizeof(P));
     return;
   }
-  const __m512 sum = row_exp<NV>(sr, keep, cv, m, pr);
+  const __m512 sum = row_exp<NV, true>(sr, keep, cv, m, pr);
   _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
 }
 
@@ -360,10 +372,10 @@ inline void softmax_lazy_avx512(const float* s, int64_t lds, const int* nvalid,
       }
     }
     alpha[r] = 1.f;
-    if (m[r] != kNegInf) {  // the fast path: P with the stale max (NaN sums stay on it: a NaN
-                            // score gives a NaN P and a NaN l, so the row's output is NaN)
-      const __m512 sum = row_exp<NV>(sr, keep, cv, m[r], pr);
-      if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
+    if (m[r] != kNegInf) {  // the fast path: P with the stale max, kept where its sums pass
+                            // lazy_sums_ok (a NaN, +-inf or far too large score does not)
+      const __m512 sum = row_exp<NV, false>(sr, keep, cv, m[r], pr);
+      if (lazy_sums_ok(sum, limit)) {
         _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
         continue;
       }
@@ -415,9 +427,10 @@ struct Avx512F32 {
 
 #if defined(MHA_FLASH_LAZY_SOFTMAX)
   // The lazy softmax's fast path fused into Q K^T, for key blocks every row sees whole (no mask)
-  // and rows whose m is set: qk, and from the tile's registers P = 2^(s c - m) (row_exp's
-  // arithmetic: the same P and sums) with this chunk's per-lane sums added to psum (zeroed
-  // first when `first`), in column order; S is stored too, for lazy_finish's rare slow rows.
+  // and rows whose m is set: qk, and from the tile's registers P = 2^(s c - m) (the fast
+  // path's row_exp arithmetic: the same P and sums) with this chunk's per-lane sums added to
+  // psum (zeroed first when `first`), in column order; S is stored too, for lazy_finish's rare
+  // slow rows.
   static constexpr bool kFusedExp = true;
   template <int R, int NV>
   static inline void qk_exp(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
@@ -434,7 +447,7 @@ struct Avx512F32 {
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const __m512 e =
-            mha_exp2::exp2_ftz_avx512(_mm512_fmadd_ps(acc[r][v], cv, mneg), __mmask16(0xFFFF));
+            exp2_ftz_unclamped_avx512(_mm512_fmadd_ps(acc[r][v], cv, mneg), __mmask16(0xFFFF));
         sum = _mm512_add_ps(sum, e);
         _mm512_storeu_ps(p + r * ldp + v * kLanes, e);
       }
@@ -442,8 +455,8 @@ struct Avx512F32 {
     }
   }
 
-  // After qk_exp over a whole block (NV vectors): each row's fast path done where its block sum
-  // stays within the limit (l += sum, alpha 1), else lazy_move_max from the stored S.
+  // After qk_exp over a whole block (NV vectors): each row's fast path done where its block
+  // sums pass lazy_sums_ok (l += sum, alpha 1), else lazy_move_max from the stored S.
   template <int NV>
   static inline void lazy_finish(const float* s, int64_t lds, int rows, float c, float* m,
                                  float* lsum, float* alpha, float* p, int64_t ldp,
@@ -455,7 +468,7 @@ struct Avx512F32 {
       const __m512 sum = _mm512_loadu_ps(psum + r * kLanes);
       float* lr = lsum + r * kLanes;
       alpha[r] = 1.f;
-      if (!_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ))
+      if (lazy_sums_ok(sum, limit))
         _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), sum));
       else
         lazy_move_max<NV>(s + r * lds, keep, _mm512_set1_ps(c), c, m[r], lr, alpha[r],
