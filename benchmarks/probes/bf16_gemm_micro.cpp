@@ -1,5 +1,5 @@
 // How close the bf16 projections of the fused self-attention forward come to the vdpbf16ps
-// peak: the measurements behind csrc/linear/rows.h (docs/module.md, "The fused bf16
+// peak: the measurements behind csrc/linear/rows.h (docs/module.md, "The fused
 // forward"). Stand-alone (no torch); needs AVX512_BF16. One thread, thread CPU time, the
 // variants interleaved, best and mean of 30 rounds.
 //
