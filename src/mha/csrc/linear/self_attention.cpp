@@ -63,6 +63,7 @@ namespace {
 
 using mha_common::kLanes;
 using mha_panels::kPanel;
+using mha_rows::kStep;  // elements of E per word
 
 constexpr int64_t kMaxT = 64;        // longest sequence served (the scores of a head: T x 64)
 constexpr int64_t kGroupRows = 96;   // rows of x per work item (whole batch rows)
@@ -75,8 +76,6 @@ template <typename E>
 constexpr bool kBf16 = std::is_same_v<E, uint16_t>;
 template <typename E>
 using Word = std::conditional_t<kBf16<E>, uint32_t, float>;
-template <typename E>
-constexpr int64_t kStep = kBf16<E> ? 2 : 1;  // elements per word
 template <typename E>
 constexpr const char* kOp = kBf16<E> ? "mha self_attention_bf16" : "mha self_attention_f32";
 
