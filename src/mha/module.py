@@ -295,7 +295,7 @@ class MultiHeadAttention(nn.Module):
         weights (``m.float()``) packs them again at the next fused call. Refused (the module
         unchanged) unless the module has the packed ``[W^Q; W^K; W^V]`` weight (kdim == vdim ==
         d_model), equal query and key/value heads on one rank, bfloat16 or float32 weights (of
-        one dtype) on the CPU, and the native op the tiles of that dtype (bf16: AVX512_BF16;
+        one dtype) on the CPU, and the native op with the tiles of that dtype (bf16: AVX512_BF16;
         fp32: AVX-512)."""
         if not (self.packed and self.tensor_parallel == 1 and self.num_kv_heads == self.num_heads
                 and self.v_head_dim == self.head_dim):
