@@ -2,7 +2,7 @@
 // packed by panels.h, in fp32 (E = float: FMA, fp32 panels (P, K, 64)) or bf16 (E = uint16_t:
 // vdpbf16ps on pairs, panels (P, K / 2, 64, 2), each output rounded to bf16 once). Used by the
 // fused self-attention forward (self_attention.cpp) and timed alone by
-// benchmarks/probes/bf16_gemm_micro.cpp.
+// benchmarks/probes/bf16_gemm_micro.cpp (bf16) and f32_rows_micro.cpp (fp32).
 //
 // Shape legend: R rows of A (row stride lda; bf16: pairs along K, A(r, pair k) at a[r lda + 2 k]),
 // K the reduction length (bf16: K2 = K / 2 pairs), N output columns, P = ceil(N / 64) panels.
@@ -11,8 +11,9 @@
 // the bias) and stores (bf16: rounds) once into the output: no fp32 block is stored and
 // reloaded between K chunks. Measured in bf16 against the chunked form (an fp32 (R, 64) block,
 // K in chunks of 128 pairs, as mha::linear_bf16): 508 vs 498 GFLOP/s at R = 80, N = 1536,
-// K = 512, 1 thread (bf16_gemm_micro.cpp). The panel (64 KB bf16, 128 KB fp32 at K = 512) then
-// streams from L2 for each tile.
+// K = 512, 1 thread (bf16_gemm_micro.cpp); in fp32 241-254 vs 218-232 GFLOP/s on the same
+// shape (f32_rows_micro.cpp). The panel (64 KB bf16, 128 KB fp32 at K = 512) then streams from
+// L2 for each tile.
 #pragma once
 
 #if defined(__AVX512F__)
