@@ -131,25 +131,25 @@ def test_wrong_result_is_an_error_row():
     assert rows[0].status == "error" and "wrong result" in rows[0].reason
 
 
-def test_bf16_module_case_times_the_frozen_module_checked():
-    """bf16 module rows add ``mha module frozen`` (weights packed once): checked against
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_module_case_times_the_frozen_module_checked(dtype):
+    """bf16 and fp32 module rows add ``mha module frozen`` (weights packed once): checked against
     nn.MultiheadAttention like the others where the fused forward runs, else skipped with
-    freeze()'s reason; fp32 rows have no such row."""
-    from mha.ops import linear
+    freeze()'s reason."""
+    from mha.ops import self_attention
 
     rows = {r.impl: r for r in core.measure(
-        attention.module_case(attention.Shape(2, 2, 8, 16, "bf16", False), Context(**FAST)),
+        attention.module_case(attention.Shape(2, 2, 8, 16, dtype, False), Context(**FAST)),
         Context(**FAST))}
     frozen = rows["mha module frozen"]
-    if linear.bf16_tiles():
+    missing = self_attention.tiles(attention._DTYPES[dtype])
+    if missing is None:
         assert frozen.ok and frozen.check.startswith("same weights"), frozen
-        fused = "fused bf16 forward" in frozen.check  # where the measured gate lets it run
+        fused = f"fused {dtype} forward" in frozen.check  # where the measured gate lets it run
         assert ("weights packed once by freeze()" in frozen.check) == fused, frozen.check
         assert "weights packed once" not in rows["mha module"].check
     else:
-        assert frozen.status == "skipped" and "bf16 tiles" in frozen.reason
-    fp32 = attention.module_case(attention.Shape(2, 2, 8, 16, "fp32", False), Context(**FAST))
-    assert [i.name for i in fp32.impls] == ["torch nn.MHA", "mha module"]
+        assert frozen.status == "skipped" and missing in frozen.reason
 
 
 def test_memory_budget_skips_materializing_impls_with_the_figure():

@@ -9,7 +9,9 @@ through ``.data``, numpy or the storage, by rebinding ``.data``, by ``load_state
 optimizer step or a dtype round trip — and checks the next output against the float64 per-head
 loop fed the weights as they are now. The module's projections must run on ``mha.linear``'s
 native op for this to test anything: where the CPU lacks AVX-512 the op's portable loops (same
-packing and blocking, scalar tiles) are used instead of the ``F.linear`` fallback.
+packing and blocking, scalar tiles) are used instead of the ``F.linear`` fallback; where it has
+AVX-512, the packed module's fp32 inference calls (no_grad, eval) run the fused forward
+(``mha.ops.self_attention``, which packs the weights per call) and are checked the same way.
 
 The NaN cases check the projections only: ``mha.linear`` gives the NaN pattern of ``F.linear``
 for a NaN in x, in W^Q, W^K, W^V, W^O or in a bias.
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 import mha
 from mha.ops import linear
+from mha.ops import self_attention as fused
 
 B, TQ, TK = 2, 48, 64
 
@@ -251,10 +254,10 @@ def test_inf_and_nan_in_x_and_weight_together():
 
 
 # ----------------------------------------------------------------------------- frozen modules
-# freeze() keeps the fused bf16 forward's packed weights between calls (opt-in): a weight moved
-# in a way its version counter or storage pointer shows is packed again; writes that bypass both
-# (through .data, numpy, the storage) are not seen until freeze() again. The routes below are the
-# ones above; which side each is on is the documented contract.
+# freeze() keeps the fused forward's packed weights (bf16 or fp32) between calls (opt-in): a
+# weight moved in a way its version counter or storage pointer shows is packed again; writes that
+# bypass both (through .data, numpy, the storage) are not seen until freeze() again. The routes
+# below are the ones above; which side each is on is the documented contract.
 FROZEN_SEEN = ("data_rebind", "data_clone_then_write", "load_state_dict", "no_grad_mul",
                "no_grad_copy", "init_normal", "dtype_round_trip", "bias_only")
 FROZEN_UNSEEN = ("data_mul", "data_copy", "data_normal", "numpy_write", "storage_write",
@@ -269,13 +272,17 @@ def _numpy_bits_write(m):  # numpy has no bfloat16: the bits, through an int16 v
 FROZEN_ROUTES = dict(ROUTES, numpy_write=_numpy_bits_write)
 
 
-def _frozen_pair():
-    """A frozen bf16 module and its unfrozen twin (same weights)."""
-    if not linear.bf16_tiles():
-        pytest.skip("freeze() needs the native op's bf16 tiles (AVX512_BF16): not in this build")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the fused forward's dtypes
+
+
+def _frozen_pair(dtype):
+    """A frozen module of ``dtype`` and its unfrozen twin (same weights)."""
+    missing = fused.tiles(DTYPES[dtype])
+    if missing is not None:
+        pytest.skip(f"freeze() cannot serve {dtype} here: {missing}")
     torch.manual_seed(0)
-    m = _packed().bfloat16().eval()
-    twin = _packed().bfloat16().eval()
+    m = _packed().to(DTYPES[dtype]).eval()
+    twin = _packed().to(DTYPES[dtype]).eval()
     twin.load_state_dict(m.state_dict())
     return m.freeze(), twin
 
@@ -292,10 +299,11 @@ def test_frozen_routes_are_each_named():
     assert sorted(FROZEN_SEEN + FROZEN_UNSEEN) == sorted(set(ROUTES) - {"optimizer_step"})
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("route", FROZEN_SEEN)
-def test_frozen_module_sees_versioned_changes(route):
-    m, _ = _frozen_pair()
-    x = _inputs(m, "packed")[0].bfloat16()
+def test_frozen_module_sees_versioned_changes(route, dtype):
+    m, _ = _frozen_pair(dtype)
+    x = _inputs(m, "packed")[0].to(DTYPES[dtype])
     with torch.no_grad():
         assert m.explain(x).splitlines()[-1].startswith("forward: fused")
         before = m(x)
@@ -306,13 +314,15 @@ def test_frozen_module_sees_versioned_changes(route):
     assert torch.equal(after, want), f"{route}: the frozen module kept a stale weight"
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("route", FROZEN_UNSEEN)
-def test_frozen_module_misses_unversioned_writes_until_freeze(route):
+def test_frozen_module_misses_unversioned_writes_until_freeze(route, dtype):
     """The documented price of freeze(): these writes keep the old panels; freeze() again (or
     unfreeze()) reads the weights as they are."""
-    m, twin = _frozen_pair()
-    x = _inputs(m, "packed")[0].bfloat16()
+    m, twin = _frozen_pair(dtype)
+    x = _inputs(m, "packed")[0].to(DTYPES[dtype])
     with torch.no_grad():
+        assert m.explain(x).splitlines()[-1].startswith("forward: fused")
         m(x)
         FROZEN_ROUTES[route](m)
         stale = m(x)
@@ -324,12 +334,13 @@ def test_frozen_module_misses_unversioned_writes_until_freeze(route):
         assert torch.equal(m.unfreeze()(x), _current(m, x))
 
 
-def test_frozen_module_optimizer_step_is_seen():
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_frozen_module_optimizer_step_is_seen(dtype):
     """Training a frozen module: the forward under autograd runs step by step on the weights as
     they are, and the optimizer's in-place step bumps the versions, so the next fused inference
     call packs again."""
-    m, _ = _frozen_pair()
-    x = _inputs(m, "packed")[0].bfloat16()
+    m, _ = _frozen_pair(dtype)
+    x = _inputs(m, "packed")[0].to(DTYPES[dtype])
     with torch.no_grad():
         m(x)
     packs = m.frozen.packs

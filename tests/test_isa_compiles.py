@@ -22,6 +22,7 @@ from mha.ops import build
 AVX512_BF16 = "-march=cooperlake"
 AMX = "-march=sapphirerapids"
 AVX2 = "-march=haswell"  # no AVX-512: the portable loops
+AVX512F = "-march=skylake-avx512"  # AVX-512 without AVX512_BF16
 EMULATED = "-march=cooperlake -DMHA_AMX_EMULATE"  # the AMX kernels on software tiles
 CASES = [  # (source, target, macros the source defines when the path is compiled in)
     ("flash/flash_attn.cpp", AVX512_BF16, ("MHA_FLASH_LAZY_SOFTMAX", "MHA_FLASH_BF16_TILES",
@@ -36,7 +37,8 @@ CASES = [  # (source, target, macros the source defines when the path is compile
     ("linear/linear.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/gemv.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("linear/self_attention.cpp", AVX512_BF16, ("MHA_GEMM_BF16",)),
-    ("linear/self_attention.cpp", AVX2, ("__AVX2__",)),  # the op refuses: no bf16 tiles
+    ("linear/self_attention.cpp", AVX512F, ("__AVX512F__",)),  # fp32 only: no bf16 tiles
+    ("linear/self_attention.cpp", AVX2, ("__AVX2__",)),  # the ops refuse: no AVX-512 tiles
     ("linear/gemv.cpp", AVX2, ("__AVX2__",)),
     ("bench/stream_read.cpp", AVX512_BF16, ("__AVX512F__",)),
     ("bench/flash_breakdown.cpp", AMX, ("MHA_FLASH_AMX",)),

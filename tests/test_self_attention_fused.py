@@ -1,11 +1,14 @@
-"""The module's fused bf16 forward (``torch.ops.mha.self_attention_bf16``,
-``mha.ops.self_attention``): QKV projection, attention and W_O in one native call.
+"""The module's fused forward in bf16 and fp32 (``torch.ops.mha.self_attention_bf16`` /
+``self_attention_f32``, ``mha.ops.self_attention``): QKV projection, attention and W_O in one
+native call.
 
 Shape legend: B batch, T sequence length, D model width, h heads, d head dim.
 
-The oracle is the same function in float64 on the same bf16 values; the yardstick is the module
-run step by step in bf16 (torch's bf16 GEMMs and attention): both round the projections' outputs
-to bf16, so the fused call's error must stay within a few times the step-by-step module's.
+The oracle is the same function in float64 on the same bf16 / fp32 values; the yardstick is the
+module run step by step in the same dtype (torch's GEMMs and attention): in bf16 both round the
+projections' outputs to bf16, in fp32 both sum in fp32, so the fused call's error must stay
+within a few times the step-by-step module's. Every test runs in both dtypes (the ``dtype``
+fixture), skipped with the reason where the build lacks that dtype's tiles.
 """
 
 from __future__ import annotations
@@ -14,25 +17,46 @@ import pytest
 import torch
 
 import mha
-from mha.ops import linear, linear_choice
+from mha.ops import linear_choice
 from mha.ops import self_attention as fused
 
 pytestmark = pytest.mark.usefixtures("native_linear")  # MHA_LINEAR=native: fused where it can
 
 
-@pytest.fixture(autouse=True)
-def _tiles():
-    if not linear.bf16_tiles():
-        pytest.skip("the native op has no bf16 tiles here (its build lacks AVX512_BF16)")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FLOOR = {"bf16": 2e-3, "fp32": 1e-6}  # error allowed beyond 3x the step-by-step module's,
+                                      # relative to the output's largest magnitude
 
 
-def _module(D, h, bias=True, seed=0):
+@pytest.fixture(params=list(DTYPES))
+def dtype(request) -> str:
+    missing = fused.tiles(DTYPES[request.param])
+    if missing is not None:
+        pytest.skip(f"no fused {request.param} forward here: {missing}")
+    return request.param
+
+
+def _op(dtype):
+    return getattr(torch.ops.mha, "self_attention_bf16" if dtype == "bf16" else
+                   "self_attention_f32")
+
+
+def _pack(dtype):
+    return getattr(torch.ops.mha, "pack_panels_bf16" if dtype == "bf16" else "pack_panels_f32")
+
+
+def _module(D, h, dtype, bias=True, seed=0):
     torch.manual_seed(seed)
     m = mha.MultiHeadAttention(D, h, bias=bias).eval()
     with torch.no_grad():  # biases away from zero, so a missing bias shows
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    return m.bfloat16()
+    return m.to(DTYPES[dtype])
+
+
+def _close(got, want, dtype):
+    tol = 1e-2 if dtype == "bf16" else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def _forward(m, x, **kwargs):
@@ -41,7 +65,7 @@ def _forward(m, x, **kwargs):
 
 
 def _float64(m, x):
-    """The module's function in float64 on the same bf16 weights and input."""
+    """The module's function in float64 on the same weights and input."""
     m64 = mha.MultiHeadAttention(m.d_model, m.num_heads, bias=m.out_proj.bias is not None)
     m64.load_state_dict(m.state_dict())
     m64 = m64.double().eval()
@@ -64,40 +88,41 @@ def _step_by_step(m, x, monkeypatch):
     (1, 64, 96, 6, True),     # the longest T served, D not a multiple of 64 (partial panels)
     (7, 33, 64, 1, True),     # one head, groups of 2 batch rows (96 // 33) and a short last one
 ])
-def test_matches_float64(B, T, D, h, bias, monkeypatch):
-    m = _module(D, h, bias)
+def test_matches_float64(B, T, D, h, bias, dtype, monkeypatch):
+    m = _module(D, h, dtype, bias)
     g = torch.Generator().manual_seed(B * 1000 + T)
-    x = torch.randn(B, T, D, generator=g).bfloat16()
+    x = torch.randn(B, T, D, generator=g).to(DTYPES[dtype])
     with torch.no_grad():
-        assert _forward(m, x).startswith("forward: fused bf16 forward")
+        assert _forward(m, x).startswith(f"forward: fused {dtype} forward")
         got = m(x)
     want = _float64(m, x)
     ref = _step_by_step(m, x, monkeypatch)
-    assert got.shape == (B, T, D) and got.dtype == torch.bfloat16
+    assert got.shape == (B, T, D) and got.dtype == DTYPES[dtype]
     err = (got.double() - want).abs().max().item()
     ref_err = (ref.double() - want).abs().max().item()
     scale = want.abs().max().item()
-    assert err <= 3 * ref_err + 2e-3 * scale, f"fused error {err:.3e}, step by step {ref_err:.3e}"
+    assert err <= 3 * ref_err + FLOOR[dtype] * scale, \
+        f"fused error {err:.3e}, step by step {ref_err:.3e}"
 
 
-def test_op_equals_module_and_reads_weights_as_they_are():
+def test_op_equals_module_and_reads_weights_as_they_are(dtype):
     """The module calls the op; a weight changed in place is read by the next call (nothing
     derived from it is kept)."""
-    m = _module(128, 4)
-    x = torch.randn(4, 12, 128).bfloat16()
+    m = _module(128, 4, dtype)
+    x = torch.randn(4, 12, 128).to(DTYPES[dtype])
     args = (m.in_proj.weight, m.in_proj.bias, m.out_proj.weight, m.out_proj.bias)
     with torch.no_grad():
         y = m(x)
-        assert torch.equal(y, torch.ops.mha.self_attention_bf16(x, *args, 4, 32 ** -0.5))
+        assert torch.equal(y, _op(dtype)(x, *args, 4, 32 ** -0.5))
         m.out_proj.weight.data.mul_(2)
         m.out_proj.bias.data.mul_(2)
         y2 = m(x)
-    torch.testing.assert_close(y2.float(), 2 * y.float(), rtol=1e-2, atol=1e-2)
+    _close(y2, 2 * y, dtype)
 
 
-def test_deterministic_across_threads():
-    m = _module(256, 4)
-    x = torch.randn(9, 20, 256).bfloat16()
+def test_deterministic_across_threads(dtype):
+    m = _module(256, 4, dtype)
+    x = torch.randn(9, 20, 256).to(DTYPES[dtype])
     before = torch.get_num_threads()
     outs = []
     try:
@@ -110,11 +135,11 @@ def test_deterministic_across_threads():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_nan_propagates_within_its_batch_row():
+def test_nan_propagates_within_its_batch_row(dtype):
     """A NaN in one token of batch row 0 reaches every query of that row (every key is visible:
     its score is NaN), as SDPA; the other rows stay finite."""
-    m = _module(64, 4)
-    x = torch.randn(3, 10, 64).bfloat16()
+    m = _module(64, 4, dtype)
+    x = torch.randn(3, 10, 64).to(DTYPES[dtype])
     x[0, 3, 5] = float("nan")
     with torch.no_grad():
         y = m(x)
@@ -122,20 +147,20 @@ def test_nan_propagates_within_its_batch_row():
     assert torch.isfinite(y[1:]).all()
 
 
-def test_no_state_carried_between_calls():
+def test_no_state_carried_between_calls(dtype):
     """The buffers are not zero-filled: a call after one full of NaN (and of another shape)
     gives the bits a call gives on its own, at 1 and 2 threads (T = 20 and 13: Q^T columns
     past T read rows never written in the call)."""
-    m = _module(128, 4)
+    m = _module(128, 4, dtype)
     before = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for T in (20, 13):
-                x = torch.randn(5, T, 128).bfloat16()
+                x = torch.randn(5, T, 128).to(DTYPES[dtype])
                 with torch.no_grad():
                     alone = m(x)
-                    m(torch.full((7, 33, 128), float("nan")).bfloat16())
+                    m(torch.full((7, 33, 128), float("nan")).to(DTYPES[dtype]))
                     after = m(x)
                 assert torch.isfinite(alone).all()
                 assert torch.equal(after, alone)
@@ -143,110 +168,118 @@ def test_no_state_carried_between_calls():
         torch.set_num_threads(before)
 
 
-def test_calls_it_does_not_serve_run_step_by_step():
-    m = _module(128, 4)
-    x = torch.randn(2, 10, 128).bfloat16()
+def test_calls_it_does_not_serve_run_step_by_step(dtype):
+    m = _module(128, 4, dtype)
+    x = torch.randn(2, 10, 128).to(DTYPES[dtype])
     with torch.no_grad():
         assert _forward(m, x, causal=True).startswith("forward: step by step: the fused forward "
                                                     "has no causal")
-        long = torch.randn(1, fused.MAX_T + 1, 128).bfloat16()
+        long = torch.randn(1, fused.MAX_T + 1, 128).to(DTYPES[dtype])
         assert "T <= 64" in _forward(m, long)
         torch.testing.assert_close(m(long).float(), _float64(m, long).float(), rtol=0.05,
                                    atol=0.05)
     assert "a gradient is needed" in _forward(m, x)
-    m32 = _module(128, 4).float()
+    m64 = _module(128, 4, dtype).double()
     with torch.no_grad():
-        assert "bfloat16 inputs only" in _forward(m32, x.float())
+        assert "bfloat16 or float32 inputs only" in _forward(m64, x.double())
 
 
-def test_training_keeps_gradients():
+def test_training_keeps_gradients(dtype):
     """With gradients the module runs step by step (autograd through the native projections)."""
-    m = _module(64, 4)
-    x = torch.randn(2, 5, 64).bfloat16().requires_grad_()
+    m = _module(64, 4, dtype)
+    x = torch.randn(2, 5, 64).to(DTYPES[dtype]).requires_grad_()
     m(x).float().sum().backward()
     assert x.grad is not None and m.in_proj.weight.grad is not None
     assert torch.isfinite(x.grad).all()
 
 
-def test_op_refuses_bad_arguments_by_name():
-    w_qkv, w_o = torch.zeros(96, 32).bfloat16(), torch.zeros(32, 32).bfloat16()
-    x = torch.zeros(2, 5, 32).bfloat16()
-    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
-        torch.ops.mha.self_attention_bf16(x.float(), w_qkv, None, w_o, None, 2, 0.25)
+def test_op_refuses_bad_arguments_by_name(dtype):
+    op, t = _op(dtype), DTYPES[dtype]
+    other = torch.float64
+    w_qkv, w_o = torch.zeros(96, 32, dtype=t), torch.zeros(32, 32, dtype=t)
+    x = torch.zeros(2, 5, 32, dtype=t)
+    with pytest.raises(RuntimeError, match=f"x must be a {str(t).split('.')[1]}"):
+        op(x.to(other), w_qkv, None, w_o, None, 2, 0.25)
     with pytest.raises(RuntimeError, match="1 <= T <= 64"):
-        torch.ops.mha.self_attention_bf16(torch.zeros(1, 65, 32).bfloat16(), w_qkv, None, w_o,
-                                          None, 2, 0.25)
+        op(torch.zeros(1, 65, 32, dtype=t), w_qkv, None, w_o, None, 2, 0.25)
     with pytest.raises(RuntimeError, match="w_qkv must be"):
-        torch.ops.mha.self_attention_bf16(x, w_qkv[:64], None, w_o, None, 2, 0.25)
+        op(x, w_qkv[:64], None, w_o, None, 2, 0.25)
     with pytest.raises(RuntimeError, match="b_o must have shape"):
-        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, torch.zeros(31).bfloat16(), 2,
-                                          0.25)
+        op(x, w_qkv, None, w_o, torch.zeros(31, dtype=t), 2, 0.25)
 
 
 @pytest.mark.parametrize(("native_s", "fused_runs"), [(1.05, True), (1.5, False)])
-def test_measured_gate(tmp_path, monkeypatch, native_s, fused_runs):
-    """Fused only while the bf16 tiles measured within TILES_MARGIN of torch's bf16 GEMM on the
-    QKV class (injected measurement); the reason names the ratio."""
+def test_measured_gate(tmp_path, monkeypatch, native_s, fused_runs, dtype):
+    """Fused only while the dtype's tiles measured within TILES_MARGIN of torch's GEMM of that
+    dtype on the QKV class (injected measurement: bf16 tiles, or the fp32 projections' own
+    measurement); the reason names the ratio."""
     monkeypatch.setattr(linear_choice, "path", lambda: tmp_path / linear_choice.FILE)
     monkeypatch.setattr(linear_choice, "forced", lambda: None)
     monkeypatch.setattr(linear_choice, "_memo", {})
-    monkeypatch.setattr(linear_choice, "measure_bf16_tiles", lambda shape: (native_s, 1.0))
-    m = _module(128, 4)
-    x = torch.randn(4, 20, 128).bfloat16()
+    timer = "measure_bf16_tiles" if dtype == "bf16" else "measure"
+    monkeypatch.setattr(linear_choice, timer, lambda shape: (native_s, 1.0))
+    m = _module(128, 4, dtype)
+    x = torch.randn(4, 20, 128).to(DTYPES[dtype])
     with torch.no_grad():
         line = _forward(m, x)
         y = m(x)
     assert line.startswith("forward: fused") == fused_runs, line
     if not fused_runs:
-        assert "1.50x slower than torch's bf16 GEMM" in line
+        assert f"1.50x slower than torch's {dtype} GEMM" in line
     torch.testing.assert_close(y.float(), _float64(m, x).float(), rtol=0.05, atol=0.05)
 
 
 # ----------------------------------------------------------------------------- packed panels
 @pytest.mark.parametrize("N,K", [(192, 64), (96, 128), (16, 32), (130, 48)])
-def test_pack_panels_layout(N, K):
-    """panels[p, k2, j, e] = W[64 p + j, 2 k2 + e], zero past N (partial last panel)."""
-    w = torch.randn(N, K).bfloat16()
-    got = torch.ops.mha.pack_panels_bf16(w)
+def test_pack_panels_layout(N, K, dtype):
+    """bf16: panels[p, k2, j, e] = W[64 p + j, 2 k2 + e]; fp32: panels[p, k, j] = W[64 p + j, k];
+    zero past N (partial last panel)."""
+    w = torch.randn(N, K).to(DTYPES[dtype])
+    got = _pack(dtype)(w)
     P = (N + 63) // 64
-    padded = torch.zeros(P * 64, K, dtype=torch.bfloat16)
+    padded = torch.zeros(P * 64, K, dtype=w.dtype)
     padded[:N] = w
-    want = padded.view(P, 64, K // 2, 2).transpose(1, 2)  # (P, 64, K2, 2) -> (P, K2, 64, 2)
-    assert got.shape == (P, K // 2, 64, 2) and got.is_contiguous()
+    if dtype == "bf16":
+        want = padded.view(P, 64, K // 2, 2).transpose(1, 2)  # (P, 64, K2, 2) -> (P, K2, 64, 2)
+    else:
+        want = padded.view(P, 64, K).transpose(1, 2)  # (P, 64, K) -> (P, K, 64)
+    assert got.shape == want.shape and got.is_contiguous()
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("B,T,D,h", [(32, 20, 512, 8), (1, 64, 96, 6), (3, 7, 64, 4)])
-def test_given_panels_give_the_same_bits(B, T, D, h):
-    m = _module(D, h)
-    x = torch.randn(B, T, D).bfloat16()
+def test_given_panels_give_the_same_bits(B, T, D, h, dtype):
+    m = _module(D, h, dtype)
+    x = torch.randn(B, T, D).to(DTYPES[dtype])
+    op = _op(dtype)
     args = (m.in_proj.weight, m.in_proj.bias, m.out_proj.weight, m.out_proj.bias, h, 0.125)
-    wq_p = torch.ops.mha.pack_panels_bf16(m.in_proj.weight)
-    wo_p = torch.ops.mha.pack_panels_bf16(m.out_proj.weight)
+    wq_p = _pack(dtype)(m.in_proj.weight)
+    wo_p = _pack(dtype)(m.out_proj.weight)
     with torch.no_grad():
-        packed_here = torch.ops.mha.self_attention_bf16(x, *args)
+        packed_here = op(x, *args)
         for panels in ((wq_p, wo_p), (wq_p, None), (None, wo_p)):
-            assert torch.equal(torch.ops.mha.self_attention_bf16(x, *args, *panels), packed_here)
+            assert torch.equal(op(x, *args, *panels), packed_here)
 
 
-def test_op_refuses_bad_panels_by_name():
-    w_qkv, w_o = torch.zeros(96, 32).bfloat16(), torch.zeros(32, 32).bfloat16()
-    x = torch.zeros(2, 5, 32).bfloat16()
-    good_q = torch.ops.mha.pack_panels_bf16(w_qkv)
+def test_op_refuses_bad_panels_by_name(dtype):
+    op, pack, t = _op(dtype), _pack(dtype), DTYPES[dtype]
+    w_qkv, w_o = torch.zeros(96, 32, dtype=t), torch.zeros(32, 32, dtype=t)
+    x = torch.zeros(2, 5, 32, dtype=t)
+    good_q = pack(w_qkv)
     with pytest.raises(RuntimeError, match="w_qkv_panels must be contiguous with shape"):
-        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, good_q[:1], None)
+        op(x, w_qkv, None, w_o, None, 2, 0.25, good_q[:1], None)
     with pytest.raises(RuntimeError, match="w_o_panels must be contiguous with shape"):
-        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, None, good_q)
-    with pytest.raises(RuntimeError, match="w_o_panels must be a bfloat16"):
-        torch.ops.mha.self_attention_bf16(x, w_qkv, None, w_o, None, 2, 0.25, None,
-                                          torch.ops.mha.pack_panels_bf16(w_o).float())
-    with pytest.raises(RuntimeError, match="K even"):
-        torch.ops.mha.pack_panels_bf16(torch.zeros(4, 5).bfloat16())
+        op(x, w_qkv, None, w_o, None, 2, 0.25, None, good_q)
+    with pytest.raises(RuntimeError, match=f"w_o_panels must be a {str(t).split('.')[1]}"):
+        op(x, w_qkv, None, w_o, None, 2, 0.25, None, pack(w_o).double())
+    if dtype == "bf16":
+        with pytest.raises(RuntimeError, match="K even"):
+            pack(torch.zeros(4, 5).bfloat16())
 
 
-def test_freeze_keeps_the_bits_and_says_so():
-    m = _module(128, 4)
-    x = torch.randn(4, 12, 128).bfloat16()
+def test_freeze_keeps_the_bits_and_says_so(dtype):
+    m = _module(128, 4, dtype)
+    x = torch.randn(4, 12, 128).to(DTYPES[dtype])
     with torch.no_grad():
         y = m(x)
         assert m.freeze() is m and m.frozen.packs == 2
@@ -257,11 +290,14 @@ def test_freeze_keeps_the_bits_and_says_so():
         assert "weights packed by freeze()" not in _forward(m.unfreeze(), x)
 
 
-def test_freeze_refusals_leave_the_module_unchanged():
-    cases = [(_module(128, 4).float(), ValueError, "in_proj.weight is torch.float32"),
-             (mha.MultiHeadAttention(128, 4, kdim=96, vdim=96).bfloat16(), ValueError,
+def test_freeze_refusals_leave_the_module_unchanged(dtype):
+    mixed = _module(128, 4, dtype)
+    mixed.out_proj.to(torch.float32 if dtype == "bf16" else torch.bfloat16)
+    cases = [(_module(128, 4, dtype).double(), ValueError, "in_proj.weight is torch.float64"),
+             (mixed, ValueError, "weights of one dtype"),
+             (mha.MultiHeadAttention(128, 4, kdim=96, vdim=96).to(DTYPES[dtype]), ValueError,
               "kdim == vdim == d_model"),
-             (mha.MultiHeadAttention(128, 8, num_kv_heads=2).bfloat16(), ValueError,
+             (mha.MultiHeadAttention(128, 8, num_kv_heads=2).to(DTYPES[dtype]), ValueError,
               "equal query and key/value heads")]
     for m, error, match in cases:
         state = {k: v.clone() for k, v in m.state_dict().items()}
@@ -272,14 +308,18 @@ def test_freeze_refusals_leave_the_module_unchanged():
 
 
 def test_frozen_module_serves_other_calls_with_current_weights():
-    """Calls the fused forward does not serve (causal, gradients, fp32 after .float()) read the
-    weights as they are, frozen or not."""
-    m = _module(64, 4).freeze()
+    """Calls the fused forward does not serve (causal) read the weights as they are, frozen or
+    not; after ``.float()`` (new weight tensors of another dtype) the fused fp32 call packs them
+    again, where the build has both dtypes' tiles."""
+    for kind in DTYPES:
+        if fused.tiles(DTYPES[kind]) is not None:
+            pytest.skip(f"no fused {kind} forward here: {fused.tiles(DTYPES[kind])}")
+    m = _module(64, 4, "bf16").freeze()
     x = torch.randn(2, 9, 64).bfloat16()
     with torch.no_grad():
         m(x)
         m.in_proj.weight.data.mul_(2)  # not seen by the fused call (documented), seen by these
-        twin = _module(64, 4)
+        twin = _module(64, 4, "bf16")
         twin.load_state_dict(m.state_dict())
         assert torch.equal(m(x, causal=True), twin(x, causal=True))
         m.float()

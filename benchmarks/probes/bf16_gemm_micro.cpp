@@ -1,5 +1,5 @@
 // How close the bf16 projections of the fused self-attention forward come to the vdpbf16ps
-// peak: the measurements behind csrc/linear/rows_bf16.h (docs/module.md, "The fused bf16
+// peak: the measurements behind csrc/linear/rows.h (docs/module.md, "The fused
 // forward"). Stand-alone (no torch); needs AVX512_BF16. One thread, thread CPU time, the
 // variants interleaved, best and mean of 30 rounds.
 //
@@ -11,7 +11,7 @@
 //    vdpbf16ps per pair of K) over 128 pairs held in L1;
 // 3. the QKV projection of the seeds' module, 640 x 1536 x 512, in 8 groups of 80 rows from
 //    packed panels: chunked (an fp32 (80, 64) block, K in chunks of 128 pairs, as
-//    mha::linear_bf16) and whole-K tiles (rows_bf16.h);
+//    mha::linear_bf16) and whole-K tiles (rows.h);
 // 4. W_O's shape, 640 x 512 x 512, alone and after the QKV projection in each group of 80 rows
 //    (the fused call's order, attention left out);
 // 5. packing W_qkv into panels (panels.h), as the fused call does on each call (0 GFLOP).
@@ -25,7 +25,7 @@
 
 #include "common/gemm_tiles.h"
 #include "linear/panels.h"
-#include "linear/rows_bf16.h"
+#include "linear/rows.h"
 
 namespace {
 
@@ -136,27 +136,28 @@ int main() {
        [](void* c) {
          auto* k = static_cast<Ctx*>(c);
          for (int64_t g = 0; g < 640 / 80; ++g)
-           mha_rows_bf16::project(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
-                                  k->wp->data(), k->bias->data(),
-                                  k->out->data() + g * 80 * 1536, 1536);
+           mha_rows::project<uint16_t>(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
+                                       k->wp->data(), k->bias->data(),
+                                       k->out->data() + g * 80 * 1536, 1536);
        }},
       {"W_O 640x512x512, whole-K tiles", 2.0 * M * D * D,
        [](void* c) {  // W_O's shape: the first 8 panels as its weight
          auto* k = static_cast<Ctx*>(c);
          for (int64_t g = 0; g < 640 / 80; ++g)
-           mha_rows_bf16::project(80, 512, 256, k->x->data() + g * 80 * 512, 512,
-                                  k->wp->data(), k->bias->data(),
-                                  k->out->data() + g * 80 * 512, 512);
+           mha_rows::project<uint16_t>(80, 512, 256, k->x->data() + g * 80 * 512, 512,
+                                       k->wp->data(), k->bias->data(),
+                                       k->out->data() + g * 80 * 512, 512);
        }},
       {"QKV + W_O per group of 80 rows", flops + 2.0 * M * D * D,
        [](void* c) {  // the fused call's projections without attention: Q, K, V in L2, then
          auto* k = static_cast<Ctx*>(c);  // W_O (8 panels) on the group's first 512 columns
          static std::vector<uint16_t> qkv(80 * 1536);
          for (int64_t g = 0; g < 640 / 80; ++g) {
-           mha_rows_bf16::project(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
-                                  k->wp->data(), k->bias->data(), qkv.data(), 1536);
-           mha_rows_bf16::project(80, 512, 256, qkv.data(), 1536, k->wp->data() + 8 * 256 * 128,
-                                  k->bias->data(), k->out->data() + g * 80 * 512, 512);
+           mha_rows::project<uint16_t>(80, 1536, 256, k->x->data() + g * 80 * 512, 512,
+                                       k->wp->data(), k->bias->data(), qkv.data(), 1536);
+           mha_rows::project<uint16_t>(80, 512, 256, qkv.data(), 1536,
+                                       k->wp->data() + 8 * 256 * 128, k->bias->data(),
+                                       k->out->data() + g * 80 * 512, 512);
          }
        }},
       {"pack W_qkv (1536 x 512) into panels", 0.0,

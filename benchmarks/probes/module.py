@@ -7,10 +7,11 @@ For each shape and dtype: ``nn.MHA`` (eval, no_grad: torch's fast path) and
 QKV projection ``(B T, d_model) -> (B T, 3 d_model)``, attention on ``(B, h, T, d)`` views, the
 head merge + output projection — and torch's GEMMs vs mha.linear's native tiles on the same
 products. One process, calls interleaved round-robin, medians. The line ``forward: ...`` says
-whether the module runs fused (bf16 inference, :mod:`mha.ops.self_attention`: one native call)
-or step by step; where it runs fused, "native forced" is the fused call and "torch forced" the
-step-by-step module on torch's GEMMs (the pieces time the steps alone either way); bf16 cases
-add the module frozen (``freeze()``: the fused call's weights packed once).
+whether the module runs fused (bf16 or fp32 inference, :mod:`mha.ops.self_attention`: one
+native call) or step by step; where it runs fused, "native forced" is the fused call, "step by
+step, native forced" the step-by-step module on mha's tiles and "torch forced" the step-by-step
+module on torch's GEMMs (the pieces time the steps alone either way); the module frozen
+(``freeze()``: the fused call's weights packed once) is timed beside them.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
         benchmarks/probes/module.py --small --dtype bf16 --threads 1 --clock cpu --pieces
@@ -26,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 import mha
+import mha.module
 from _timing import interleaved
 from mha.ops import linear, linear_choice
+from mha.ops import self_attention as fused
 
 SHAPES = ((32, 20, 512, 8), (8, 512, 1024, 16))  # (B, T, d_model, h)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -88,6 +91,18 @@ def _forcing(side: str, fn):
     return run
 
 
+def _unfused(fn):
+    """``fn`` with the fused forward off (the module's gate answers with a reason)."""
+    def run():
+        gate = mha.module.why_not_fused
+        mha.module.why_not_fused = lambda *a: "off in the probe"
+        try:
+            return fn()
+        finally:
+            mha.module.why_not_fused = gate
+    return run
+
+
 def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool,
          clock) -> None:
     dtype = DTYPES[dname]
@@ -98,7 +113,9 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
     if _native_built():
         for side in ("torch", "native"):
             fns[f"module, {side} forced"] = _forcing(side, lambda: m(x))
-    if dtype == torch.bfloat16 and linear.bf16_tiles():  # freeze(): the weights packed once
+        if T <= fused.MAX_T:
+            fns["module step by step, native forced"] = _forcing("native", _unfused(lambda: m(x)))
+    if fused.tiles(dtype) is None:  # freeze(): the weights packed once
         frozen = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval().freeze()
         fns["module frozen"] = lambda: frozen(x)
     if with_pieces:

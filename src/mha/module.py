@@ -42,9 +42,11 @@ from mha.functional import attention
 from mha.functional import explain as explain_attention
 from mha.linear import describe, linear
 from mha.mods import check_mod
-from mha.ops.linear import bf16_tiles as native_bf16_tiles
-from mha.ops.self_attention import Panels, self_attention_bf16, why_not_fused
+from mha.ops.self_attention import DTYPES as FUSED_DTYPES
+from mha.ops.self_attention import Panels, why_not_fused
 from mha.ops.self_attention import describe as describe_fused
+from mha.ops.self_attention import self_attention as fused_forward
+from mha.ops.self_attention import tiles as fused_tiles
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
@@ -129,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         #: ranks the heads are split over (mha.distributed.tensor_parallel); the head counts
         #: above are then this rank's
         self.tensor_parallel = 1
-        #: the weights packed once for the fused bf16 forward (:meth:`freeze`), or None
+        #: the weights packed once for the fused forward (:meth:`freeze`), or None
         self.frozen: Panels | None = None
 
     # Widths of the projected Q, K, V (derived, not stored).
@@ -261,9 +263,9 @@ class MultiHeadAttention(nn.Module):
                 mask=mask, causal=causal, key_lengths=key_lengths, window=window,
                 need_weights=need_weights or rec.on, backend=backend, cache=cache,
                 cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants)) is None:
-            return self_attention_bf16(query, self.in_proj.weight, self.in_proj.bias,
-                                       self.out_proj.weight, self.out_proj.bias, self.num_heads,
-                                       self.head_dim ** -0.5, self.frozen)  # (B, T, d_model)
+            return fused_forward(query, self.in_proj.weight, self.in_proj.bias,
+                                 self.out_proj.weight, self.out_proj.bias, self.num_heads,
+                                 self.head_dim ** -0.5, self.frozen)  # (B, T, d_model)
         q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
@@ -279,8 +281,8 @@ class MultiHeadAttention(nn.Module):
         return (y, weights) if need_weights else y
 
     def freeze(self) -> MultiHeadAttention:
-        """Pack ``W_qkv`` and ``W_O`` once for the fused bf16 inference forward
-        (:mod:`mha.ops.self_attention`) instead of at every call, and return the module.
+        """Pack ``W_qkv`` and ``W_O`` once for the fused inference forward (bf16 or fp32,
+        :mod:`mha.ops.self_attention`) instead of at every call, and return the module.
 
         Unfrozen, the fused call packs both weights into its panels each time (at the seeds'
         bf16 size about a twentieth of the call), so no way of changing a weight can leave a
@@ -288,25 +290,30 @@ class MultiHeadAttention(nn.Module):
         version counter or storage shows (an optimizer step, ``load_state_dict``, ``nn.init``,
         an in-place op, ``p.data = t``); writes through ``p.data.<op>_()`` or ``.numpy()`` are
         **not** seen until :meth:`freeze` is called again (which packs anew) or
-        :meth:`unfreeze`. Calls that do not run fused (fp32, masks, gradients, ...) read the
-        weights as they are, frozen or not. Refused (the module unchanged) unless the module
-        has the packed ``[W^Q; W^K; W^V]`` weight (kdim == vdim == d_model), equal query and
-        key/value heads on one rank, bfloat16 weights on the CPU, and the native op its bf16
-        tiles."""
+        :meth:`unfreeze`. Calls that do not run fused (masks, gradients, another dtype than
+        the weights', ...) read the weights as they are, frozen or not; a dtype change of the
+        weights (``m.float()``) packs them again at the next fused call. Refused (the module
+        unchanged) unless the module has the packed ``[W^Q; W^K; W^V]`` weight (kdim == vdim ==
+        d_model), equal query and key/value heads on one rank, bfloat16 or float32 weights (of
+        one dtype) on the CPU, and the native op with the tiles of that dtype (bf16: AVX512_BF16;
+        fp32: AVX-512)."""
         if not (self.packed and self.tensor_parallel == 1 and self.num_kv_heads == self.num_heads
                 and self.v_head_dim == self.head_dim):
-            raise ValueError("freeze() packs the fused bf16 forward's weights, which serves the "
+            raise ValueError("freeze() packs the fused forward's weights, which serves the "
                              "packed [W^Q; W^K; W^V] weight (kdim == vdim == d_model) with equal "
                              "query and key/value heads on one rank")
-        for name, p in (("in_proj.weight", self.in_proj.weight),
-                        ("out_proj.weight", self.out_proj.weight)):
-            if p.device.type != "cpu" or p.dtype != torch.bfloat16:
-                raise ValueError(f"freeze() packs bfloat16 CPU weights for the fused forward; "
-                                 f"{name} is {p.dtype} on {p.device} (module.to(torch.bfloat16) "
-                                 f"first)")
-        if not native_bf16_tiles():
-            raise RuntimeError("freeze() needs the native op's bf16 tiles (AVX512_BF16), which "
-                               "this build lacks: the fused forward cannot run here")
+        w_qkv, w_o = self.in_proj.weight, self.out_proj.weight
+        for name, p in (("in_proj.weight", w_qkv), ("out_proj.weight", w_o)):
+            if p.device.type != "cpu" or p.dtype not in FUSED_DTYPES:
+                raise ValueError(f"freeze() packs bfloat16 or float32 CPU weights for the fused "
+                                 f"forward; {name} is {p.dtype} on {p.device} "
+                                 f"(module.to(torch.bfloat16) or .float() first)")
+        if w_qkv.dtype != w_o.dtype:
+            raise ValueError(f"freeze() packs weights of one dtype; in_proj.weight is "
+                             f"{w_qkv.dtype}, out_proj.weight {w_o.dtype}")
+        missing = fused_tiles(w_qkv.dtype)
+        if missing is not None:
+            raise RuntimeError(f"freeze(): {missing}: the fused forward cannot run here")
         panels = Panels()
         panels.current(self.in_proj.weight, self.out_proj.weight)
         self.frozen = panels
@@ -318,11 +325,11 @@ class MultiHeadAttention(nn.Module):
         return self
 
     def _why_not_fused(self, query, self_attention: bool, call: dict) -> str | None:
-        """Why this call runs step by step rather than in the fused bf16 forward
-        (:mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
+        """Why this call runs step by step rather than in the fused forward (bf16 or fp32,
+        :mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
         the call's masks, mode, dropout and score variants (the module's and the call's)."""
-        if query.dtype != torch.bfloat16:
-            return "the fused forward takes bfloat16 inputs only"
+        if query.dtype not in FUSED_DTYPES:
+            return "the fused forward takes bfloat16 or float32 inputs only"
         if not (self_attention and self.packed and self.tensor_parallel == 1
                 and self.num_kv_heads == self.num_heads and self.v_head_dim == self.head_dim):
             return ("the fused forward serves self-attention with the packed weight and equal "
@@ -430,7 +437,7 @@ class MultiHeadAttention(nn.Module):
         GEMM of each projection with the reason (:func:`mha.linear.describe`: the native tiles
         or torch's, as measured on this CPU) and every attention backend's verdict
         (:func:`mha.explain`, with the module's score variants), then on the last line
-        (``forward: ...``) whether the call runs fused (bf16 inference,
+        (``forward: ...``) whether the call runs fused (bf16 or fp32 inference,
         :mod:`mha.ops.self_attention`) or step by step and why, under the current grad mode. No
         projection or attention is computed; the first fp32 call of a shape class on a machine
         may time both GEMMs (:mod:`mha.ops.linear_choice`)."""

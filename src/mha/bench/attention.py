@@ -284,9 +284,9 @@ def module_case(s: Shape, ctx: Context) -> Case:
         return fn
 
     proj = 4 * 2.0 * s.B * s.T * d_model * d_model  # Q, K, V, O projections
-    impls = [Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha)]
-    if s.dtype == "bf16":  # freeze() packs the fused bf16 forward's weights once (opt-in)
-        impls.append(Impl("mha module frozen", lambda: make_mha(frozen=True)))
+    impls = [Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha),
+             # freeze() packs the fused forward's weights once (opt-in; bf16 and fp32)
+             Impl("mha module frozen", lambda: make_mha(frozen=True))]
     return Case(name=f"module B{s.B} T{s.T} d_model{d_model} h{s.h} {s.dtype} "
                      f"{'causal' if s.causal else 'dense'}",
                 impls=impls,
@@ -298,13 +298,15 @@ def module_case(s: Shape, ctx: Context) -> Case:
 
 def _gemms(m, x: torch.Tensor, causal: bool) -> str:
     """Which GEMM the module's QKV and W_O projections ran (mha.linear.describe, first words),
-    or that the timed call (under no_grad) ran the fused bf16 forward (m.explain's last line)."""
+    or that the timed call (under no_grad) ran the fused forward (m.explain's last line)."""
     from mha.linear import describe
 
     with torch.no_grad():
         if m.explain(x, causal=causal).splitlines()[-1].startswith("forward: fused"):
-            return ("fused bf16 forward (QKV, attention and W_O in one call on the bf16 tiles"
-                    + ("; weights packed once by freeze())" if m.frozen is not None else ")"))
+            kind = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+            return (f"fused {kind} forward (QKV, attention and W_O in one call on the {kind} "
+                    f"tiles" + ("; weights packed once by freeze())" if m.frozen is not None
+                                else ")"))
     w_o = m.out_proj.weight
     sides = [describe(inp, w, None).split(":")[0] for inp, w in
              ((x, m.in_proj.weight), (x.new_empty(()).expand(*x.shape[:-1], w_o.shape[1]), w_o))]

@@ -1,25 +1,27 @@
-"""The module's bf16 self-attention forward in one native call
-(``torch.ops.mha.self_attention_bf16``, ``csrc/linear/self_attention.cpp``): the packed QKV
-projection, attention over every head and W_O on the bf16 tiles, for short sequences, when
-nothing needs a gradient.
+"""The module's self-attention forward in one native call, in bf16 or fp32
+(``torch.ops.mha.self_attention_bf16`` / ``self_attention_f32``,
+``csrc/linear/self_attention.cpp``): the packed QKV projection, attention over every head and
+W_O on the native tiles, for short sequences, when nothing needs a gradient.
 
 Shape legend: B batch, T sequence length, D model width, h heads, d head dim; x ``(B, T, D)``,
 ``W_qkv (3 h d, D)`` = ``[W^Q; W^K; W^V]``, ``W_O (N_out, h d)`` (``nn.Linear`` layout).
 
-Why: at B = 32, T = 20, D = 512, h = 8 (the seeds' size) in bf16, the module run step by step
-spends as much time between its GEMMs (the QKV output written past L2 and read back by
-attention, one operator call per step) as its GEMMs run above torch's; the fused call keeps a
-group of batch rows' Q, K, V in the thread's cache and skips the steps' calls
-(docs/module.md, "The fused bf16 forward").
+Why: at B = 32, T = 20, D = 512, h = 8 (the seeds' size), the module run step by step spends
+as much time between its GEMMs (the QKV output written past L2 and read back by attention, one
+operator call per step) as its GEMMs run above torch's; the fused call keeps a group of batch
+rows' Q, K, V in the thread's cache and skips the steps' calls (docs/module.md, "The fused
+forward"). Where the GEMMs are at parity (bf16 here, fp32 against MKL's AVX-512 GEMM) that is
+the whole margin.
 
-When: :func:`why_not_fused` is None — bfloat16 CPU tensors, the native op built with its bf16
-tiles, ``T <= MAX_T``, ``d % 16 == 0``, ``D`` and ``N_out`` multiples of 16, and the bf16 tiles
-measured no slower than ``1 / TILES_MARGIN`` of torch's bf16 GEMM on the QKV projection's shape
-class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose bf16 GEMM runs
-far above ``vdpbf16ps``, e.g. on AMX, the step-by-step module keeps torch's GEMMs).
-``MHA_LINEAR=torch`` turns it off,
-``MHA_LINEAR=native`` on wherever it can run. The module checks the rest (no mask, score
-variant, cache, dropout, weights or trace; self-attention with equal head counts).
+When: :func:`why_not_fused` is None — bfloat16 or float32 CPU tensors (all of one dtype), the
+native op built with the dtype's AVX-512 tiles (bf16: AVX512_BF16), ``T <= MAX_T``,
+``d % 16 == 0``, ``D`` and ``N_out`` multiples of 16, and the dtype's native tiles measured no
+slower than ``1 / TILES_MARGIN`` of torch's GEMM of that dtype on the QKV projection's shape
+class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose GEMM runs far
+above the tiles, e.g. bf16 on AMX, the step-by-step module keeps torch's GEMMs).
+``MHA_LINEAR=torch`` turns it off, ``MHA_LINEAR=native`` on wherever it can run. The module
+checks the rest (no mask, score variant, cache, dropout, weights or trace; self-attention with
+equal head counts).
 """
 
 from __future__ import annotations
@@ -29,16 +31,28 @@ import torch
 from mha.ops import linear, linear_choice
 
 MAX_T = 64  # longest sequence the fused call serves (csrc: kMaxT)
-TILES_MARGIN = 1.10  # the bf16 tiles may be this much slower than torch's GEMM alone: at GEMM
+TILES_MARGIN = 1.10  # the native tiles may be this much slower than torch's GEMM alone: at GEMM
                      # parity the fused call took 10-25 % less than the step-by-step module
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # what the fused call takes
+
+
+def tiles(dtype: torch.dtype) -> str | None:
+    """Why the native op cannot run the fused forward in ``dtype`` in this build, or None."""
+    if dtype == torch.bfloat16:
+        return None if linear.bf16_tiles() else \
+            "the native op has no bf16 tiles in this build (needs AVX512_BF16)"
+    if linear.load() is not None or not torch.ops.mha.linear_vectorized():
+        return "the native op has no AVX-512 fp32 tiles in this build"
+    return None
 
 
 def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
                   w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int) -> str | None:
-    """Why the fused bf16 forward does not serve these arguments, or None when it does."""
+    """Why the fused forward does not serve these arguments, or None when it does."""
     tensors = [t for t in (x, w_qkv, b_qkv, w_o, b_o) if t is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
-        return "the fused forward takes bfloat16 CPU tensors only"
+    if any(t.device.type != "cpu" or t.dtype not in DTYPES for t in tensors) or \
+            len({t.dtype for t in tensors}) > 1:
+        return "the fused forward takes bfloat16 or float32 CPU tensors (all of one dtype) only"
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
     B, T, D = x.shape
@@ -48,18 +62,20 @@ def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | No
             and w_o.shape[0] % 16 == 0 and tuple(w_qkv.shape) == (3 * hd, D)):
         return (f"the fused forward serves T <= {MAX_T}, head dim % 16 == 0 and widths % 16 == 0 "
                 f"(got T={T}, d={d}, D={D}, N_out={w_o.shape[0]})")
-    if not linear.bf16_tiles():
-        return "the native op has no bf16 tiles in this build (needs AVX512_BF16)"
+    missing = tiles(x.dtype)
+    if missing is not None:
+        return missing
     side = linear_choice.forced()
     if side == "torch":
         return f"forced off by {linear_choice.ENV}=torch"
     if side == "native":
         return None
-    measured = _measured(B * T, 3 * hd, D)
+    measured = _measured(B * T, 3 * hd, D, x.dtype)
     if measured.native_s > TILES_MARGIN * measured.torch_s:
-        return (f"the bf16 tiles measured {measured.native_s / measured.torch_s:.2f}x slower than "
-                f"torch's bf16 GEMM (more than {TILES_MARGIN}x) for the QKV projection's shape "
-                f"class on {measured.cpu}")
+        kind = DTYPES[x.dtype]
+        return (f"the {kind} tiles measured {measured.native_s / measured.torch_s:.2f}x slower "
+                f"than torch's {kind} GEMM (more than {TILES_MARGIN}x) for the QKV projection's "
+                f"shape class on {measured.cpu}")
     return None
 
 
@@ -68,48 +84,54 @@ def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int) -> str:
     reason = why_not_fused(x, w_qkv, b_qkv, w_o, b_o, heads)
     if reason is not None:
         return f"step by step: {reason}"
+    kind = DTYPES[x.dtype]
     if linear_choice.forced() == "native":
-        return f"fused bf16 forward (one call): forced by {linear_choice.ENV}=native"
+        return f"fused {kind} forward (one call): forced by {linear_choice.ENV}=native"
     B, T, D = x.shape
-    m = _measured(B * T, w_qkv.shape[0], D)
-    return (f"fused bf16 forward (one call: QKV, attention and W_O on the bf16 tiles): the tiles "
-            f"ran at {m.torch_s / m.native_s:.2f}x the speed of torch's bf16 GEMM (at least "
-            f"1/{TILES_MARGIN} required) on the QKV projection's shape class "
+    m = _measured(B * T, w_qkv.shape[0], D, x.dtype)
+    return (f"fused {kind} forward (one call: QKV, attention and W_O on the {kind} tiles): the "
+            f"tiles ran at {m.torch_s / m.native_s:.2f}x the speed of torch's {kind} GEMM (at "
+            f"least 1/{TILES_MARGIN} required) on the QKV projection's shape class "
             f"(M={m.shape[0]}, N={m.shape[1]}, K={m.shape[2]}) on {m.cpu}")
 
 
-def _measured(M: int, N: int, K: int) -> linear_choice.Measured:
-    """The bf16 tiles against torch's bf16 GEMM on the QKV projection's shape class, at no fewer
-    than ``linear_choice.MIN_ROWS`` rows: the kernels' speed. At a few rows the GEMM's time is
-    mostly packing the weight, which the fused call pays whichever GEMM the step-by-step module
-    would use (measured at B1 T8 d_model 512: the M = 8 class had the tiles 1.38x slower, the
+def _measured(M: int, N: int, K: int, dtype: torch.dtype) -> linear_choice.Measured:
+    """The dtype's native tiles against torch's GEMM of that dtype on the QKV projection's shape
+    class, at no fewer than ``linear_choice.MIN_ROWS`` rows: the kernels' speed (fp32: the
+    projections' own fp32 measurement). At a few rows the GEMM's time is mostly packing the
+    weight, which the fused call pays whichever GEMM the step-by-step module would use
+    (measured in bf16 at B1 T8 d_model 512: the M = 8 class had the tiles 1.38x slower, the
     fused call ran 1.10x nn.MultiheadAttention against 0.89x step by step)."""
-    return linear_choice.choose(max(M, linear_choice.MIN_ROWS), N, K, linear.kernel(), bf16=True,
-                                tiles=True)
+    bf16 = dtype == torch.bfloat16
+    return linear_choice.choose(max(M, linear_choice.MIN_ROWS), N, K, linear.kernel(),
+                                bf16=bf16, tiles=bf16)
 
 
-def self_attention_bf16(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-                        w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int,
-                        scale: float, panels: Panels | None = None) -> torch.Tensor:
+def self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                   w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int, scale: float,
+                   panels: Panels | None = None) -> torch.Tensor:
     """``(B, T, D) -> (B, T, N_out)``: ``W_O(attention(x W_qkv^T + b_qkv)) + b_O`` in one native
-    call (no autograd: the caller makes sure nothing needs a gradient). ``panels``: the two
-    weights packed once (a frozen module's, :class:`Panels`); without them the call packs both."""
+    call, in x's dtype (bf16 or fp32; no autograd: the caller makes sure nothing needs a
+    gradient). ``panels``: the two weights packed once (a frozen module's, :class:`Panels`);
+    without them the call packs both."""
     wq_p, wo_p = (None, None) if panels is None else panels.current(w_qkv, w_o)
-    return torch.ops.mha.self_attention_bf16(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads,
-                                             float(scale), wq_p, wo_p)
+    op = (torch.ops.mha.self_attention_bf16 if x.dtype == torch.bfloat16
+          else torch.ops.mha.self_attention_f32)
+    return op(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads, float(scale), wq_p, wo_p)
 
 
 class Panels:
-    """``W_qkv`` and ``W_O`` packed once into the fused call's panels
-    (``torch.ops.mha.pack_panels_bf16``: ``(ceil(N / 64), K / 2, 64, 2)`` bf16 pairs), for a
-    frozen module (:meth:`mha.MultiHeadAttention.freeze`).
+    """``W_qkv`` and ``W_O`` packed once into the fused call's panels, for a frozen module
+    (:meth:`mha.MultiHeadAttention.freeze`): ``torch.ops.mha.pack_panels_bf16``
+    (``(ceil(N / 64), K / 2, 64, 2)`` bf16 pairs) or ``pack_panels_f32``
+    (``(ceil(N / 64), K, 64)`` fp32), by the weight's dtype.
 
     Each weight's panels are kept with what identifies its contents — the tensor, its storage
-    pointer and its version counter — and :meth:`current` packs a weight again when any of these
-    moved: an optimizer step, ``load_state_dict``, ``nn.init``, any in-place op on the parameter
-    or on a ``detach()``-ed view, ``p.data = t``. Writes that bypass the version counter (through
-    ``p.data`` or ``.numpy()``) are not seen: that is the price of not packing per call, and why
-    freezing is an explicit choice."""
+    pointer, its version counter and its dtype — and :meth:`current` packs a weight again when
+    any of these moved: an optimizer step, ``load_state_dict``, ``nn.init``, any in-place op on
+    the parameter or on a ``detach()``-ed view, ``p.data = t``, a dtype change. Writes that
+    bypass the version counter (through ``p.data`` or ``.numpy()``) are not seen: that is the
+    price of not packing per call, and why freezing is an explicit choice."""
 
     def __init__(self) -> None:
         # name -> (the weight, its (storage pointer, version, shape, strides, dtype), panels);
@@ -132,7 +154,10 @@ class Panels:
         if hit is not None and hit[0] is w and hit[1] == key:
             return hit[2]
         with torch.no_grad():
-            packed = torch.ops.mha.pack_panels_bf16(w)  # (N, K) -> (ceil(N / 64), K / 2, 64, 2)
+            if w.dtype == torch.bfloat16:
+                packed = torch.ops.mha.pack_panels_bf16(w)  # (N, K) -> (ceil(N/64), K/2, 64, 2)
+            else:
+                packed = torch.ops.mha.pack_panels_f32(w)  # (N, K) -> (ceil(N / 64), K, 64)
         self._packed[name] = (w, key, packed)
         self.packs += 1
         return packed

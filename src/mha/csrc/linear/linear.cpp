@@ -35,9 +35,6 @@ namespace mha_linear {
 namespace {
 
 using mha_panels::pack_panel_bf16;
-#if defined(__AVX2__)
-using mha_panels::transpose8;
-#endif
 
 constexpr int64_t kPanel = mha_panels::kPanel;  // output columns per packed panel
 constexpr int64_t kRows = 96;     // rows of x per work item (16 tiles of 6)
@@ -77,31 +74,13 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
 
 
 // wp (P, K, 64) = W^T in 64-column panels, zero past N: wp[p][k][j] = W(64 p + j, k), with
-// W(n, k) = w[n sn + k sk]. On the calling thread, in (panel, 64-wide K block) steps: a second
-// parallel region (a barrier more per call) cost more than the O(N K) moves it spread (see
-// benchmarks/probes/linear.py). A contiguous last dim moves 8 x 8 blocks through registers, anything
-// else goes element by element.
+// W(n, k) = w[n sn + k sk] (panels.h). On the calling thread: a second parallel region (a
+// barrier more per call) cost more than the O(N K) moves it spread (see
+// benchmarks/probes/linear.py).
 void pack_panels(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* wp) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-    float* dst = wp + p * K * kPanel;  // this panel's (K, 64)
-    for (int64_t k0 = 0; k0 < K; k0 += kPanel) {
-      const int64_t k1 = std::min(K, k0 + kPanel);
-      int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
-#if defined(__AVX2__)
-      if (sk == 1 && cols % 8 == 0) {
-        for (; kv + 8 <= k1; kv += 8)
-          for (int64_t j = 0; j < cols; j += 8)
-            transpose8(w + (n0 + j) * sn + kv, sn, dst + kv * kPanel + j, kPanel);
-      }
-#endif
-      for (int64_t k = kv; k < k1; ++k)
-        for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
-      for (int64_t k = k0; k < k1; ++k)
-        for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
-    }
-  }
+  for (int64_t p = 0; p < panels; ++p)
+    mha_panels::pack_panel_f32(w, N, K, sn, sk, p, wp + p * K * kPanel);
 }
 
 // out (M, N) = x (M, K) W^T + bias, W (N, K) read through its strides and packed for this call.

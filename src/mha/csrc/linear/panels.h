@@ -1,8 +1,9 @@
-// Packing a weight into the column panels the bf16 tiles read (csrc/linear): shared by the
+// Packing a weight into the column panels the register tiles read (csrc/linear): shared by the
 // projections (linear.cpp) and the fused self-attention forward (self_attention.cpp).
 //
 // Shape legend: W (N, K) in nn.Linear layout, rows sn elements apart; K2 = K / 2 bf16 pairs;
-// a panel is 64 output columns of W^T: (K2, 64, 2), pair k2 of column j at [k2][j].
+// a panel is 64 output columns of W^T: fp32 (K, 64), element k of column j at [k][j]; bf16
+// (K2, 64, 2), pair k2 of column j at [k2][j].
 #pragma once
 
 #include <algorithm>
@@ -38,6 +39,29 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
   }
 }
 #endif
+
+// dst (K, 64) = panel p of W^T in fp32, zero past N: dst[k][j] = W(64 p + j, k) with W(n, k) =
+// w[n sn + k sk]. In 64-wide K blocks; a contiguous last dim (sk == 1) moves 8 x 8 blocks
+// through registers, anything else goes element by element.
+inline void pack_panel_f32(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk,
+                           int64_t p, float* dst) {
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+  for (int64_t k0 = 0; k0 < K; k0 += kPanel) {
+    const int64_t k1 = std::min(K, k0 + kPanel);
+    int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
+#if defined(__AVX2__)
+    if (sk == 1 && cols % 8 == 0) {
+      for (; kv + 8 <= k1; kv += 8)
+        for (int64_t j = 0; j < cols; j += 8)
+          transpose8(w + (n0 + j) * sn + kv, sn, dst + kv * kPanel + j, kPanel);
+    }
+#endif
+    for (int64_t k = kv; k < k1; ++k)
+      for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
+  }
+}
 
 // dst (K2, 64, 2) = panel p of W^T as bf16 pairs, zero past N: dst[k2][j][e] = W(64 p + j,
 // 2 k2 + e) with W(n, k) = w[n sn + k]. A pair is 32 bits, so this is the fp32 packing of
