@@ -150,6 +150,10 @@ def test_module_case_times_the_frozen_module_checked(dtype):
         assert "weights packed once" not in rows["mha module"].check
     else:
         assert frozen.status == "skipped" and missing in frozen.reason
+    for long_or_causal in (attention.Shape(1, 2, 65, 16, dtype, False),
+                           attention.Shape(2, 2, 8, 16, dtype, True)):  # never fused: no row
+        names = [i.name for i in attention.module_case(long_or_causal, Context(**FAST)).impls]
+        assert names == ["torch nn.MHA", "mha module"]
 
 
 def test_memory_budget_skips_materializing_impls_with_the_figure():

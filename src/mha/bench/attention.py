@@ -241,8 +241,10 @@ def _flex(inp: _Inputs, s: Shape, ctx: Context):
 
 
 def module_case(s: Shape, ctx: Context) -> Case:
-    """``nn.MultiheadAttention`` vs ``mha.MultiHeadAttention`` (same weights), x (B, T, d_model)."""
+    """``nn.MultiheadAttention`` vs ``mha.MultiHeadAttention`` (same weights), x (B, T, d_model);
+    where the fused forward can serve the shape, also the module frozen (weights packed once)."""
     import mha
+    from mha.ops import self_attention as fused_forward
 
     d_model = s.h * s.d
     dtype = _DTYPES[s.dtype]
@@ -284,9 +286,10 @@ def module_case(s: Shape, ctx: Context) -> Case:
         return fn
 
     proj = 4 * 2.0 * s.B * s.T * d_model * d_model  # Q, K, V, O projections
-    impls = [Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha),
-             # freeze() packs the fused forward's weights once (opt-in; bf16 and fp32)
-             Impl("mha module frozen", lambda: make_mha(frozen=True))]
+    impls = [Impl("torch nn.MHA", make_torch), Impl("mha module", make_mha)]
+    if s.T <= fused_forward.MAX_T and not s.causal:  # shapes the fused forward can serve
+        # freeze() packs the fused forward's weights once (opt-in; bf16 and fp32)
+        impls.append(Impl("mha module frozen", lambda: make_mha(frozen=True)))
     return Case(name=f"module B{s.B} T{s.T} d_model{d_model} h{s.h} {s.dtype} "
                      f"{'causal' if s.causal else 'dense'}",
                 impls=impls,
