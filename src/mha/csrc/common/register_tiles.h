@@ -21,7 +21,7 @@ template <int R, int NV>
 MHA_TILE_INLINE void acc_zero(__m512 (&acc)[R][NV]) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
 }
 
@@ -29,7 +29,7 @@ template <int R, int NV>
 MHA_TILE_INLINE void acc_load(__m512 (&acc)[R][NV], const float* o, int64_t ld) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o + r * ld + v * kLanes);
 }
 
@@ -40,7 +40,7 @@ MHA_TILE_INLINE void acc_load_scaled(__m512 (&acc)[R][NV], const float* o, int64
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v)
       acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ld + v * kLanes), a);
   }
@@ -50,7 +50,7 @@ template <int R, int NV>
 MHA_TILE_INLINE void acc_store(const __m512 (&acc)[R][NV], float* o, int64_t ld) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ld + v * kLanes, acc[r][v]);
 }
 
@@ -61,7 +61,7 @@ MHA_TILE_INLINE void acc_rank1(__m512 (&acc)[R][NV], const __m512 (&b)[NV], cons
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const __m512 s = _mm512_set1_ps(a[r * stride]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(s, b[v], acc[r][v]);
   }
 }
@@ -77,7 +77,7 @@ MHA_TILE_INLINE void acc_rank2_bf16(__m512 (&acc)[R][NV], const __m512bh (&b)[NV
     int32_t pair;
     __builtin_memcpy(&pair, a + r * stride, sizeof(pair));
     const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, b[v]);
   }
 }
