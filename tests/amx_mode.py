@@ -10,22 +10,14 @@ test_amx_paths.py and test_flash_bwd_amx.py.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from mha.ops.forcing import EMULATION_FLAGS as _EMULATION
+from mha.ops.forcing import cpu_flags
 
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
-EMULATION_FLAGS = frozenset({"avx512f", "avx512_bf16"})  # what the software tiles need
+EMULATION_FLAGS = frozenset(_EMULATION)  # what the software tiles need
 
-
-def cpu_flags() -> set[str]:
-    """The first processor's flags in /proc/cpuinfo (empty where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+__all__ = ["AMX_FLAGS", "EMULATION_FLAGS", "cpu_flags", "current", "mode", "tile_state_refused"]
 
 
 def tile_state_refused() -> str | None:

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha.ops.forcing import cpu_flags
+
 
 @dataclass
 class Peak:
@@ -165,17 +167,6 @@ double run(int kind, int threads, long iters, double* wall) {
 _FLOPS_PER_ITER = {0: 16 * 32, 1: 16 * 64, 2: 16 * 16, 3: 4 * 16 * 16 * 32 * 2}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _load_lib() -> tuple[ctypes.CDLL | None, str]:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
@@ -267,7 +258,7 @@ def measure_peaks(threads: int, quick: bool = False) -> dict[str, Peak]:
     import torch
 
     budget = 0.3 if quick else 0.8
-    flags = _cpu_flags()
+    flags = cpu_flags()
     lib, why = _load_lib()
     peaks: dict[str, Peak] = {}
     if lib is None:
