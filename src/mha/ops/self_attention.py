@@ -137,7 +137,7 @@ class Panels:
         # name -> (the weight, its (storage pointer, version, shape, strides, dtype), panels);
         # holding the weight keeps its storage, so a pointer seen here is never reused
         self._packed: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
-        #: how many times a weight was packed (2 at the first fused call, +1 per weight moved)
+        #: how many times a weight was packed (2 by freeze(), +1 per weight that moved)
         self.packs = 0
 
     @staticmethod
