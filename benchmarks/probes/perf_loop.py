@@ -1,8 +1,10 @@
 """Call one native kernel in a loop for ``--seconds``, for a profiler to sample (``perf``).
 
 Shape legend: B batch, h heads, T sequence length (Tq = Tk), d head dim. Inputs are the
-module's layout, (B, T, h, d) viewed as (B, h, T, d). Prints ms per call and GFLOP/s (4 B h T^2 d,
-half when causal; the backward's five products count 2.5x that) to stderr.
+module's layout, (B, T, h, d) viewed as (B, h, T, d), or with ``--contiguous`` (B, h, T, d)
+tensors (the layout ``mha bench`` and ``flash_ab.py`` time: fp32 V is then read in place).
+Prints ms per call and GFLOP/s (4 B h T^2 d, half when causal; the backward's five products
+count 2.5x that) to stderr.
 
     OPENBLAS_CORETYPE= perf record -F 4000 -o fwd.data -- \\
         .venv/bin/python benchmarks/probes/perf_loop.py --shape 1,8,4096,64 --dtype fp32 --threads 1
@@ -29,11 +31,15 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true", help="loop the fused backward instead")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--contiguous", action="store_true", help="(B, h, T, d) inputs, not views")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     B, h, T, d = map(int, args.shape.split(","))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    q, k, v = (torch.randn(B, T, h, d).to(dtype).transpose(1, 2) for _ in range(3))
+    if args.contiguous:
+        q, k, v = (torch.randn(B, h, T, d).to(dtype) for _ in range(3))
+    else:  # the module's (B, T, h, d) views
+        q, k, v = (torch.randn(B, T, h, d).to(dtype).transpose(1, 2) for _ in range(3))
     flops = 4.0 * B * h * T * T * d * (0.5 if args.causal else 1.0)
     if args.backward:
         if flash.load_backward() is not None:
