@@ -14,6 +14,9 @@ variant's time over the first variant's (< 1: faster). Builds are cached under
         --variant old=/tmp/base/src/mha/csrc --variant new=src/mha/csrc \\
         --shapes 4,16,2048,64,causal 1,8,4096,64,dense --repeats 7
     # a compile-time switch of one tree: --variant x=src/mha/csrc:-DMHA_SOMETHING=1
+    # the fused backward instead (flash/flash_attn_bwd.cpp; out and lse from the package's
+    # forward, grad_out contiguous; GFLOP/s counts its five products, 10 B h Tq Tk d):
+    ... flash_ab.py --backward --dtype bf16 --variant old=... --variant new=src/mha/csrc
 """
 
 from __future__ import annotations
@@ -46,15 +49,16 @@ def _interleaved(fns: dict, rounds: int, min_time: float, clock) -> dict[str, fl
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _build(name: str, csrc: Path, defines: list[str]) -> None:
-    """Compile flash/flash_attn.cpp of ``csrc`` with ops under mha_ab_<name>, and load it."""
+def _build(name: str, csrc: Path, defines: list[str], source: str) -> None:
+    """Compile ``source`` (flash/flash_attn.cpp or flash/flash_attn_bwd.cpp) of ``csrc`` with
+    ops under mha_ab_<name>, and load it."""
     from torch.utils import cpp_extension
 
     from mha.ops import build
 
     flags = [*build.FLAGS, f"-Dmha=mha_ab_{name}", *defines]
     h = hashlib.sha256(" ".join(flags).encode())
-    for f in sorted(csrc.rglob("*.h")) + [csrc / "flash" / "flash_attn.cpp"]:
+    for f in sorted(csrc.rglob("*.h")) + [csrc / source]:
         h.update(str(f.relative_to(csrc)).encode())
         h.update(f.read_bytes())
     tag = f"mha_ab_{name}_{h.hexdigest()[:12]}"
@@ -63,7 +67,7 @@ def _build(name: str, csrc: Path, defines: list[str]) -> None:
     if not lib.exists():
         out.mkdir(parents=True, exist_ok=True)
         print(f"building {name} ({csrc}, {' '.join(defines) or 'no extra flags'}) ...", flush=True)
-        cpp_extension.load(name=tag, sources=[str(csrc / "flash" / "flash_attn.cpp")],
+        cpp_extension.load(name=tag, sources=[str(csrc / source)],
                            extra_cflags=flags, extra_ldflags=list(build.LDFLAGS),
                            extra_include_paths=[str(csrc)], build_directory=str(out),
                            is_python_module=False)
@@ -85,6 +89,9 @@ def main() -> None:
                     help="cpu: the calling thread's CPU time (with --threads 1 the kernel runs on "
                          "it), so time lost to other processes on a shared machine is not counted")
     ap.add_argument("--check", action="store_true", help="print max |difference| to the first")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the fused backward (flash/flash_attn_bwd.cpp) instead")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,7 +99,8 @@ def main() -> None:
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         parts = rest.split(":")
-        _build(name, Path(parts[0]).resolve(), parts[1:])
+        source = "flash/flash_attn_bwd.cpp" if args.backward else "flash/flash_attn.cpp"
+        _build(name, Path(parts[0]).resolve(), parts[1:], source)
         names.append(name)
     print(f"threads={torch.get_num_threads()} clock={args.clock} load={os.getloadavg()[0]:.2f}")
     for spec in args.shapes:
@@ -100,21 +108,32 @@ def main() -> None:
         B, h, T, d = int(B), int(h), int(T), int(d)
         causal = mode == "causal"
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(B, h, T, d, generator=g) for _ in range(3))
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        q, k, v, go = (torch.randn(B, h, T, d, generator=g).to(dtype) for _ in range(4))
         scale = d ** -0.5
-        def call(n, q=q, k=k, v=v, causal=causal, scale=scale):
-            return getattr(torch.ops, f"mha_ab_{n}")._flash_attention_fwd_kernel(
-                q, k, v, None, None, causal, scale, args.kernel)
+        if args.backward:
+            from mha.ops import flash
+            out, lse = flash.flash_attention(q, k, v, causal=causal, scale=scale)
+
+            def call(n, q=q, k=k, v=v, go=go, out=out, lse=lse, causal=causal, scale=scale):
+                return getattr(torch.ops, f"mha_ab_{n}").flash_attention_bwd_fused(
+                    go, None, q, k, v, out, lse, None, None, causal, scale)
+        else:
+            def call(n, q=q, k=k, v=v, causal=causal, scale=scale):
+                return getattr(torch.ops, f"mha_ab_{n}")._flash_attention_fwd_kernel(
+                    q, k, v, None, None, causal, scale, args.kernel)
 
         fns = {n: (lambda n=n, call=call: call(n)) for n in names}
         if args.check:
-            ref = fns[names[0]]()[0]
+            ref = fns[names[0]]()[:3 if args.backward else 1]
             for n in names[1:]:
-                print(f"  {n}: max |diff| {(fns[n]()[0] - ref).abs().max().item():.3g}")
+                diff = max((a.float() - b.float()).abs().max().item()
+                           for a, b in zip(fns[n](), ref))
+                print(f"  {n}: max |diff| {diff:.3g}")
         with torch.no_grad():
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
             secs = _interleaved(fns, args.repeats, args.min_time, clock)
-        flops = 4.0 * B * h * T * T * d * (0.5 if causal else 1.0)
+        flops = (10.0 if args.backward else 4.0) * B * h * T * T * d * (0.5 if causal else 1.0)
         base = secs[names[0]]
         row = "  ".join(f"{n} {flops / s / 1e9:6.1f} GF/s ({s / base:.3f})" for n, s in secs.items())
         print(f"{spec:>22}  {row}  load={os.getloadavg()[0]:.2f}", flush=True)

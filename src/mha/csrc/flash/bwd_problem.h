@@ -32,6 +32,7 @@ using mha_common::kLanes;
 using mha_common::kLog2e;
 using mha_common::round_up;
 using mha_common::fill_strides;
+using mha_common::prefetch_row;
 using mha_common::widen;
 // Block sizes: 32/96/128 rows and 128 keys measured within noise of 64 x 64.
 constexpr int64_t kBr = 64;       // query rows per block

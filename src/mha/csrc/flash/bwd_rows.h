@@ -91,6 +91,8 @@ bool zero_non_finite(float* x, int64_t n) {
 // 16-multiples), lse in base 2 (+inf for rows that see nothing, so P = 0; NaN for rows whose q
 // is not finite or whose lse is +inf, so P = NaN on all their visible lanes, as softmax gives
 // for a row with a NaN or +inf score), delta = rowsum(dO O) - dlse.
+constexpr int64_t kRowsAhead = 8;  // pack_rows asks for the rows this far ahead
+
 template <typename T>
 void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t dkp, int64_t dvp) {
   const int64_t g = P.h / P.hkv;
@@ -99,6 +101,14 @@ void pack_rows(const Problem<T>& P, int64_t b, int64_t kvh, Scratch& w, int64_t 
     for (int64_t t = 0; t < P.Tq; ++t) {
       const int64_t row = hh * P.Tq + t;
       const T* qr = P.q + b * P.qs[0] + hi * P.qs[1] + t * P.qs[2];
+      if (t + kRowsAhead < P.Tq) {  // the rows kRowsAhead below: Q, dO, O
+        const int64_t ta = t + kRowsAhead;
+        prefetch_row(qr + kRowsAhead * P.qs[2], P.dk, P.qs[3]);
+        if (P.go) {
+          prefetch_row(P.go + b * P.gos[0] + hi * P.gos[1] + ta * P.gos[2], P.dv, P.gos[3]);
+          prefetch_row(P.out + b * P.os[0] + hi * P.os[1] + ta * P.os[2], P.dv, P.os[3]);
+        }
+      }
       float* dst = w.q.data() + row * dkp;
       if (P.qs[3] == 1)
         for (int64_t c = 0; c < P.dk; ++c) dst[c] = widen(qr[c]);
