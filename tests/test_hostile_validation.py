@@ -150,6 +150,31 @@ def test_a_window_past_every_key_is_plain_causal(backend, window):
     torch.testing.assert_close(got, mha.attention(q, k, v, causal=True, backend=backend))
 
 
+def _rows_overlapping(shape, dtype, seed):
+    """A view whose consecutive rows share all but one element (row stride 1, like
+    ``as_strided((B, h, T, d), (0, 0, 1, 1))``): unusual, legal, and read through its strides."""
+    base = torch.randn(shape[-2] + shape[-1], generator=torch.Generator().manual_seed(seed))
+    return base.to(dtype).as_strided(shape, (0, 0, 1, 1))
+
+
+@pytest.mark.parametrize("backend", [None, *ORDER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_views_with_overlapping_rows_give_the_contiguous_answer(backend, dtype, which):
+    q, k, v = (t.to(dtype) for t in _qkv())
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
+    tensors = {"q": q, "k": k, "v": v}
+    tensors[which] = _rows_overlapping(shapes[which], dtype, seed=1)
+    try:
+        got = mha.attention(*tensors.values(), causal=True, backend=backend)
+    except mha.BackendError:
+        assert backend is not None, "the default dispatch found no backend"
+        return  # a backend that does not serve this dtype says so
+    want = mha.attention(*(t.contiguous() for t in tensors.values()), causal=True,
+                         backend=backend)
+    torch.testing.assert_close(got, want)
+
+
 ATTENTION_ACCEPTED = [
     # (id, unusual kwargs, the plain-Python equivalent)
     ("causal numpy bool", {"causal": np.bool_(True)}, {"causal": True}),
