@@ -83,8 +83,8 @@ class ScoreSpec:
         return not self.kinds
 
     def grad_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The variant tensors autograd may differentiate (sinks, bias)."""
-        return tuple(t for t in (self.sinks, self.bias) if t is not None)
+        """The variant tensors autograd may differentiate (sinks, bias, ALiBi slopes)."""
+        return tuple(t for t in (self.sinks, self.bias, self.alibi_slopes) if t is not None)
 
     def modify(self, s: torch.Tensor, Tq: int, rows: slice | None = None) -> torch.Tensor:
         """Softcap, bias and ALiBi applied to scaled scores ``s`` ``(B|1, h, C, Tk)`` of the

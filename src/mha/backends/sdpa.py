@@ -72,6 +72,7 @@ BACKEND = Backend(
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
         dropout=True, weights=False, grad=True, variants=frozenset({"bias", "alibi"}),
+        alibi_grad=True,
         variant_gaps=(("softcap", "cannot be served: SDPA has no tanh cap inside its softmax"),
                       ("sinks", "cannot be served: SDPA has no sink logit in its softmax "
                                 "denominator")),

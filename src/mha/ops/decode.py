@@ -170,9 +170,11 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
         bias = check_bias(bias, B, h, Tq, Tk, q.device)  # a 4-D view, never expanded
     if alibi_slopes is not None:
         alibi_slopes = check_alibi_slopes(alibi_slopes, B, h, q.device)  # (1|B, h)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, bias)):
-        raise RuntimeError("flash_decode is inference-only (no backward pass): sinks / bias "
-                           "require grad; call it under torch.no_grad() or use mha.attention")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (sinks, bias, alibi_slopes)):
+        raise RuntimeError("flash_decode is inference-only (no backward pass): sinks / bias / "
+                           "alibi_slopes require grad; call it under torch.no_grad() or use "
+                           "mha.attention")
     return call_op(q, k, v, key_lengths=kl, mask=m, causal=causal, scale=scale, portable=portable,
                    softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
                    k_scale=k_scale, v_scale=v_scale, block_table=block_table)
