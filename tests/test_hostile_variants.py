@@ -68,6 +68,21 @@ def test_the_decode_entry_point_names_the_bad_argument(name, value, error):
         flash_decode(q, k, v, **{name: value})
 
 
+@pytest.mark.parametrize("name,value,error", [
+    ("scale", float("nan"), ValueError), ("scale", float("inf"), ValueError),
+    ("scale", -1.0, ValueError), ("scale", "0.5", TypeError), ("scale", True, TypeError),
+    ("scale", torch.tensor(0.5), TypeError), ("causal", "yes", TypeError),
+    ("causal", 1, TypeError), ("causal", None, TypeError), ("portable", "no", TypeError),
+    ("portable", 1, TypeError)])
+def test_the_decode_entry_point_checks_its_scalars_as_attention_does(name, value, error):
+    q, k, v = _qkv()
+    with torch.no_grad(), pytest.raises(error, match=f"^{name} must"):
+        flash_decode(q, k, v, **{name: value})
+    if name != "portable":  # mha.attention has no portable flag
+        with pytest.raises(error, match=f"^{name} must"):
+            mha.attention(q, k, v, **{name: value})
+
+
 def test_varlen_refuses_bad_variants_by_name():
     q, k, v = torch.randn(6, H, D), torch.randn(6, 2, D), torch.randn(6, 2, D)
     cu = torch.tensor([0, 2, 6])
