@@ -494,6 +494,42 @@ def test_load_per_head_weights_is_all_or_nothing(packed, bias, edit, exc, patter
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+STATE_DICT_REFUSALS = [
+    # (id, edit of the state dict, pattern)
+    ("one weight of the wrong shape", lambda sd: {**sd, "out_proj.weight": torch.zeros(3, 3)},
+     r"out_proj.weight must have shape \(16, 12\), got \(3, 3\)"),
+    ("a bias as a list", lambda sd: {**sd, "out_proj.bias": [0.0] * 16},
+     r"out_proj.bias must be a tensor, got list"),
+    ("a complex weight", lambda sd: {**sd, "out_proj.weight": sd["out_proj.weight"].to(torch.complex64)},
+     r"out_proj.weight must be a real tensor"),
+    ("a bool bias", lambda sd: {**sd, "out_proj.bias": sd["out_proj.bias"] > 0},
+     r"out_proj.bias must be a real tensor"),
+]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "in a Sequential"])
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("edit, pattern", [c[1:] for c in STATE_DICT_REFUSALS],
+                         ids=[c[0] for c in STATE_DICT_REFUSALS])
+def test_load_state_dict_is_all_or_nothing(packed, nested, strict, edit, pattern):
+    m = _module(True, packed)
+    donor = _module(True, packed)
+    for p in donor.parameters():  # new values in every tensor, the defect in one
+        p.data.add_(1.0)
+    holder, donor_holder = (torch.nn.Sequential(m), torch.nn.Sequential(donor)) if nested \
+        else (m, donor)
+    prefix = "0." if nested else ""
+    sd = {k.removeprefix(prefix): t for k, t in donor_holder.state_dict().items()}
+    sd = {prefix + k: t for k, t in edit(sd).items()}
+    before = _weights_state(m)
+    with pytest.raises(ValueError, match=pattern) as refused:
+        holder.load_state_dict(sd, strict=strict)
+    assert isinstance(refused.value, RuntimeError)  # what nn.Module raises, for old callers
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_load_per_head_weights_round_trip(bias):
     a, b = _module(bias), _module(bias)

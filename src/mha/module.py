@@ -51,6 +51,39 @@ from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
 
+class StateDictMismatch(ValueError, RuntimeError):
+    """A state dict whose tensors do not fit the module (a ValueError; also the RuntimeError
+    that ``nn.Module.load_state_dict`` raises, for callers that catch that)."""
+
+
+def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str) -> list[str]:
+    """The entries of ``state_dict`` under ``prefix`` that ``nn.Module.load_state_dict`` would
+    refuse for ``module``'s parameters and persistent buffers (not a tensor, another shape), and
+    those :meth:`MultiHeadAttention.load_per_head_weights` refuses too (bool or complex)."""
+    own = dict(module.named_parameters())
+    own.update((name, b) for name, b in module.named_buffers() if b is not None
+               and name.rsplit(".", 1)[-1] not in _non_persistent(module, name))
+    wrong = []
+    for name, t in own.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue  # missing keys: nn.Module's own rule (strict or not)
+        got = state_dict[key]
+        if not isinstance(got, torch.Tensor):
+            wrong.append(f"{key} must be a tensor, got {type(got).__name__}")
+        elif got.shape != t.shape:
+            wrong.append(f"{key} must have shape {tuple(t.shape)}, got {tuple(got.shape)}")
+        elif got.dtype.is_complex or got.dtype == torch.bool:
+            wrong.append(f"{key} must be a real tensor (floating or integer), got {got.dtype}")
+    return wrong
+
+
+def _non_persistent(module: nn.Module, name: str) -> set[str]:
+    """The non-persistent buffer names of the submodule that owns buffer ``name``."""
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return owner._non_persistent_buffers_set
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: ``Concat(head_1..head_h) W_O`` with
     ``head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i``.
@@ -166,6 +199,18 @@ class MultiHeadAttention(nn.Module):
         if slopes is not None:
             self.alibi_slopes = alibi_slopes(slopes.shape[0]).to(slopes.device)  # (h,) float32
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """``load_state_dict``, all or nothing for this module: the entries of all its tensors
+        (its projections' included) are checked first, so a refused load leaves every weight as
+        it was. (nn.Module copies the tensors that fit, then raises for the others.)"""
+        wrong = _state_dict_mismatches(self, state_dict, prefix)
+        if wrong:
+            raise StateDictMismatch("load_state_dict: " + "; ".join(wrong) + " (nothing was "
+                                    "loaded: the module's weights are unchanged)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # ----------------------------------------------------------------------------- projections
     def projection_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
