@@ -385,6 +385,35 @@ def test_left_padding_within_the_prompt_is_accepted():
     assert c.starts.tolist() == [8, 8]
 
 
+MODULE_CALL_REFUSALS = [
+    # (id, forward kwargs, exception, pattern)
+    ("causal string", dict(causal="yes"), TypeError, r"^causal must be a bool .*got str"),
+    ("causal int", dict(causal=1), TypeError, r"^causal must be a bool .*got int"),
+    ("need_weights string", dict(need_weights="yes"), TypeError,
+     r"^need_weights must be a bool .*got str"),
+]
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["plain", "cached"])
+@pytest.mark.parametrize("kwargs, exc, pattern", [c[1:] for c in MODULE_CALL_REFUSALS],
+                         ids=[c[0] for c in MODULE_CALL_REFUSALS])
+def test_module_call_refusals_name_the_argument(with_cache, kwargs, exc, pattern):
+    m = mha.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 3, 16)  # (B, T, d_model)
+    cache = m.new_cache(2, 8) if with_cache else None
+    with pytest.raises(exc, match=pattern), torch.no_grad():
+        m(x, cache=cache, **kwargs)
+    if cache is not None:
+        assert cache.lengths.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("cache", ["cache", 8, {"k": None}], ids=["str", "int", "dict"])
+def test_module_call_names_a_cache_that_is_not_one(cache):
+    m = mha.MultiHeadAttention(16, 4).eval()
+    with pytest.raises(TypeError, match=r"^cache must be a KV cache .*got " + type(cache).__name__):
+        m(torch.randn(2, 3, 16), cache=cache)
+
+
 # ----------------------------------------------------------------------------- module constructor
 
 MODULE_REFUSALS = [

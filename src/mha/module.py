@@ -294,6 +294,8 @@ class MultiHeadAttention(nn.Module):
         its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
         cache, weights, mask_mod or score_mod; ``bias`` is the per-sequence list of
         :func:`mha.varlen_attention`."""
+        causal = check_bool("causal", causal)  # also with a cache, which masks causally anyway
+        need_weights = check_bool("need_weights", need_weights)
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
                      need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens,
                      mask_mod=mask_mod, score_mod=score_mod)
@@ -639,7 +641,7 @@ def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, 
                  cu_seqlens, mask_mod, score_mod) -> None:
     """The arguments that choose the mode (cache, packed, plain) agree with one another."""
     if cache is not None:
-        _check_cache_call(key, value, mask, key_lengths, window)
+        _check_cache_call(cache, key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
         _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window)
         if mask_mod is not None or score_mod is not None:
@@ -734,8 +736,12 @@ def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache
                          "supported; call without cu_seqlens=")
 
 
-def _check_cache_call(key, value, mask, key_lengths, window) -> None:
+def _check_cache_call(cache, key, value, mask, key_lengths, window) -> None:
     """With a cache: self-attention, and the cache defines the masking."""
+    if not callable(getattr(cache, "appending", None)):
+        raise TypeError(f"cache must be a KV cache (mha.KVCache, e.g. from "
+                        f"module.new_cache(batch_size, max_len)) or None, got "
+                        f"{type(cache).__name__}")
     if key is not None or value is not None:
         raise ValueError("cache: a KV cache serves self-attention only (key and value must be "
                          "None; the cache holds the keys and values)")
