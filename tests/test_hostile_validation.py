@@ -113,6 +113,27 @@ def test_d_k_zero_is_refused_by_every_backend(backend):
         mha.attention(q, k, v, backend=backend)
 
 
+META_VALUES = [
+    # (id, call on meta tensors): arguments whose values are checked name themselves
+    ("key_lengths", lambda q, k, v: mha.attention(q, k, v, key_lengths=torch.tensor([1, 2], device="meta"))),
+    ("key_lengths explain", lambda q, k, v: mha.explain(q, k, v, key_lengths=torch.tensor([1, 2], device="meta"))),
+    ("alibi_slopes", lambda q, k, v: mha.attention(q, k, v, alibi_slopes=torch.ones(H, device="meta"))),
+    ("cu_seqlens_q", lambda q, k, v: mha.varlen_attention(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+        torch.tensor([0, TQ], device="meta"), torch.tensor([0, TK], device="meta"))),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in META_VALUES], ids=[c[0] for c in META_VALUES])
+def test_meta_tensors_are_refused_by_name_or_by_device(call):
+    q, k, v = (t.to("meta") for t in _qkv())
+    name = [c[0] for c in META_VALUES if c[1] is call][0].split()[0]
+    with pytest.raises(ValueError, match=f"^{name} is a meta tensor"):
+        call(q, k, v)
+    with pytest.raises(mha.BackendError, match="device meta not supported"):
+        mha.attention(q, k, v, causal=True)  # no value to check: every backend says why not
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(B, H, TQ, D, dtype=torch.bool), torch.tensor(1.0),
                                  torch.zeros(B, H, TQ, D, dtype=torch.complex64)],
                          ids=["bool q", "0-d q", "complex q"])
