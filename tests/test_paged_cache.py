@@ -194,6 +194,19 @@ def test_bad_input_is_refused_and_the_cache_unchanged(what, call, err, words):
     _same_state(before, after)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_batch_of_no_sequences_changes_nothing(kv_dtype):
+    c, a, b = _busy_cache(kv_dtype)
+    before = c.state()
+    k, v = _rows(0, 1)  # (0, h_kv, d): no tokens
+    with torch.no_grad():
+        c.append([], k, v)
+        c.append([], k, v, cu_seqlens=[0])
+        c.write(0, [], k, v)
+        c.extend([], [])
+    _same_state(before, c.state())
+
+
 def test_int8_refuses_non_finite_rows_unchanged():
     c, a, b = _busy_cache("int8")
     before = c.state()

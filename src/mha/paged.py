@@ -534,6 +534,6 @@ class PagedKVCache:
                          for s, n in zip(seqs, counts, strict=True)] or
                         [torch.zeros(0, dtype=torch.long, device=dev)])  # (N,)
         row = torch.repeat_interleave(torch.tensor(seqs, dtype=torch.long, device=dev),
-                                      torch.tensor(counts, device=dev))  # (N,)
+                                      torch.tensor(counts, dtype=torch.long, device=dev))  # (N,)
         p = self.page_size
         return self.block_table[row, pos // p].long(), pos % p
