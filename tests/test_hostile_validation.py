@@ -196,6 +196,41 @@ def test_views_with_overlapping_rows_give_the_contiguous_answer(backend, dtype, 
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("backend", [None, *ORDER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masks", ["none", "causal", "vmapped mask"])
+def test_vmap_gives_the_per_slice_answer(backend, dtype, masks):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, *t.shape, generator=g, dtype=dtype) for t in _qkv())  # (3, B, ...)
+    k[0, 0, 0, 1] = float("nan")  # a masked-off key in slice 0 (with the mask below)
+    mask = torch.ones(3, TQ, TK, dtype=torch.bool)  # (3, Tq, Tk)
+    mask[:, :, 1] = False
+    kw = {"causal": masks == "causal"}
+
+    def one(q, k, v, m):
+        return mha.attention(q, k, v, backend=backend, mask=m if masks == "vmapped mask" else None,
+                             **kw)
+
+    try:
+        got = torch.vmap(one)(q, k, v, mask)
+    except mha.BackendError:
+        assert backend is not None, "the default dispatch found no backend"
+        return
+    for i in range(3):
+        want = mha.attention(q[i], k[i], v[i], backend="reference",
+                             mask=mask[i] if masks == "vmapped mask" else None, **kw)
+        torch.testing.assert_close(got[i], want, equal_nan=True)
+
+
+def test_vmapped_key_lengths_are_refused_by_name():
+    q, k, v = (torch.stack([t, t]) for t in _qkv())  # (2, B, ...)
+    lengths = torch.tensor([[1, 5], [2, 3]])  # (2, B)
+    with pytest.raises(ValueError, match=r"^key_lengths is batched by torch.vmap"):
+        torch.vmap(lambda q, k, v, n: mha.attention(q, k, v, key_lengths=n))(q, k, v, lengths)
+    unbatched = torch.vmap(lambda q, k, v: mha.attention(q, k, v, key_lengths=lengths[0]))(q, k, v)
+    torch.testing.assert_close(unbatched[1], mha.attention(q[1], k[1], v[1], key_lengths=lengths[0]))
+
+
 ATTENTION_ACCEPTED = [
     # (id, unusual kwargs, the plain-Python equivalent)
     ("causal numpy bool", {"causal": np.bool_(True)}, {"causal": True}),

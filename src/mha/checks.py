@@ -138,10 +138,15 @@ def check_int_tensor(name: str, value, expected: str, device=None) -> torch.Tens
 
 
 def check_readable(name: str, t: torch.Tensor) -> None:
-    """``t``'s values can be read (checked against bounds): it is not a meta tensor."""
+    """``t``'s values can be read (checked against bounds): it is not a meta tensor, nor one
+    batched by ``torch.vmap`` (which cannot branch on values)."""
     if t.is_meta:
         raise ValueError(f"{name} is a meta tensor: it holds no values to check, and no backend "
                          f"runs on the meta device; use tensors with data")
+    if torch._C._functorch.is_batchedtensor(t):
+        raise ValueError(f"{name} is batched by torch.vmap, but its values are checked before "
+                         f"the call, which vmap cannot do; pass it unbatched (in_dims=None), or "
+                         f"call mha without vmap: every argument takes a batch dim B already")
 
 
 def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> torch.Tensor:
