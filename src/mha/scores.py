@@ -54,8 +54,11 @@ def alibi_distance(Tq: int, Tk: int, *, rows: slice | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(C, Tk)``: ``i + Tk - Tq - j`` for query rows ``i`` in ``rows`` (all Tq by default) —
     how far key ``j`` lies before query ``i``'s bottom-right diagonal (negative after it)."""
-    r = range(Tq)[rows or slice(None)]
-    i = torch.arange(r.start, r.stop, device=device, dtype=dtype).unsqueeze(1)  # (C, 1)
+    if rows is None:  # all rows: no Python range, so a symbolic Tq stays symbolic (export)
+        i = torch.arange(Tq, device=device, dtype=dtype).unsqueeze(1)  # (Tq, 1)
+    else:
+        r = range(Tq)[rows]
+        i = torch.arange(r.start, r.stop, device=device, dtype=dtype).unsqueeze(1)  # (C, 1)
     j = torch.arange(Tk, device=device, dtype=dtype).unsqueeze(0)  # (1, Tk)
     return i + (Tk - Tq) - j  # (C, Tk)
 
