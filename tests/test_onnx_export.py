@@ -143,6 +143,13 @@ def test_refusals_leave_no_file(tmp_path):
         export.onnx(m.eval(), torch.randn(1, 3, 16), tmp_path / "c.onnx")
     with pytest.raises(ValueError, match="does not exist"):
         export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path / "missing" / "d.onnx")
+    with pytest.raises(ValueError, match="is a directory; give the name of the file"):
+        export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path)
+    # example inputs mha refuses: its own error, not the exporter's wrapper around it
+    with pytest.raises(ValueError, match=r"query must have shape \(B, Tq, d_model\) with d_model=16"):
+        export.onnx(m.eval(), (torch.randn(1, 3, 7),), tmp_path / "e.onnx")
+    with pytest.raises(ValueError, match=r"query must be a torch.Tensor"):
+        export.onnx(m.eval(), ("not a tensor",), tmp_path / "f.onnx")
     assert os.listdir(tmp_path) == []
 
 
