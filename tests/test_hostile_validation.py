@@ -113,6 +113,27 @@ def test_d_k_zero_is_refused_by_every_backend(backend):
         mha.attention(q, k, v, backend=backend)
 
 
+META_VALUES = [
+    # (id, call on meta tensors): arguments whose values are checked name themselves
+    ("key_lengths", lambda q, k, v: mha.attention(q, k, v, key_lengths=torch.tensor([1, 2], device="meta"))),
+    ("key_lengths explain", lambda q, k, v: mha.explain(q, k, v, key_lengths=torch.tensor([1, 2], device="meta"))),
+    ("alibi_slopes", lambda q, k, v: mha.attention(q, k, v, alibi_slopes=torch.ones(H, device="meta"))),
+    ("cu_seqlens_q", lambda q, k, v: mha.varlen_attention(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+        torch.tensor([0, TQ], device="meta"), torch.tensor([0, TK], device="meta"))),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in META_VALUES], ids=[c[0] for c in META_VALUES])
+def test_meta_tensors_are_refused_by_name_or_by_device(call):
+    q, k, v = (t.to("meta") for t in _qkv())
+    name = [c[0] for c in META_VALUES if c[1] is call][0].split()[0]
+    with pytest.raises(ValueError, match=f"^{name} is a meta tensor"):
+        call(q, k, v)
+    with pytest.raises(mha.BackendError, match="device meta not supported"):
+        mha.attention(q, k, v, causal=True)  # no value to check: every backend says why not
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(B, H, TQ, D, dtype=torch.bool), torch.tensor(1.0),
                                  torch.zeros(B, H, TQ, D, dtype=torch.complex64)],
                          ids=["bool q", "0-d q", "complex q"])
@@ -148,6 +169,66 @@ def test_a_window_past_every_key_is_plain_causal(backend, window):
     got = mha.attention(q, k, v, causal=True, window=window, backend=backend)
     assert torch.equal(got, mha.attention(q, k, v, causal=True, window=TK, backend=backend))
     torch.testing.assert_close(got, mha.attention(q, k, v, causal=True, backend=backend))
+
+
+def _rows_overlapping(shape, dtype, seed):
+    """A view whose consecutive rows share all but one element (row stride 1, like
+    ``as_strided((B, h, T, d), (0, 0, 1, 1))``): unusual, legal, and read through its strides."""
+    base = torch.randn(shape[-2] + shape[-1], generator=torch.Generator().manual_seed(seed))
+    return base.to(dtype).as_strided(shape, (0, 0, 1, 1))
+
+
+@pytest.mark.parametrize("backend", [None, *ORDER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_views_with_overlapping_rows_give_the_contiguous_answer(backend, dtype, which):
+    q, k, v = (t.to(dtype) for t in _qkv())
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
+    tensors = {"q": q, "k": k, "v": v}
+    tensors[which] = _rows_overlapping(shapes[which], dtype, seed=1)
+    try:
+        got = mha.attention(*tensors.values(), causal=True, backend=backend)
+    except mha.BackendError:
+        assert backend is not None, "the default dispatch found no backend"
+        return  # a backend that does not serve this dtype says so
+    want = mha.attention(*(t.contiguous() for t in tensors.values()), causal=True,
+                         backend=backend)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", [None, *ORDER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masks", ["none", "causal", "vmapped mask"])
+def test_vmap_gives_the_per_slice_answer(backend, dtype, masks):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, *t.shape, generator=g, dtype=dtype) for t in _qkv())  # (3, B, ...)
+    k[0, 0, 0, 1] = float("nan")  # a masked-off key in slice 0 (with the mask below)
+    mask = torch.ones(3, TQ, TK, dtype=torch.bool)  # (3, Tq, Tk)
+    mask[:, :, 1] = False
+    kw = {"causal": masks == "causal"}
+
+    def one(q, k, v, m):
+        return mha.attention(q, k, v, backend=backend, mask=m if masks == "vmapped mask" else None,
+                             **kw)
+
+    try:
+        got = torch.vmap(one)(q, k, v, mask)
+    except mha.BackendError:
+        assert backend is not None, "the default dispatch found no backend"
+        return
+    for i in range(3):
+        want = mha.attention(q[i], k[i], v[i], backend="reference",
+                             mask=mask[i] if masks == "vmapped mask" else None, **kw)
+        torch.testing.assert_close(got[i], want, equal_nan=True)
+
+
+def test_vmapped_key_lengths_are_refused_by_name():
+    q, k, v = (torch.stack([t, t]) for t in _qkv())  # (2, B, ...)
+    lengths = torch.tensor([[1, 5], [2, 3]])  # (2, B)
+    with pytest.raises(ValueError, match=r"^key_lengths is batched by torch.vmap"):
+        torch.vmap(lambda q, k, v, n: mha.attention(q, k, v, key_lengths=n))(q, k, v, lengths)
+    unbatched = torch.vmap(lambda q, k, v: mha.attention(q, k, v, key_lengths=lengths[0]))(q, k, v)
+    torch.testing.assert_close(unbatched[1], mha.attention(q[1], k[1], v[1], key_lengths=lengths[0]))
 
 
 ATTENTION_ACCEPTED = [
@@ -360,6 +441,35 @@ def test_left_padding_within_the_prompt_is_accepted():
     assert c.starts.tolist() == [8, 8]
 
 
+MODULE_CALL_REFUSALS = [
+    # (id, forward kwargs, exception, pattern)
+    ("causal string", dict(causal="yes"), TypeError, r"^causal must be a bool .*got str"),
+    ("causal int", dict(causal=1), TypeError, r"^causal must be a bool .*got int"),
+    ("need_weights string", dict(need_weights="yes"), TypeError,
+     r"^need_weights must be a bool .*got str"),
+]
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["plain", "cached"])
+@pytest.mark.parametrize("kwargs, exc, pattern", [c[1:] for c in MODULE_CALL_REFUSALS],
+                         ids=[c[0] for c in MODULE_CALL_REFUSALS])
+def test_module_call_refusals_name_the_argument(with_cache, kwargs, exc, pattern):
+    m = mha.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 3, 16)  # (B, T, d_model)
+    cache = m.new_cache(2, 8) if with_cache else None
+    with pytest.raises(exc, match=pattern), torch.no_grad():
+        m(x, cache=cache, **kwargs)
+    if cache is not None:
+        assert cache.lengths.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("cache", ["cache", 8, {"k": None}], ids=["str", "int", "dict"])
+def test_module_call_names_a_cache_that_is_not_one(cache):
+    m = mha.MultiHeadAttention(16, 4).eval()
+    with pytest.raises(TypeError, match=r"^cache must be a KV cache .*got " + type(cache).__name__):
+        m(torch.randn(2, 3, 16), cache=cache)
+
+
 # ----------------------------------------------------------------------------- module constructor
 
 MODULE_REFUSALS = [
@@ -465,6 +575,42 @@ def test_load_per_head_weights_is_all_or_nothing(packed, bias, edit, exc, patter
     before = _weights_state(m)
     with pytest.raises(exc, match=pattern):
         m.load_per_head_weights(edit(weights))
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+STATE_DICT_REFUSALS = [
+    # (id, edit of the state dict, pattern)
+    ("one weight of the wrong shape", lambda sd: {**sd, "out_proj.weight": torch.zeros(3, 3)},
+     r"out_proj.weight must have shape \(16, 12\), got \(3, 3\)"),
+    ("a bias as a list", lambda sd: {**sd, "out_proj.bias": [0.0] * 16},
+     r"out_proj.bias must be a tensor, got list"),
+    ("a complex weight", lambda sd: {**sd, "out_proj.weight": sd["out_proj.weight"].to(torch.complex64)},
+     r"out_proj.weight must be a real tensor"),
+    ("a bool bias", lambda sd: {**sd, "out_proj.bias": sd["out_proj.bias"] > 0},
+     r"out_proj.bias must be a real tensor"),
+]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "in a Sequential"])
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("edit, pattern", [c[1:] for c in STATE_DICT_REFUSALS],
+                         ids=[c[0] for c in STATE_DICT_REFUSALS])
+def test_load_state_dict_is_all_or_nothing(packed, nested, strict, edit, pattern):
+    m = _module(True, packed)
+    donor = _module(True, packed)
+    for p in donor.parameters():  # new values in every tensor, the defect in one
+        p.data.add_(1.0)
+    holder, donor_holder = (torch.nn.Sequential(m), torch.nn.Sequential(donor)) if nested \
+        else (m, donor)
+    prefix = "0." if nested else ""
+    sd = {k.removeprefix(prefix): t for k, t in donor_holder.state_dict().items()}
+    sd = {prefix + k: t for k, t in edit(sd).items()}
+    before = _weights_state(m)
+    with pytest.raises(ValueError, match=pattern) as refused:
+        holder.load_state_dict(sd, strict=strict)
+    assert isinstance(refused.value, RuntimeError)  # what nn.Module raises, for old callers
     after = m.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 

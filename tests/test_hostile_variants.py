@@ -68,6 +68,21 @@ def test_the_decode_entry_point_names_the_bad_argument(name, value, error):
         flash_decode(q, k, v, **{name: value})
 
 
+@pytest.mark.parametrize("name,value,error", [
+    ("scale", float("nan"), ValueError), ("scale", float("inf"), ValueError),
+    ("scale", -1.0, ValueError), ("scale", "0.5", TypeError), ("scale", True, TypeError),
+    ("scale", torch.tensor(0.5), TypeError), ("causal", "yes", TypeError),
+    ("causal", 1, TypeError), ("causal", None, TypeError), ("portable", "no", TypeError),
+    ("portable", 1, TypeError)])
+def test_the_decode_entry_point_checks_its_scalars_as_attention_does(name, value, error):
+    q, k, v = _qkv()
+    with torch.no_grad(), pytest.raises(error, match=f"^{name} must"):
+        flash_decode(q, k, v, **{name: value})
+    if name != "portable":  # mha.attention has no portable flag
+        with pytest.raises(error, match=f"^{name} must"):
+            mha.attention(q, k, v, **{name: value})
+
+
 def test_varlen_refuses_bad_variants_by_name():
     q, k, v = torch.randn(6, H, D), torch.randn(6, 2, D), torch.randn(6, 2, D)
     cu = torch.tensor([0, 2, 6])
@@ -107,3 +122,35 @@ def test_a_refused_call_leaves_the_inputs_unchanged():
         mha.attention(q, k, v, sinks=sinks, bias=torch.zeros(TQ, TK))
     for t, b in zip((q, k, v, sinks), before, strict=True):
         assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("backend", [None, *mha.backends.ORDER])
+@pytest.mark.parametrize("q_grad", [False, True])
+def test_alibi_slopes_that_require_grad_get_their_gradient_or_a_refusal(backend, q_grad):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, TQ, 16, generator=g).requires_grad_(q_grad)  # (B, h, Tq, d)
+    k, v = (torch.randn(B, 2, TK, 16, generator=g) for _ in range(2))  # (B, h_kv, Tk, d)
+    slopes = torch.linspace(0.1, 0.9, H).requires_grad_()  # (h,)
+    try:
+        out = mha.attention(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
+    except mha.BackendError as e:
+        assert backend is not None, "the default dispatch found no backend"
+        assert "alibi" in str(e)
+        return
+    out.sum().backward()
+    want = slopes.detach().double().requires_grad_()
+    mha.attention(q.detach().double(), k.double(), v.double(), causal=True, alibi_slopes=want,
+                  backend="reference").sum().backward()
+    assert slopes.grad is not None, "the slopes' gradient was dropped"
+    torch.testing.assert_close(slopes.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sinks", "bias", "alibi_slopes"])
+def test_the_decode_entry_point_refuses_variants_that_require_grad(name):
+    q, k, v = _qkv()
+    value = {"sinks": torch.zeros(H), "bias": torch.zeros(TQ, TK),
+             "alibi_slopes": torch.linspace(0.1, 0.9, H)}[name].requires_grad_()
+    with pytest.raises(RuntimeError, match="inference-only .*" + name):
+        flash_decode(q, k, v, **{name: value})
+    with torch.no_grad():  # no gradient asked for: served
+        assert flash_decode(q, k, v, **{name: value}).shape == (B, H, TQ, D)

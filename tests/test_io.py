@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -164,3 +165,32 @@ def test_save_names_what_it_got(tmp_path, thing):
     with pytest.raises(TypeError, match=r"^m must be an mha.MultiHeadAttention"):
         io.save(thing, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("path", [None, 3, b"m.safetensors"], ids=["None", "int", "bytes"])
+def test_paths_that_are_not_paths_are_named(path):
+    with pytest.raises(TypeError, match=r"^path must be a str or os.PathLike"):
+        io.load(path)
+    with pytest.raises(TypeError, match=r"^path must be a str or os.PathLike"):
+        io.save(mha.MultiHeadAttention(16, 4), path)
+
+
+def test_directories_and_missing_places_are_named(tmp_path):
+    m = mha.MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match=r"is a directory, not a safetensors file"):
+        io.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        io.load(tmp_path / "nope.safetensors")
+    with pytest.raises(ValueError, match=r"is a directory; give a file name"):
+        io.save(m, tmp_path)
+    with pytest.raises(ValueError, match=r"its directory .*missing.* does not exist"):
+        io.save(m, tmp_path / "missing" / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_takes_no_files_is_an_os_error_naming_the_file():
+    proc = "/proc/mha-test.safetensors"  # /proc takes no new files, not even from root
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this system")
+    with pytest.raises(OSError, match=r"mha-test.safetensors: cannot be written"):
+        io.save(mha.MultiHeadAttention(16, 4), proc)

@@ -136,6 +136,13 @@ def test_prompt_longer_than_context_is_refused(mha_fp32):
         gen.run_ids(mha_fp32, ids[:, : ctx - 10], 11)
 
 
+def test_prompt_of_no_tokens_is_refused(mha_fp32):
+    with pytest.raises(ValueError, match="the prompt has no tokens"):
+        gen.run_ids(mha_fp32, torch.zeros(1, 0, dtype=torch.int64), 1)  # (1, P = 0)
+    with pytest.raises(ValueError, match="the prompt has no tokens"):
+        gen.generate("", max_new_tokens=1, chat=False)
+
+
 def test_refused_chat_turn_keeps_the_history(mha_fp32, monkeypatch):
     chat = gen.Chat(max_new_tokens=4)
     chat.say("Hi")

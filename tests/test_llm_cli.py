@@ -76,6 +76,14 @@ def test_prompt_longer_than_context_is_one_line(capsys):
     assert "context of 8192 tokens" in _one_line(err)
 
 
+@needs_model
+def test_empty_raw_prompt_is_one_line(capsys):
+    code = main(["generate", "", "--raw", "--max-new-tokens", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "the prompt has no tokens" in _one_line(err)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
     (["generate", "hi", "--dtype", "fp16"], "--dtype"),

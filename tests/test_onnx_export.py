@@ -106,6 +106,28 @@ def test_a_small_decoder(tmp_path):
         _close(logits, model(idx2), "TinyDecoder logits")
 
 
+class _Causal(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(x, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_module(tmp_path, causal):
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(32, 4, alibi=True).eval()
+    model = _Causal(m) if causal else m
+    path = export.onnx(model, (torch.randn(2, 6, 32),), tmp_path / "alibi.onnx",
+                       input_names=["x"], dynamic_shapes=({0: "B", 1: "T"},))
+    x = torch.randn(3, 11, 32)
+    (y,) = _run(path, {"x": x})
+    with torch.no_grad():
+        _close(y, model(x), f"alibi causal={causal}")
+
+
 def test_refusals_leave_no_file(tmp_path):
     m = mha.MultiHeadAttention(16, 2, dropout=0.1)  # training mode with dropout
     with pytest.raises(ValueError, match="model.eval"):
@@ -121,6 +143,13 @@ def test_refusals_leave_no_file(tmp_path):
         export.onnx(m.eval(), torch.randn(1, 3, 16), tmp_path / "c.onnx")
     with pytest.raises(ValueError, match="does not exist"):
         export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path / "missing" / "d.onnx")
+    with pytest.raises(ValueError, match="is a directory; give the name of the file"):
+        export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path)
+    # example inputs mha refuses: its own error, not the exporter's wrapper around it
+    with pytest.raises(ValueError, match=r"query must have shape \(B, Tq, d_model\) with d_model=16"):
+        export.onnx(m.eval(), (torch.randn(1, 3, 7),), tmp_path / "e.onnx")
+    with pytest.raises(ValueError, match=r"query must be a torch.Tensor"):
+        export.onnx(m.eval(), ("not a tensor",), tmp_path / "f.onnx")
     assert os.listdir(tmp_path) == []
 
 

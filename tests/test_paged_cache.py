@@ -117,6 +117,20 @@ def test_fork_shares_pages_and_copies_a_shared_last_page_on_write():
         _check_invariants(c)
 
 
+def test_a_sequence_and_its_fork_extended_in_one_call_leak_no_page():
+    c = _cache(num_pages=4, page_size=3)
+    with torch.no_grad():
+        a = c.add_sequence()
+        c.append([a], *_rows(1, 0))
+        b = c.fork(a)  # a and b share a's half-full page
+        c.append([a, b], *_rows(3, 1), cu_seqlens=[0, 1, 3])  # both write into it
+    _check_invariants(c)
+    assert c.free_pages == c.num_pages - 2  # one copy: the last writer keeps the page
+    c.free(a)
+    c.free(b)
+    assert c.free_pages == c.num_pages
+
+
 def test_fork_at_a_page_boundary_copies_nothing():
     c = _cache(page_size=4)
     with torch.no_grad():
@@ -192,6 +206,19 @@ def test_bad_input_is_refused_and_the_cache_unchanged(what, call, err, words):
         c2.free(b2)
         before = c2.state()
     _same_state(before, after)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_batch_of_no_sequences_changes_nothing(kv_dtype):
+    c, a, b = _busy_cache(kv_dtype)
+    before = c.state()
+    k, v = _rows(0, 1)  # (0, h_kv, d): no tokens
+    with torch.no_grad():
+        c.append([], k, v)
+        c.append([], k, v, cu_seqlens=[0])
+        c.write(0, [], k, v)
+        c.extend([], [])
+    _same_state(before, c.state())
 
 
 def test_int8_refuses_non_finite_rows_unchanged():

@@ -137,6 +137,18 @@ def check_int_tensor(name: str, value, expected: str, device=None) -> torch.Tens
     return value
 
 
+def check_readable(name: str, t: torch.Tensor) -> None:
+    """``t``'s values can be read (checked against bounds): it is not a meta tensor, nor one
+    batched by ``torch.vmap`` (which cannot branch on values)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor: it holds no values to check, and no backend "
+                         f"runs on the meta device; use tensors with data")
+    if torch._C._functorch.is_batchedtensor(t):
+        raise ValueError(f"{name} is batched by torch.vmap, but its values are checked before "
+                         f"the call, which vmap cannot do; pass it unbatched (in_dims=None), or "
+                         f"call mha without vmap: every argument takes a batch dim B already")
+
+
 def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> torch.Tensor:
     """An integer tensor ``(B,)`` with ``0 <= key_lengths[b] <= Tk``; returned as int64."""
     key_lengths = check_int_tensor("key_lengths", key_lengths, f"(B,) = ({B},)", device)
@@ -144,6 +156,7 @@ def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> tor
         raise ValueError(f"key_lengths must have shape (B,) = ({B},), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device:
         raise ValueError(f"key_lengths must be on {device} like q, got {key_lengths.device}")
+    check_readable("key_lengths", key_lengths)
     if B and (int(key_lengths.min()) < 0 or int(key_lengths.max()) > Tk):
         raise ValueError(f"key_lengths must lie in [0, Tk={Tk}], got {key_lengths.tolist()}")
     return key_lengths.to(torch.int64)
@@ -157,6 +170,7 @@ def check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[in
         raise ValueError(f"{name} must have shape (S + 1,) with S >= 0, got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    check_readable(name, cu)
     offsets = cu.tolist()
     lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     if offsets[0] != 0 or offsets[-1] != total or any(n < 0 for n in lengths):
@@ -290,6 +304,8 @@ def check_alibi_slopes(slopes, B: int, h: int, device: torch.device) -> torch.Te
     if tuple(slopes.shape) not in ((h,), (B, h)):
         raise ValueError(f"alibi_slopes must have shape (h,) = ({h},) or (B, h) = ({B}, {h}), "
                          f"got {tuple(slopes.shape)}; mha.alibi_slopes(h) gives the standard ones")
-    if slopes.numel() and not bool(torch.isfinite(slopes).all()):
+    check_readable("alibi_slopes", slopes)
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+    if slopes.numel() and not exporting and not bool(torch.isfinite(slopes).all()):
         raise ValueError("alibi_slopes must be finite numbers")
     return slopes if slopes.dim() == 2 else slopes.unsqueeze(0)  # (h,) -> (1, h)

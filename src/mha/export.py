@@ -110,6 +110,8 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     _check_exportable(model)
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path: {path} is a directory; give the name of the file to write")
     if not path.parent.is_dir():
         raise ValueError(f"path: the directory {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -123,7 +125,7 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
             except BackendError as e:
                 raise ValueError(f"cannot export this model to ONNX: {e}") from None
             except Exception as e:  # the exporter wraps errors raised while tracing
-                cause = _backend_error(e)
+                cause = _mha_error(e)
                 if cause is not None:
                     raise ValueError(f"cannot export this model to ONNX: {cause}") from None
                 raise
@@ -135,10 +137,20 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
     return path
 
 
-def _backend_error(e: BaseException) -> BackendError | None:
+def _mha_error(e: BaseException) -> Exception | None:
+    """The refusal mha raised while the exporter traced (a BackendError, or a ValueError /
+    TypeError from mha's checks, e.g. example inputs of the wrong shape), found in the chain
+    of errors the exporter wraps it in; None for the exporter's own failures."""
+    package = str(Path(__file__).parent)
     while e is not None:
         if isinstance(e, BackendError):
             return e
+        if isinstance(e, (ValueError, TypeError)) and e.__traceback__ is not None:
+            tb = e.__traceback__
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            if tb.tb_frame.f_code.co_filename.startswith(package):
+                return e
         e = e.__cause__ or e.__context__
     return None
 

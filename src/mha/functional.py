@@ -120,7 +120,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
             :func:`mha.alibi_slopes` gives the paper's slopes): the scores lose
             ``slope * (i + Tk - Tq - j)``, the distance to query ``i``'s bottom-right diagonal
             (signed: keys after it gain). Per row this differs from BLOOM's ``slope * j`` by a
-            constant, so the softmax is BLOOM's under any mask (not with a sink).
+            constant, so the softmax is BLOOM's under any mask (not with a sink). Slopes that
+            require grad get their gradient (sdpa, math, reference); the native kernels read
+            them as constants and refuse such a call, so dispatch passes it on.
         mask_mod: ``(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), called with
             broadcastable index tensors; see :mod:`mha.mods` (built-ins: ``causal``,
             ``sliding_window``, ``document``, ``prefix_lm``, ``chunked``). Served through a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -39,12 +40,21 @@ def config(m: MultiHeadAttention) -> dict:
 
 def save(m: MultiHeadAttention, path: str | Path) -> None:
     """Write ``m``'s weights and configuration to a ``.safetensors`` file."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be an mha.MultiHeadAttention, got {type(m).__name__}")
+    path = _check_path(path)
+    if path.is_dir():
+        raise ValueError(f"path {str(path)!r} is a directory; give a file name in it")
+    if not path.parent.is_dir():
+        raise ValueError(f"path {str(path)!r}: its directory {str(path.parent)!r} does not exist")
     tensors = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
-    save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(config(m))})
+    try:
+        save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(config(m))})
+    except SafetensorError as e:  # e.g. a read-only directory (safetensors writes aside first)
+        raise OSError(f"{path}: cannot be written ({e})") from None
 
 
 def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
@@ -57,6 +67,9 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
     from safetensors import SafetensorError, safe_open
 
     dtype = check_float_dtype("dtype", dtype)
+    path = _check_path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a safetensors file")
     try:
         with safe_open(str(path), framework="pt") as f:
             header = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
@@ -69,6 +82,14 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
     m = MultiHeadAttention(**cfg, device=device, dtype=dtype)
     m.load_state_dict(state)
     return m
+
+
+def _check_path(path) -> Path:
+    """``path`` as a Path: a str or an os.PathLike (TypeError naming ``path`` otherwise)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (a file name), got "
+                        f"{type(path).__name__}")
+    return Path(path)
 
 
 def _parse_config(path, meta: dict, header: dict) -> dict:

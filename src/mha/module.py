@@ -51,6 +51,39 @@ from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
 
+class StateDictMismatch(ValueError, RuntimeError):
+    """A state dict whose tensors do not fit the module (a ValueError; also the RuntimeError
+    that ``nn.Module.load_state_dict`` raises, for callers that catch that)."""
+
+
+def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str) -> list[str]:
+    """The entries of ``state_dict`` under ``prefix`` that ``nn.Module.load_state_dict`` would
+    refuse for ``module``'s parameters and persistent buffers (not a tensor, another shape), and
+    those :meth:`MultiHeadAttention.load_per_head_weights` refuses too (bool or complex)."""
+    own = dict(module.named_parameters())
+    own.update((name, b) for name, b in module.named_buffers() if b is not None
+               and name.rsplit(".", 1)[-1] not in _non_persistent(module, name))
+    wrong = []
+    for name, t in own.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue  # missing keys: nn.Module's own rule (strict or not)
+        got = state_dict[key]
+        if not isinstance(got, torch.Tensor):
+            wrong.append(f"{key} must be a tensor, got {type(got).__name__}")
+        elif got.shape != t.shape:
+            wrong.append(f"{key} must have shape {tuple(t.shape)}, got {tuple(got.shape)}")
+        elif got.dtype.is_complex or got.dtype == torch.bool:
+            wrong.append(f"{key} must be a real tensor (floating or integer), got {got.dtype}")
+    return wrong
+
+
+def _non_persistent(module: nn.Module, name: str) -> set[str]:
+    """The non-persistent buffer names of the submodule that owns buffer ``name``."""
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return owner._non_persistent_buffers_set
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: ``Concat(head_1..head_h) W_O`` with
     ``head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i``.
@@ -167,6 +200,18 @@ class MultiHeadAttention(nn.Module):
             self.alibi_slopes = alibi_slopes(slopes.shape[0]).to(slopes.device)  # (h,) float32
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """``load_state_dict``, all or nothing for this module: the entries of all its tensors
+        (its projections' included) are checked first, so a refused load leaves every weight as
+        it was. (nn.Module copies the tensors that fit, then raises for the others.)"""
+        wrong = _state_dict_mismatches(self, state_dict, prefix)
+        if wrong:
+            raise StateDictMismatch("load_state_dict: " + "; ".join(wrong) + " (nothing was "
+                                    "loaded: the module's weights are unchanged)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     # ----------------------------------------------------------------------------- projections
     def projection_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         """``((W^Q, b^Q), (W^K, b^K), (W^V, b^V))`` in nn.Linear layout (views, no copies)."""
@@ -249,6 +294,8 @@ class MultiHeadAttention(nn.Module):
         its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
         cache, weights, mask_mod or score_mod; ``bias`` is the per-sequence list of
         :func:`mha.varlen_attention`."""
+        causal = check_bool("causal", causal)  # also with a cache, which masks causally anyway
+        need_weights = check_bool("need_weights", need_weights)
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
                      need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens,
                      mask_mod=mask_mod, score_mod=score_mod)
@@ -594,7 +641,7 @@ def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, 
                  cu_seqlens, mask_mod, score_mod) -> None:
     """The arguments that choose the mode (cache, packed, plain) agree with one another."""
     if cache is not None:
-        _check_cache_call(key, value, mask, key_lengths, window)
+        _check_cache_call(cache, key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
         _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window)
         if mask_mod is not None or score_mod is not None:
@@ -689,8 +736,12 @@ def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache
                          "supported; call without cu_seqlens=")
 
 
-def _check_cache_call(key, value, mask, key_lengths, window) -> None:
+def _check_cache_call(cache, key, value, mask, key_lengths, window) -> None:
     """With a cache: self-attention, and the cache defines the masking."""
+    if not callable(getattr(cache, "appending", None)):
+        raise TypeError(f"cache must be a KV cache (mha.KVCache, e.g. from "
+                        f"module.new_cache(batch_size, max_len)) or None, got "
+                        f"{type(cache).__name__}")
     if key is not None or value is not None:
         raise ValueError("cache: a KV cache serves self-attention only (key and value must be "
                          "None; the cache holds the keys and values)")

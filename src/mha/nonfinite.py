@@ -38,9 +38,13 @@ def any_nonfinite(*tensors: torch.Tensor) -> bool:
 
     Always False while ``torch.compile`` traces (a data-dependent branch would break the
     graph): compiled code follows the backend's own arithmetic for masked non-finite values.
+    Always True under ``torch.vmap`` (which cannot branch on values either): the exact path of
+    :func:`masked_attention` is right for any input, finite or not.
     """
     if torch.compiler.is_compiling():
         return False
+    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
+        return True
     return any(not bool(torch.isfinite(t).all()) for t in tensors if t.numel())
 
 

@@ -226,6 +226,7 @@ class PagedKVCache:
         seqs, counts = self._check_batch(seq_ids, counts)
         p = self.page_size
         plan = []  # (seq, new pages, copy the shared last page)
+        writers: dict[int, int] = {}  # shared last page -> sequences of this call writing it
         for s, n in zip(seqs, counts, strict=True):
             length = int(self.lengths[s])
             if length + n > self.max_len:
@@ -233,14 +234,20 @@ class PagedKVCache:
                                  f"{self.max_len}; the cache is unchanged")
             shared_tail = (n > 0 and length % p != 0
                            and int(self.refcount[self.block_table[s, length // p]]) > 1)
+            if shared_tail:
+                tail = int(self.block_table[s, length // p])
+                writers[tail] = writers.get(tail, 0) + 1
             plan.append((s, self.pages_for(length + n) - self.pages_for(length), shared_tail))
-        needed = sum(new + cow for _, new, cow in plan)
+        # a page shared by r sequences and written by m of them: m copies, or m - 1 when all r
+        # write (the last one keeps the page, then held by it alone)
+        copies = sum(m - (m == int(self.refcount[page])) for page, m in writers.items())
+        needed = sum(new for _, new, _ in plan) + copies
         if needed > self.free_pages:
             raise PagePoolExhausted(needed, self.free_pages,
                                     f"extending sequences {seqs} by {counts} token(s)")
         for (s, new, cow), n in zip(plan, counts, strict=True):
             length = int(self.lengths[s])
-            if cow:
+            if cow and int(self.refcount[self.block_table[s, length // p]]) > 1:
                 self._copy_last_page(s, length // p)
             first = self.pages_for(length)
             for i in range(first, first + new):
@@ -534,6 +541,6 @@ class PagedKVCache:
                          for s, n in zip(seqs, counts, strict=True)] or
                         [torch.zeros(0, dtype=torch.long, device=dev)])  # (N,)
         row = torch.repeat_interleave(torch.tensor(seqs, dtype=torch.long, device=dev),
-                                      torch.tensor(counts, device=dev))  # (N,)
+                                      torch.tensor(counts, dtype=torch.long, device=dev))  # (N,)
         p = self.page_size
         return self.block_table[row, pos // p].long(), pos % p

@@ -54,8 +54,11 @@ def alibi_distance(Tq: int, Tk: int, *, rows: slice | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(C, Tk)``: ``i + Tk - Tq - j`` for query rows ``i`` in ``rows`` (all Tq by default) —
     how far key ``j`` lies before query ``i``'s bottom-right diagonal (negative after it)."""
-    r = range(Tq)[rows or slice(None)]
-    i = torch.arange(r.start, r.stop, device=device, dtype=dtype).unsqueeze(1)  # (C, 1)
+    if rows is None:  # all rows: no Python range, so a symbolic Tq stays symbolic (export)
+        i = torch.arange(Tq, device=device, dtype=dtype).unsqueeze(1)  # (Tq, 1)
+    else:
+        r = range(Tq)[rows]
+        i = torch.arange(r.start, r.stop, device=device, dtype=dtype).unsqueeze(1)  # (C, 1)
     j = torch.arange(Tk, device=device, dtype=dtype).unsqueeze(0)  # (1, Tk)
     return i + (Tk - Tq) - j  # (C, Tk)
 
@@ -83,8 +86,8 @@ class ScoreSpec:
         return not self.kinds
 
     def grad_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The variant tensors autograd may differentiate (sinks, bias)."""
-        return tuple(t for t in (self.sinks, self.bias) if t is not None)
+        """The variant tensors autograd may differentiate (sinks, bias, ALiBi slopes)."""
+        return tuple(t for t in (self.sinks, self.bias, self.alibi_slopes) if t is not None)
 
     def modify(self, s: torch.Tensor, Tq: int, rows: slice | None = None) -> torch.Tensor:
         """Softcap, bias and ALiBi applied to scaled scores ``s`` ``(B|1, h, C, Tk)`` of the

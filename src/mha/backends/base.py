@@ -83,6 +83,9 @@ class Capabilities:
     #: Why a variant is not served, in words, when there is more to say than "not supported".
     variant_gaps: tuple[tuple[str, str], ...] = ()
     score_mod: bool = False  # applies a score_mod (mha.mods)
+    #: Differentiates ALiBi slopes that require grad (its scores go through autograd); a
+    #: kernel that reads the slopes as constants refuses them rather than drop their gradient.
+    alibi_grad: bool = False
 
 
 @dataclass
@@ -160,5 +163,9 @@ class Backend:
             reasons.append("cannot return the log-sum-exp")
         if not c.grad and call.needs_grad:
             reasons.append("no backward pass (inputs require grad)")
+        elif (not c.alibi_grad and "alibi" in c.variants and torch.is_grad_enabled()
+              and call.scores.alibi_slopes is not None and call.scores.alibi_slopes.requires_grad):
+            reasons.append("no gradient for alibi_slopes (they require grad; the kernel reads "
+                           "them as constants: pass alibi_slopes.detach() to keep them fixed)")
         reasons.extend(self.extra_reasons(call))
         return reasons

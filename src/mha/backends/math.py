@@ -70,7 +70,7 @@ BACKEND = Backend(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
-        dropout=True, weights=True, lse=True, grad=True, variants=VARIANT_KINDS,
+        dropout=True, weights=True, lse=True, grad=True, variants=VARIANT_KINDS, alibi_grad=True,
     ),
     forward=_forward,
 )

@@ -49,7 +49,7 @@ BACKEND = Backend(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=MOD_MASK_KINDS,
-        dropout=True, weights=True, lse=True, grad=True, variants=VARIANT_KINDS,
+        dropout=True, weights=True, lse=True, grad=True, variants=VARIANT_KINDS, alibi_grad=True,
         score_mod=True,
     ),
     forward=_forward,

@@ -6,7 +6,9 @@ equals ours only then); everything else passes the materialized bool mask (True 
 SDPA's polarity too). A bias and ALiBi become one additive float ``attn_mask`` (with ``-inf``
 where the bool masks forbid); SDPA cannot softcap or add a sink, so it rejects those with a
 reason. Fully masked query rows are opened before SDPA and zeroed after, so the
-output is zero and the gradients finite.
+output is zero and the gradients finite. A q, k or v whose rows overlap in memory (a view such
+as ``as_strided`` with a row stride below the row length) is copied first: SDPA's CPU kernels
+read such a q wrongly (torch 2.13: wrong values in every dtype, NaN in float16).
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ from mha.masks import open_empty_rows
 from mha.nonfinite import any_nonfinite, masked_attention
 
 
+def _rows_apart(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a contiguous copy when its rows (last dim) overlap one another."""
+    rows, width = t.shape[-2], t.shape[-1]
+    overlap = rows > 1 and width > 1 and 0 < abs(t.stride(-2)) < width * abs(t.stride(-1))
+    return t.contiguous() if overlap else t
+
+
 def _forward(call: AttentionCall):
     B, h, Tq, Tk = call.B, call.h, call.Tq, call.Tk
+    q, k, v = (_rows_apart(t) for t in (call.q, call.k, call.v))
     kwargs = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.h_kv != call.h)
     sc = call.scores
     if any_nonfinite(call.q, call.k, call.v, *(() if sc.bias is None else (sc.bias,))):
@@ -30,10 +40,10 @@ def _forward(call: AttentionCall):
         allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
         if allowed is None:
             allowed = torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=call.device)
-        return masked_attention(call.q, call.k, call.v, allowed, call.scale,
+        return masked_attention(q, k, v, allowed, call.scale,
                                 call.dropout_p, sc)[0], None
     if call.masks.kinds == {"causal"} and Tq == Tk and sc.is_empty:
-        return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=True,
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               **kwargs), None
     allowed = call.masks.materialize(B, h, Tq, Tk, call.device)
     row_has_key = None
@@ -48,7 +58,7 @@ def _forward(call: AttentionCall):
         # a graph for ONNX (mha.export): ONNX Runtime's Attention operator wants the mask's
         # query dim in full, not broadcast (a view here; one Expand in the graph)
         attn_mask = attn_mask.expand(*attn_mask.shape[:-2], Tq, Tk)  # (B|1, h|1, Tq, Tk)
-    out = F.scaled_dot_product_attention(call.q, call.k, call.v, attn_mask=attn_mask, **kwargs)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
     if row_has_key is not None:
         out = torch.where(row_has_key, out, 0.0)  # (B|1, h|1, Tq, 1): fully masked rows -> 0
     return out, None  # (B, h, Tq, d_v)
@@ -62,6 +72,7 @@ BACKEND = Backend(
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         mask_kinds=ALL_MASK_KINDS,
         dropout=True, weights=False, grad=True, variants=frozenset({"bias", "alibi"}),
+        alibi_grad=True,
         variant_gaps=(("softcap", "cannot be served: SDPA has no tanh cap inside its softmax"),
                       ("sinks", "cannot be served: SDPA has no sink logit in its softmax "
                                 "denominator")),

@@ -83,7 +83,11 @@ def _streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[floa
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
-    """Refuse a prompt that, with ``max_new_tokens`` more, exceeds the model's context."""
+    """Refuse a prompt of no tokens, or one that, with ``max_new_tokens`` more, exceeds the
+    model's context."""
+    if prompt_tokens < 1:
+        raise ValueError("the prompt has no tokens: greedy decoding continues at least one "
+                         "(an empty text without the chat template has none)")
     if prompt_tokens + max_new_tokens > context:
         room = context - prompt_tokens
         fix = (f"ask for at most {room} new tokens" if room > 0

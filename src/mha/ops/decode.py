@@ -27,9 +27,11 @@ import torch
 from mha.checks import (
     check_alibi_slopes,
     check_bias,
+    check_bool,
     check_key_lengths,
     check_mask,
     check_qkv,
+    check_scalar,
     check_sinks,
     check_softcap,
 )
@@ -108,7 +110,8 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
                 Tq=2, Tk=5   1 1 1 1 0
                              1 1 1 1 1
 
-        scale: None means ``1 / sqrt(d_k)``.
+        scale: None means ``1 / sqrt(d_k)``; else a finite number >= 0. ``causal`` and
+            ``portable`` are bools. Checked as :func:`mha.attention` checks them.
         portable: run the portable C++ loops instead of the AVX-512 path (for tests).
         softcap: a float > 0: scores become ``softcap * tanh(s / softcap)``.
         sinks: ``(h,)`` float, one sink logit per query head (its ``exp`` joins each row's
@@ -161,7 +164,8 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
     Tk = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
     kl = None if key_lengths is None else check_key_lengths(key_lengths, B, Tk, q.device)
     m = None if mask is None else check_mask(mask, B, h, Tq, Tk, q.device)
-    scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    causal, portable = check_bool("causal", causal), check_bool("portable", portable)
+    scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
     if softcap is not None:
         softcap = check_softcap(softcap)
     if sinks is not None:
@@ -170,9 +174,11 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_lengt
         bias = check_bias(bias, B, h, Tq, Tk, q.device)  # a 4-D view, never expanded
     if alibi_slopes is not None:
         alibi_slopes = check_alibi_slopes(alibi_slopes, B, h, q.device)  # (1|B, h)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, bias)):
-        raise RuntimeError("flash_decode is inference-only (no backward pass): sinks / bias "
-                           "require grad; call it under torch.no_grad() or use mha.attention")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (sinks, bias, alibi_slopes)):
+        raise RuntimeError("flash_decode is inference-only (no backward pass): sinks / bias / "
+                           "alibi_slopes require grad; call it under torch.no_grad() or use "
+                           "mha.attention")
     return call_op(q, k, v, key_lengths=kl, mask=m, causal=causal, scale=scale, portable=portable,
                    softcap=softcap, sinks=sinks, bias=bias, alibi_slopes=alibi_slopes,
                    k_scale=k_scale, v_scale=v_scale, block_table=block_table)
