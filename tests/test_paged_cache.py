@@ -324,3 +324,18 @@ def test_attend_without_the_kernel_runs_on_gathered_keys(monkeypatch):
             assert (got[i:i + 1].double() - want).abs().max() <= 1e-6
     if native is not None:
         assert (got - native).abs().max() <= 1e-6
+
+
+def test_attend_refuses_keywords_the_cache_sets_by_name():
+    c, seqs = _fill(None)
+    q = torch.randn(len(seqs), 2 * H_KV, 1, D)  # (S, h, 1, d)
+    before = c.state()
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="attend: causal is set by the cache"):
+            c.attend(0, q, seqs, causal=True)
+        with pytest.raises(TypeError, match="attend got an unexpected keyword 'window'"):
+            c.attend(0, q, seqs, window=4)
+        qv = torch.randn(len(seqs), 2 * H_KV, D)  # (N, h, d): one query per sequence
+        with pytest.raises(TypeError, match="attend_varlen: key_lengths is set by the cache"):
+            c.attend_varlen(0, qv, seqs, list(range(len(seqs) + 1)), key_lengths=None)
+    _same_state(before, c.state())

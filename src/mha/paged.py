@@ -45,6 +45,20 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 _NATIVE_VARIANTS = ("scale", "softcap", "sinks")  # what the paged flash forward applies
+_DECODE_VARIANTS = ("scale", "softcap", "sinks", "bias", "alibi_slopes")  # what attend takes
+_CACHE_SETS = ("causal", "key_lengths", "block_table", "cu_seqlens", "k_scale", "v_scale")
+
+
+def _check_variant_names(method: str, variants: dict, allowed: tuple[str, ...] | None) -> None:
+    """TypeError naming a keyword ``method`` cannot take: one the cache sets itself (causal,
+    key_lengths, ...), or, with ``allowed``, any other than those."""
+    for name in variants:
+        if name in _CACHE_SETS:
+            raise TypeError(f"{method}: {name} is set by the cache itself (causal to each "
+                            f"sequence's own length, from its pages), not an argument")
+        if allowed is not None and name not in allowed:
+            raise TypeError(f"{method} got an unexpected keyword {name!r}; its variants are "
+                            f"{', '.join(allowed)} (and portable)")
 _warned: set[str] = set()
 
 
@@ -326,6 +340,7 @@ class PagedKVCache:
         K/V instead (the same result, with a copy)."""
         from mha.ops import decode
 
+        _check_variant_names("attend", variants, _DECODE_VARIANTS)
         layer = self._check_layer(layer)
         seqs = self._check_ids(seq_ids)
         check_tensor("q", q, 4, f"(S', h, Tq, d_k) = ({len(seqs)}, h, Tq, {self.k.shape[4]})")
@@ -373,6 +388,7 @@ class PagedKVCache:
         ``bias`` / ``alibi_slopes``, q that requires grad, or no native kernel.
         ``variants``: ``scale``, ``softcap``, ``sinks`` natively, plus those of
         :func:`mha.attention` on the gathered path."""
+        _check_variant_names("attend_varlen", variants, None)
         seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
         check_tensor("q", q, 3, f"(N, h, d_k) = ({sum(counts)}, h, {self.k.shape[4]})")
         if q.shape[0] != sum(counts):
