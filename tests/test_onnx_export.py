@@ -143,6 +143,8 @@ def test_refusals_leave_no_file(tmp_path):
         export.onnx(m.eval(), torch.randn(1, 3, 16), tmp_path / "c.onnx")
     with pytest.raises(ValueError, match="does not exist"):
         export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path / "missing" / "d.onnx")
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        export.onnx(m.eval(), (torch.randn(1, 3, 16),), None)
     with pytest.raises(ValueError, match="is a directory; give the name of the file"):
         export.onnx(m.eval(), (torch.randn(1, 3, 16),), tmp_path)
     # example inputs mha refuses: its own error, not the exporter's wrapper around it

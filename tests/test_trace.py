@@ -188,3 +188,8 @@ def test_cli_rejects_impossible_configurations(capsys, argv, message):
     assert main(["shapes", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err
+
+
+def test_trace_names_a_module_that_is_not_one():
+    with pytest.raises(TypeError, match="module must be an mha module to run"):
+        mha.trace("x", torch.randn(1, 3, 8))

@@ -108,6 +108,9 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (the file to write), got "
+                        f"{type(path).__name__}")
     _check_exportable(model)
     path = Path(path)
     if path.is_dir():

@@ -111,6 +111,9 @@ def recording():
 def trace(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None = None,
           value: torch.Tensor | None = None, **kwargs) -> Trace:
     """Run ``module(query, key, value, need_weights=True, **kwargs)`` once and return its steps."""
+    if not callable(module):
+        raise TypeError(f"module must be an mha module to run (e.g. mha.MultiHeadAttention), got "
+                        f"{type(module).__name__}")
     with torch.no_grad(), recording() as tr:
         module(query, key, value, need_weights=True, **kwargs)
     return tr
