@@ -165,3 +165,13 @@ def test_score_mod_with_a_score_variant_is_refused_with_the_reason():
         mha.attention(q, q, q, score_mod=plus_one, softcap=5.0)
     verdicts = str(mha.explain(q, q, q, score_mod=plus_one, sinks=torch.zeros(2)))
     assert "score_mod together with sinks" in verdicts
+
+
+def test_a_block_plan_too_large_to_hold_is_refused_at_once():
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    with pytest.raises(ValueError, match=r"would hold 61035156250000 blocks \(a byte each\)"):
+        mha.block_plan(causal, 1, 1, 10**9, 10**9)  # (10^9 / 128)^2 block states
+    plan = mha.block_plan(causal, 1, 1, 256, 256)  # a plan of a few blocks still builds
+    assert plan.Tq == 256

@@ -38,6 +38,7 @@ from mha.mods import ModError, bind, check_mod, eval_mask_mod
 FULL, PARTIAL, EMPTY = 2, 1, 0
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64  # plans kept (least recently used dropped first)
+_MAX_BLOCKS = 1 << 32  # a plan's block states are a byte each: at most 4 GiB of them
 _CHUNK = 1 << 24  # mask elements evaluated at once while building
 
 
@@ -224,7 +225,9 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
                block_k: int = 128, device: torch.device | str | None = None,
                cache: bool = True) -> BlockPlan:
     """The :class:`BlockPlan` of ``mask_mod`` over ``(B, h, Tq, Tk)`` (cached; see the module
-    docstring). ``print(plan)`` shows the fraction of full / partial / empty blocks."""
+    docstring). ``print(plan)`` shows the fraction of full / partial / empty blocks. A plan of
+    more than 2^32 blocks (``B h ceil(Tq / block_q) ceil(Tk / block_k)``, a byte each) is
+    refused before anything is evaluated."""
     check_mod("mask_mod", mask_mod)
     if mask_mod is None:
         raise TypeError("mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool, got None")
@@ -232,6 +235,11 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
                     for n, x in (("B", B), ("h", h), ("Tq", Tq), ("Tk", Tk)))
     block_q = check_int("block_q", block_q, low=1, what="a positive int")
     block_k = check_int("block_k", block_k, low=1, what="a positive int")
+    blocks = B * h * math.ceil(Tq / block_q) * math.ceil(Tk / block_k)
+    if blocks > _MAX_BLOCKS:
+        raise ValueError(f"a block plan of B={B}, h={h}, Tq={Tq}, Tk={Tk} in blocks of "
+                         f"{block_q} x {block_k} would hold {blocks} blocks (a byte each), more "
+                         f"than {_MAX_BLOCKS}; use larger block_q / block_k or shorter sequences")
     device = torch.device("cpu" if device is None else device)
     key = (mask_mod, B, h, Tq, Tk, block_q, block_k, str(device))
     try:
