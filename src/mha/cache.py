@@ -254,41 +254,14 @@ class KVCache:
     @contextlib.contextmanager
     def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
         """Append, then yield ``(k_all (B, h_kv, Tk, d_k), v_all, masks)`` for attention over
-        everything cached; if the body raises, the append is undone (lengths and the written
-        slots restored: the cache is bitwise as before)."""
-        with self.undone_on_error(k_new.shape[2]):
-            self.append(k_new, v_new)
-            yield self.keys(), self.values(), self.masks(k_new.shape[2])
-
-    @contextlib.contextmanager
-    def undone_on_error(self, Tn: int):
-        """Run the body (which may append up to ``Tn`` tokens per row); if it raises, put back
-        ``lengths`` and the storage slots an append of ``Tn`` tokens writes, so a refused call
-        leaves the cache bitwise unchanged. Costs a copy of those ``Tn`` slots per row."""
-        before = self.lengths.clone()  # (B,)
-        at = self._slots(before, Tn)  # (B, 1, Tn)
-        stores = [t for t in (self.k, self.v, self.k_scale, self.v_scale)
-                  if t is not None and Tn > 0 and t.shape[2] > 0]
-        saved = [t.gather(2, self._index(at, t)) for t in stores]  # (B, h_kv, Tn[, d]) each
+        everything cached; if the body raises, the append is undone (lengths restored)."""
+        before = self.lengths.clone()
+        self.append(k_new, v_new)
         try:
-            yield
+            yield self.keys(), self.values(), self.masks(k_new.shape[2])
         except BaseException:
-            for t, old in zip(stores, saved):
-                t.scatter_(2, self._index(at, t), old)
             self.lengths.copy_(before)
             raise
-
-    def _slots(self, lengths: torch.Tensor, Tn: int) -> torch.Tensor:
-        """``(B, 1, Tn)``: the positions an append of Tn tokens writes per row (clamped to the
-        storage: an append past it is refused before it writes)."""
-        at = lengths.view(-1, 1, 1) + torch.arange(Tn, device=self.device).view(1, 1, -1)
-        return at.clamp(max=max(self.capacity - 1, 0))  # (B, 1, Tn)
-
-    @staticmethod
-    def _index(at: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
-        """``at (B, 1, Tn)`` expanded to index ``store``'s slots (B, h_kv, Tn[, d])."""
-        shape = (store.shape[0], store.shape[1], at.shape[2], *store.shape[3:])
-        return (at if store.dim() == 3 else at.unsqueeze(-1)).expand(shape)
 
     def truncate(self, n) -> None:
         """Keep the first ``n`` positions (an int, or ``(B,)`` per row) — speculative-decoding

@@ -437,12 +437,16 @@ class MultiHeadAttention(nn.Module):
         An int8 cache is attended in place by its decode kernel (:meth:`KVCache.attend`) where
         that serves the call; otherwise through dequantized copies of its K/V."""
         if _int8_in_place(cache, q.shape[2], dropout_p, want_weights, backend, variants):
-            with cache.undone_on_error(k.shape[2]):
-                cache.append(k, v)
+            before = cache.lengths.clone()
+            cache.append(k, v)
+            try:
                 masks = cache.masks(q.shape[2])
                 on = {n: t for n, t in _at_cache_positions(
                     variants, masks, q.shape[2], cache.max_length).items() if t is not None}
                 return cache.attend(q, **on), None  # (B, h, Tn, d_v)
+            except BaseException:
+                cache.lengths.copy_(before)
+                raise
         with cache.appending(k, v) as (k_all, v_all, masks):  # (B, h_kv, Tk, d_k / d_v)
             variants = _at_cache_positions(variants, masks, q.shape[2], k_all.shape[2])
             result = attention(q, k_all, v_all, dropout_p=dropout_p,
