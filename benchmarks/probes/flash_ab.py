@@ -128,7 +128,7 @@ def main() -> None:
             ref = fns[names[0]]()[:3 if args.backward else 1]
             for n in names[1:]:
                 diff = max((a.float() - b.float()).abs().max().item()
-                           for a, b in zip(fns[n](), ref))
+                           for a, b in zip(fns[n]()[:len(ref)], ref, strict=True))
                 print(f"  {n}: max |diff| {diff:.3g}")
         with torch.no_grad():
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
