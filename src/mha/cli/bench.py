@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
     if saved is not None:
         return _report_saved(saved, args, console)
+    from mha.ops import forcing
+
+    forcing.check_environment()  # a forcing that cannot run: refused before any measuring
     ctx = _context(args)
     plan = _collect(ctx, names, console)
     _check_filter(args, plan)
