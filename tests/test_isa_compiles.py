@@ -8,12 +8,16 @@ Sapphire Rapids (AVX-512 with AMX), and Haswell (AVX2 only) for the packed proje
 loop; and the AMX kernels on software tiles (Cooper Lake with ``-DMHA_AMX_EMULATE``, what a
 ``MHA_AMX_EMULATE=1`` build compiles) — syntax and templates only (``-fsyntax-only``: nothing
 runs), and checks that the path's code was really seen (its feature macro is defined).
+Each compile is one single-threaded compiler process: the cases run once, as many at a time as
+this process may use CPUs (the ``compiled`` fixture), and each test reads its own result.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -63,11 +67,27 @@ def _compile(source: str, target: str, macros, tmp_path) -> subprocess.Completed
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Every case of ``CASES`` compiled once, one compiler per usable CPU at a time:
+    ``(source, target) -> CompletedProcess``."""
+    root = tmp_path_factory.mktemp("isa")
+
+    def one(i: int):
+        source, target, macros = CASES[i]
+        (root / str(i)).mkdir()
+        return (source, target), _compile(source, target, macros, root / str(i))
+
+    workers = max(1, min(len(CASES), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(pool.map(one, range(len(CASES))))
+
+
 @pytest.mark.parametrize("source,target,macros", CASES,
                          ids=[f"{s}-{t.split()[0].split('=')[1]}"
                               + ("-emulated" if "EMULATE" in t else "") for s, t, _ in CASES])
-def test_isa_path_compiles(source, target, macros, tmp_path):
-    r = _compile(source, target, macros, tmp_path)
+def test_isa_path_compiles(source, target, macros, compiled):
+    r = compiled[source, target]
     if r.returncode != 0 and ("unrecognized command-line option" in r.stderr
                               or "bad value" in r.stderr):
         pytest.skip(f"the compiler does not know {target}: {r.stderr.strip()[:200]}")
