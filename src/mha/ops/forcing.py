@@ -16,13 +16,13 @@ A variable the kernels read refuses at every call that would read it (bf16 calls
 C++ ones), so fp32 work is unaffected; ``MHA_AMX_EMULATE`` refuses as a build failure (the
 reason in ``mha build``, ``mha.explain`` and one warning). ``MHA_TEST_AMX_REFUSED=1`` is not a
 choice but a test seam: a build with AMX tiles acts as if the OS refused the tile state.
-Work whose record names the kernels (``mha bench``) asks :func:`check_environment` first.
+Work whose record names the kernels (``mha bench``) checks every variable set before it
+starts (``mha.cli.bench.check_forcing``: this module imports no kernel).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 VARIABLES = ("MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR", "MHA_AMX_EMULATE")
@@ -46,29 +46,6 @@ def is_refusal(error: BaseException) -> bool:
     """Whether ``error`` is such a refusal (the CLI shows it as one line, no traceback)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return first.startswith(tuple(f"{v}=" for v in VARIABLES))
-
-
-def check_environment() -> None:
-    """Raise the refusal (ValueError or RuntimeError, the rule's words) of the first forcing
-    variable set to a value this build / CPU / OS cannot run; nothing when every one set can
-    run. The C++ ones are asked of their kernel's read-back (built when needed); a kernel that
-    cannot be built has no choice to check (its reason is reported where it is used)."""
-    if "MHA_AMX_EMULATE" in os.environ:
-        amx_emulate(os.environ["MHA_AMX_EMULATE"])
-    if "MHA_LINEAR" in os.environ:
-        from mha.ops import linear_choice
-
-        linear_choice.forced()
-    if "MHA_FLASH_BF16" in os.environ:
-        from mha.ops import flash
-
-        if flash.unavailable() is None:
-            flash.kernels()
-    if "MHA_DECODE_BF16" in os.environ:
-        from mha.ops import decode
-
-        if decode.unavailable() is None:
-            decode.bf16_qk()
 
 
 @functools.cache
