@@ -229,3 +229,25 @@ def test_mm_peak_shrinks_the_product_that_would_take_too_long():
     assert m == 512 and rate > 0
     rate, m = _mm_peak(torch.float32, 512, 0.0, longest=0.0)
     assert m == 256 and rate > 0
+
+
+@pytest.mark.parametrize("error, raised", [
+    (RuntimeError("MHA_FLASH_BF16=bogus is not a choice: expected one of avx512bf16, ..."), True),
+    (RuntimeError("flash_attention: the build failed (no compiler)"), False),
+])
+def test_native_path_raises_a_forcing_refusal_and_records_a_missing_build(monkeypatch, error,
+                                                                          raised):
+    """The CPU record keeps a missing build as a fact; a forcing this build cannot run is the
+    user's to fix, so it is raised (the CLI shows it as one line)."""
+    from mha.ops import flash
+
+    def refuse():
+        raise error
+
+    monkeypatch.setattr(flash, "isa", lambda: "portable")
+    monkeypatch.setattr(flash, "kernels", refuse)
+    if raised:
+        with pytest.raises(RuntimeError, match="MHA_FLASH_BF16=bogus is not a choice"):
+            cpu.native_path()
+    else:
+        assert cpu.native_path() == {"error": f"RuntimeError: {error}"}

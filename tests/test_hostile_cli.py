@@ -393,3 +393,58 @@ def test_good_from_saved_files(tmp_path, capsys, monkeypatch):
                          str(tmp_path / "heads")], capsys)
     assert (got, err) == (0, "")
     assert (tmp_path / "heads" / "heads.png").stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------- forcing variables
+FORCING = ("MHA_FLASH_BF16", "MHA_DECODE_BF16", "MHA_LINEAR", "MHA_AMX_EMULATE")
+
+
+def _forcing_env(var: str) -> dict:
+    """This environment with ``var=bogus`` and no other forcing variable. The kernels read
+    theirs once per process: every check of a value runs in a fresh interpreter."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in FORCING}
+    env[var] = "bogus"
+    return env
+
+
+SUBCOMMANDS = """
+import contextlib, io, json, sys
+from mha.cli import main
+verdicts = []
+for argv in json.loads(sys.argv[1]):
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = main(argv)  # what the mha command returns as its exit status
+    except BaseException as e:  # what would reach the user as a traceback
+        code, err = "traceback", io.StringIO(f"{type(e).__name__}: {e}")
+    verdicts.append([" ".join(argv[:2]), code, out.getvalue(), err.getvalue()])
+print(json.dumps(verdicts))
+"""
+
+
+@pytest.mark.parametrize("var", FORCING)
+def test_subcommands_under_a_forcing_that_cannot_run(var, tmp_path):
+    """The subcommands under ``var=bogus``, in one fresh interpreter per variable (the kernels
+    read theirs once per process). ``mha bench`` records the kernels it measured: refused in
+    one line naming the variable, exit 1, before the peaks are measured (nothing on stdout).
+    The others: work that reads the variable ends in such a line (exit 1), work that does not
+    runs (exit 0: fp32 work never reads the bf16 choices; a bad ``MHA_AMX_EMULATE`` is a build
+    failure, warned and fallen back from); never a traceback."""
+    commands = [["bench", "--suite", "attention", "--filter", "B1 h8 T2048", "--out", ""],
+                ["shapes"],
+                ["demo", "-B", "1", "-T", "8", "--d-model", "64", "--heads", "4", "--repeat", "1"],
+                ["experiment", "heads", "--tiny", "--steps", "2", "--out", str(tmp_path / "x")]]
+    res = subprocess.run([sys.executable, "-c", SUBCOMMANDS, json.dumps(commands)],
+                         env=_forcing_env(var), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    verdicts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [v[:2] for v in verdicts][0] == ["bench --suite", 1], verdicts[0]
+    assert verdicts[0][2] == "", verdicts[0][2][-2000:]
+    for name, code, out, err in verdicts:
+        assert code in (0, 1), f"mha {name}: {code}: {err[-2000:]}"
+        assert "Traceback" not in err, f"mha {name}: {err[-2000:]}"
+        if code == 1:
+            assert_one_line(err, out, [f"{var}=bogus is not a choice"])

@@ -8,12 +8,16 @@ Sapphire Rapids (AVX-512 with AMX), and Haswell (AVX2 only) for the packed proje
 loop; and the AMX kernels on software tiles (Cooper Lake with ``-DMHA_AMX_EMULATE``, what a
 ``MHA_AMX_EMULATE=1`` build compiles) — syntax and templates only (``-fsyntax-only``: nothing
 runs), and checks that the path's code was really seen (its feature macro is defined).
+Each compile is one single-threaded compiler process: the cases run once, as many at a time as
+this process may use CPUs (the ``compiled`` fixture), and each test reads its own result.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -63,11 +67,27 @@ def _compile(source: str, target: str, macros, tmp_path) -> subprocess.Completed
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Every case of ``CASES`` compiled once, one compiler per usable CPU at a time:
+    ``(source, target) -> CompletedProcess``."""
+    root = tmp_path_factory.mktemp("isa")
+
+    def one(i: int):
+        source, target, macros = CASES[i]
+        (root / str(i)).mkdir()
+        return (source, target), _compile(source, target, macros, root / str(i))
+
+    workers = max(1, min(len(CASES), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(pool.map(one, range(len(CASES))))
+
+
 @pytest.mark.parametrize("source,target,macros", CASES,
                          ids=[f"{s}-{t.split()[0].split('=')[1]}"
                               + ("-emulated" if "EMULATE" in t else "") for s, t, _ in CASES])
-def test_isa_path_compiles(source, target, macros, tmp_path):
-    r = _compile(source, target, macros, tmp_path)
+def test_isa_path_compiles(source, target, macros, compiled):
+    r = compiled[source, target]
     if r.returncode != 0 and ("unrecognized command-line option" in r.stderr
                               or "bad value" in r.stderr):
         pytest.skip(f"the compiler does not know {target}: {r.stderr.strip()[:200]}")
@@ -79,3 +99,45 @@ def test_every_translation_unit_is_compiled_here():
     """A new ``.cpp`` under ``csrc`` (any subfolder) must join ``CASES``."""
     sources = {p.relative_to(build.CSRC).as_posix() for p in build.CSRC.rglob("*.cpp")}
     assert sources == {s for s, _, _ in CASES if s.endswith(".cpp")}
+
+
+WORDS = r"""#include <cstdio>
+#include "common/isa_words.h"
+int main() {
+  std::printf("%s\n", mha_common::build_lacks("avx512bf16", "AVX512_BF16",
+                                               mha_common::cpu_has_avx512_bf16()).c_str());
+}
+"""
+
+
+@pytest.mark.parametrize("march, macro, cpu_has_it", [
+    ("-march=skylake-avx512", "skylake-avx512",
+     "the CPU has AVX512_BF16, but the build's flags (-march=skylake-avx512) do not target it"),
+    ("-march=skylake-avx512", None, "the CPU has AVX512_BF16, but the build's flags do not "
+     "target it"),
+    ("-march=native", "native",
+     "the CPU has AVX512_BF16, but the compiler did not target it under -march=native"),
+], ids=["named-march", "no-macro", "native"])
+def test_words_for_an_instruction_set_the_build_lacks(march, macro, cpu_has_it, tmp_path):
+    """``this build lacks avx512bf16 (...)`` says whether the CPU or the build's flags lack it
+    (csrc/common/isa_words.h): compiled for a CPU without AVX512_BF16 and run on this one."""
+    from mha.ops.forcing import cpu_flags
+
+    cxx = build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
+    src = tmp_path / "words.cpp"
+    src.write_text(WORDS)
+    exe = tmp_path / "words"
+    defines = [f"-DMHA_MARCH={macro}"] if macro else []
+    r = subprocess.run([cxx, "-O1", "-std=c++17", march, *defines, f"-I{build.CSRC}", str(src),
+                        "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and ("unrecognized command-line option" in r.stderr
+                              or "bad value" in r.stderr):
+        pytest.skip(f"the compiler does not know {march}: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    words = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.strip()
+    if "avx512_bf16" in cpu_flags():
+        assert words == f"this build lacks avx512bf16 ({cpu_has_it})", words
+    else:
+        assert words == "this build lacks avx512bf16 (the CPU has no AVX512_BF16)", words

@@ -177,6 +177,34 @@ def test_forcing_that_cannot_run(case: Refusal):
     assert verdict == "ok", f"{case.name}: {verdict}"
 
 
+def test_a_named_kernel_is_refused_in_the_words_of_the_forcing_rule():
+    """The test op ``_flash_attention_fwd_kernel`` refuses a kernel it cannot run with the
+    words of ``check_forced`` (csrc/common/kernel_choice.h: one source): the name, the value,
+    the choices and why."""
+    import torch
+
+    from mha.ops import flash
+
+    if flash.unavailable() is not None:
+        pytest.skip(f"the flash kernel is not built: {flash.unavailable()}")
+    q = torch.randn(1, 2, 8, 16)  # (B, h, T, d)
+    op = torch.ops.mha._flash_attention_fwd_kernel
+    with pytest.raises(RuntimeError) as unknown:
+        op(q, q, q, None, None, False, 0.25, "avx512")
+    first = str(unknown.value).splitlines()[0]
+    assert first.startswith("flash_attention: kernel=avx512 is not a choice: expected one of "
+                            "auto, small, avx512bf16, avx512f, portable, amx (this build can "
+                            "run: auto, "), first
+    assert first.endswith("; kernel 'auto' for the CPU's default)"), first
+    with pytest.raises(RuntimeError) as fp32:
+        op(q, q, q, None, None, False, 0.25, "avx512bf16")
+    first = str(fp32.value).splitlines()[0]
+    assert first.startswith("flash_attention: kernel=avx512bf16 cannot run here: "), first
+    assert "(choices this build can run: auto, " in first, first
+    if "avx512bf16" in flash.isa():
+        assert "it takes bfloat16 inputs, not float32" in first, first
+
+
 def test_mha_build_says_why_the_amx_tiles_are_not_used():
     """``mha build`` where the build has AMX tiles the OS refuses (the seam, software tiles):
     the bf16 choices are the next kernels, each with the reason, exit 0."""

@@ -82,12 +82,17 @@ def kind(vendor: str | None, model_name: str | None, flags) -> str:
 
 def native_path() -> dict:
     """The native kernel path mha compiled on this machine: ``{"isa": ..., "float32": tile,
-    "bfloat16": tile}``, or ``{"error": reason}`` when the extension cannot be built."""
+    "bfloat16": tile}``, or ``{"error": reason}`` when the extension cannot be built. A
+    ``MHA_FLASH_BF16`` this build cannot run is raised (:mod:`mha.ops.forcing`), not recorded."""
+    from mha.ops import forcing
+
     try:
         from mha.ops import flash
 
         return {"isa": flash.isa(), **flash.kernels()}
     except Exception as e:  # noqa: BLE001 — a missing build is a fact to record, not a crash
+        if forcing.is_refusal(e):
+            raise
         return {"error": f"{type(e).__name__}: {e}"}
 
 

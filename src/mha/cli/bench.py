@@ -140,6 +140,33 @@ def check(args: argparse.Namespace) -> tuple[list[str], dict | None]:
     return list(args.suite or SUITES), saved
 
 
+def check_forcing() -> None:
+    """Raise the refusal (ValueError or RuntimeError, :mod:`mha.ops.forcing`'s words) of the
+    first forcing variable set to a value this build / CPU / OS cannot run: a run records the
+    kernels it measured. The C++ ones are asked of their kernel's read-back (built when
+    needed); a kernel that cannot be built has no choice to check (the run records why)."""
+    import os
+
+    from mha.ops import forcing
+
+    if "MHA_AMX_EMULATE" in os.environ:
+        forcing.amx_emulate(os.environ["MHA_AMX_EMULATE"])
+    if "MHA_LINEAR" in os.environ:
+        from mha.ops import linear_choice
+
+        linear_choice.forced()
+    if "MHA_FLASH_BF16" in os.environ:
+        from mha.ops import flash
+
+        if flash.unavailable() is None:
+            flash.kernels()
+    if "MHA_DECODE_BF16" in os.environ:
+        from mha.ops import decode
+
+        if decode.unavailable() is None:
+            decode.bf16_qk()
+
+
 def _check_filter(args: argparse.Namespace, plan) -> None:
     """``--filter`` that selects no case at all is a typo, not a run of nothing (only decidable
     when every suite lists its cases)."""
@@ -161,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
     if saved is not None:
         return _report_saved(saved, args, console)
+    check_forcing()  # a forcing that cannot run: refused before any measuring
     ctx = _context(args)
     plan = _collect(ctx, names, console)
     _check_filter(args, plan)

@@ -74,15 +74,18 @@ EMULATE_AMX = ("-DMHA_AMX_EMULATE",)
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler flags of a build in this process: :data:`FLAGS`, plus
-    :data:`EMULATE_AMX` when ``MHA_AMX_EMULATE=1``. Raises :class:`BuildError` (the words of
-    :mod:`mha.ops.forcing`) for another value, or for ``1`` on a CPU the software tiles cannot
-    run on."""
+    """The compiler flags of a build in this process: :data:`FLAGS` and their ``-march`` as
+    ``MHA_MARCH`` (the kernels' words for an instruction set the build lacks name it:
+    ``csrc/common/isa_words.h``), plus :data:`EMULATE_AMX` when ``MHA_AMX_EMULATE=1``. Raises
+    :class:`BuildError` (the words of :mod:`mha.ops.forcing`) for another value, or for ``1``
+    on a CPU the software tiles cannot run on."""
     try:
         emulate = forcing.amx_emulate(os.environ.get("MHA_AMX_EMULATE"))
     except ValueError as e:
         raise BuildError(str(e)) from None
-    return FLAGS + (EMULATE_AMX if emulate else ())
+    march = tuple(f"-DMHA_MARCH={f.partition('=')[2]}" for f in FLAGS if f.startswith("-march="))
+    return FLAGS + march + (EMULATE_AMX if emulate else ())
+
 _FIX = "set MHA_BUILD_DIR to a writable directory"
 _lock = threading.Lock()
 _loaded: dict[tuple[str, tuple[Path, ...]], Path] = {}

@@ -16,6 +16,8 @@ A variable the kernels read refuses at every call that would read it (bf16 calls
 C++ ones), so fp32 work is unaffected; ``MHA_AMX_EMULATE`` refuses as a build failure (the
 reason in ``mha build``, ``mha.explain`` and one warning). ``MHA_TEST_AMX_REFUSED=1`` is not a
 choice but a test seam: a build with AMX tiles acts as if the OS refused the tile state.
+Work whose record names the kernels (``mha bench``) checks every variable set before it
+starts (``mha.cli.bench.check_forcing``: this module imports no kernel).
 """
 
 from __future__ import annotations

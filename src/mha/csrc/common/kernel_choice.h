@@ -1,7 +1,8 @@
 // The CPU's kernel choice for bf16 inputs, shared by the flash forward and backward: the
 // user's MHA_FLASH_BF16 (read here only, once per process) and the vendor rule; and the decode
 // kernel's MHA_DECODE_BF16 (read here only, once per process); and the one rule both follow
-// for a value they cannot honour (check_forced).
+// for a value they cannot honour (check_forced; forced_refusal words it, also for the test op
+// that names a kernel).
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -10,6 +11,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "common/isa_words.h"
 
 namespace mha_common {
 
@@ -41,24 +44,35 @@ struct Choice {
 
 // The rule for every variable that forces a kernel: an unknown value, or one this build / CPU /
 // OS cannot run, is refused with the variable, the value, the choices and why; never a quiet
-// fallback to another kernel. Raised where the value is used (each call that would read it).
-inline void check_forced(const char* var, const std::string& value,
-                         const std::vector<Choice>& choices) {
+// fallback to another kernel. The words (mha.ops.forcing.refusal says the same in Python):
+// "<what>=<value> is not a choice: ..." or "<what>=<value> cannot run here: <why> ...", ending
+// with `otherwise` (what to do instead); "" when the value can run.
+inline std::string forced_refusal(const std::string& what, const std::string& value,
+                                  const std::vector<Choice>& choices,
+                                  const std::string& otherwise) {
   std::string names, here;
   for (const Choice& c : choices) {
     names += (names.empty() ? "" : ", ") + c.name;
     if (c.why_not.empty()) here += (here.empty() ? "" : ", ") + c.name;
   }
+  if (here.empty()) here = "none";
   for (const Choice& c : choices)
     if (c.name == value) {
-      TORCH_CHECK(c.why_not.empty(), var, "=", value, " cannot run here: ", c.why_not,
-                  " (choices this build can run: ", here.empty() ? "none" : here,
-                  "; unset it for the CPU's default)");
-      return;
+      if (c.why_not.empty()) return "";
+      return what + "=" + value + " cannot run here: " + c.why_not +
+             " (choices this build can run: " + here + "; " + otherwise + ")";
     }
-  TORCH_CHECK(false, var, "=", value, " is not a choice: expected one of ", names,
-              " (this build can run: ", here.empty() ? "none" : here,
-              "; unset it for the CPU's default)");
+  return what + "=" + value + " is not a choice: expected one of " + names +
+         " (this build can run: " + here + "; " + otherwise + ")";
+}
+
+// The rule for a forcing variable, raised where the value is used (each call that would read
+// it).
+inline void check_forced(const char* var, const std::string& value,
+                         const std::vector<Choice>& choices) {
+  const std::string refusal =
+      forced_refusal(var, value, choices, "unset it for the CPU's default");
+  TORCH_CHECK(refusal.empty(), refusal);
 }
 
 // Whether the including translation unit targets AVX-512F (each unit has its own flags;
@@ -75,8 +89,8 @@ constexpr bool kUnitAvx512f = false;
 inline std::vector<Choice> flash_bf16_choices(bool avx512f, bool bf16_tiles,
                                               const std::string& amx_why_not) {
   return {{"avx512bf16",
-           bf16_tiles ? "" : "this build lacks avx512bf16 (the CPU has no AVX512_BF16)"},
-          {"avx512f", avx512f ? "" : "this build lacks avx512f (the CPU has no AVX-512F)"},
+           bf16_tiles ? "" : build_lacks("avx512bf16", "AVX512_BF16", cpu_has_avx512_bf16())},
+          {"avx512f", avx512f ? "" : build_lacks("avx512f", "AVX-512F", cpu_has_avx512f())},
           {"portable", ""},
           {"amx", amx_why_not}};
 }

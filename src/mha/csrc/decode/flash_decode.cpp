@@ -601,7 +601,8 @@ void check_decode_bf16() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       const std::string dot = "";
 #else
-      const std::string dot = "this build lacks avx512bf16 (the CPU has no AVX512_BF16)";
+      const std::string dot = mha_common::build_lacks("avx512bf16", "AVX512_BF16",
+                                                      mha_common::cpu_has_avx512_bf16());
 #endif
 #ifdef MHA_DECODE_AMX
       const std::string amx = mha_amx::tiles_unavailable();

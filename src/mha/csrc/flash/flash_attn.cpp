@@ -210,6 +210,33 @@ const std::string& default_kernel(at::ScalarType dtype) {
   return bf16;
 }
 
+// The kernels the test op may name for T's inputs, and why this build / CPU / OS cannot run
+// each ("" when it can): MHA_FLASH_BF16's choices, plus "auto" and "small", in the words of
+// check_forced.
+template <typename T>
+std::vector<mha_common::Choice> named_kernels() {
+#if defined(MHA_FLASH_BF16_TILES)
+  constexpr bool bf16_tiles = true;
+#else
+  constexpr bool bf16_tiles = false;
+#endif
+#if defined(MHA_FLASH_SMALL)
+  const std::string small = "";
+#else
+  const std::string small = mha_common::build_lacks("avx512f", "AVX-512F",
+                                                    mha_common::cpu_has_avx512f());
+#endif
+  std::vector<mha_common::Choice> choices = {{"auto", ""}, {"small", small}};
+  for (mha_common::Choice c :
+       mha_common::flash_bf16_choices(mha_common::kUnitAvx512f, bf16_tiles, amx_why_not())) {
+    const bool bf16_only = c.name == "avx512bf16" || c.name == "amx";
+    if (!std::is_same_v<T, at::BFloat16> && bf16_only && c.why_not.empty())
+      c.why_not = "it takes bfloat16 inputs, not float32";
+    choices.push_back(c);
+  }
+  return choices;
+}
+
 // The kernels chosen for float32 and bfloat16 inputs (raises for bf16 as a call would when
 // MHA_FLASH_BF16 names a kernel this build cannot run).
 std::vector<std::string> flash_attention_kernels() {
@@ -315,13 +342,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
 #endif
 #if defined(MHA_FLASH_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>)
-      if (kn == "amx") {
-        TORCH_CHECK(amx_permitted(), "flash_attention: kernel 'amx': ", amx_why_not());
-        return run_forward<AmxBf16, Parts>(P);
-      }
+      if (kn == "amx" && amx_permitted()) return run_forward<AmxBf16, Parts>(P);
 #endif
-    TORCH_CHECK(false, "flash_attention: kernel '", kn, "' is not available for ", q.scalar_type(),
-                " in this build (", flash_attention_isa(), ")");
+    TORCH_CHECK(false, mha_common::forced_refusal("flash_attention: kernel", kn,
+                                                  named_kernels<T>(),
+                                                  "kernel 'auto' for the CPU's default"));
   };
   if (q.scalar_type() == at::kFloat) run(float{});
   else run(at::BFloat16{});
