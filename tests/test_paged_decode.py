@@ -55,7 +55,9 @@ def test_paged_equals_dense_bitwise_portable(B, g, h_kv, p, M, extra, Tq, seed):
                                    portable=True)
     if Tq == 1:  # one query: causal or not, and the alignment, change nothing
         assert torch.equal(got, want)
-    else:  # causal per row: compare with the row's own (1, ., n, .) dense problem
+    else:  # causal per row: compare with the row's own (1, ., n, .) dense problem. Its
+        # split plan (split_length of B h_kv and Tk) differs from the batch's, so the partials
+        # merge in another order: equal to within rounding, not bitwise
         with torch.no_grad():
             got = decode.flash_decode(q, k, v, block_table=bt, key_lengths=lengths,
                                       causal=True, portable=True)
@@ -64,7 +66,7 @@ def test_paged_equals_dense_bitwise_portable(B, g, h_kv, p, M, extra, Tq, seed):
                 one = decode.flash_decode(q[b:b + 1], _dense(k, bt)[b:b + 1, :, :n],
                                           _dense(v, bt)[b:b + 1, :, :n], causal=True,
                                           portable=True)
-                assert torch.equal(got[b:b + 1], one)
+                torch.testing.assert_close(got[b:b + 1], one, rtol=2e-6, atol=1e-6)
 
 
 # (B, h, h_kv, Tq, p, M, d_k, d_v, dtype, variants)
