@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -204,6 +206,14 @@ def _type_hint(value) -> str:
         return (f"a {value.dim()}-d {value.dtype} tensor (pass a Python number, e.g. "
                 f"t.item(), if that is what you mean)")
     return type(value).__name__
+
+
+def check_path(name: str, value) -> Path:
+    """``value`` as a Path: a str or an os.PathLike (TypeError naming ``name`` otherwise)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike (a file name), got "
+                        f"{type(value).__name__}")
+    return Path(value)
 
 
 def check_bool(name: str, value) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mha.checks import check_path
 from mha.dispatch import BackendError, use_backend
 from mha.functional import attention
 from mha.trace import recorder
@@ -108,11 +109,8 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike (the file to write), got "
-                        f"{type(path).__name__}")
+    path = check_path("path", path)
     _check_exportable(model)
-    path = Path(path)
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; give the name of the file to write")
     if not path.parent.is_dir():

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
 
-from mha.checks import check_float_dtype
+from mha.checks import check_float_dtype, check_path
 from mha.module import MultiHeadAttention
 
 _CONFIG_KEY = "mha.MultiHeadAttention"
@@ -45,7 +44,7 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
 
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be an mha.MultiHeadAttention, got {type(m).__name__}")
-    path = _check_path(path)
+    path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; give a file name in it")
     if not path.parent.is_dir():
@@ -67,7 +66,7 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
     from safetensors import SafetensorError, safe_open
 
     dtype = check_float_dtype("dtype", dtype)
-    path = _check_path(path)
+    path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"{path}: is a directory, not a safetensors file")
     try:
@@ -82,14 +81,6 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
     m = MultiHeadAttention(**cfg, device=device, dtype=dtype)
     m.load_state_dict(state)
     return m
-
-
-def _check_path(path) -> Path:
-    """``path`` as a Path: a str or an os.PathLike (TypeError naming ``path`` otherwise)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike (a file name), got "
-                        f"{type(path).__name__}")
-    return Path(path)
 
 
 def _parse_config(path, meta: dict, header: dict) -> dict:
