@@ -3,6 +3,8 @@
 // nothing else (softmax, packing, output) shares the core (docs/kernel.md, "What stands
 // between the kernel and the peak"). Stand-alone (no torch), one thread, CPU time of the
 // thread, best of 7 runs; % of the FMA peak that a register-only vfmadd231ps loop measures.
+// The last line times both products in the forward's order (key block by key block, S and P
+// stored by the Q K^T tiles) against the two run apart: a time ratio, free of the peak's noise.
 //
 //   g++ -O3 -march=native -std=c++17 benchmarks/probes/fp32_tiles_micro.cpp -o /tmp/fp32_tiles
 //   /tmp/fp32_tiles 64 16     # d = 64, 16 key blocks (K^T and V: 1 MiB, from L2)
@@ -24,7 +26,7 @@ namespace {
 #define INL __attribute__((always_inline)) inline
 constexpr int kL = 16, kNb = 128, kRows = 48;
 int d = 64, nkb = 16;
-float *q, *kt, *v, *s, *p, *o, *alpha;
+float *q, *kt, *v, *s, *p, *o, *alpha, *q2, *o2;
 
 double now() {
   timespec t;
@@ -34,7 +36,7 @@ double now() {
 
 // S[R][16 NV] = Q[R][d] K^T[d][16 NV] (one K^T row of NV vectors loaded, R Q broadcasts per k)
 template <int R, int NV>
-INL void qk(const float* qa, const float* k, float* sa) {
+INL void qk(const float* qa, const float* k, float* sa, float* pa = nullptr) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < NV; ++x) acc[r][x] = _mm512_setzero_ps();
@@ -51,6 +53,9 @@ INL void qk(const float* qa, const float* k, float* sa) {
   }
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < NV; ++x) _mm512_storeu_ps(sa + r * kNb + x * kL, acc[r][x]);
+  if (pa)  // P too (the fused tile stores S and P from its registers)
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < NV; ++x) _mm512_storeu_ps(pa + r * kNb + x * kL, acc[r][x]);
 }
 
 // O[R][16 CV] = (scaled ? alpha O : O) + P[R][n] V[n][16 CV]
@@ -91,6 +96,22 @@ void pv_block(const float* va) {  // KC keys at a time over every row tile (KC =
       for (int r0 = 0; r0 + R <= kRows; r0 += R)
         pv<R, CV, false>(p + r0 * kNb + k0, va + k0 * d + c0, KC, o + r0 * d + c0, alpha + r0);
   }
+}
+
+// The forward's order: per key block, Q K^T over the 8 row tiles in two 64-key chunks (S and
+// P = S stored, as the fused tile stores both), then P V over the 8 row tiles (O rescaled):
+// the two products interleaved block by block, their K^T, V, S, P and O sharing L1 and L2.
+// qa / oa: the query block's Q and O (q, o; or a second block's q2, o2). s_only: the tiles
+// store P alone (the stores the phases make), P V reads it.
+void interleaved_block(const float* k, const float* va, const float* qa, float* oa,
+                       bool s_only = false) {
+  for (int c0 = 0; c0 < kNb; c0 += 4 * kL)
+    for (int r0 = 0; r0 < kRows; r0 += 6)
+      qk<6, 4>(qa + r0 * d, k + c0, s_only ? p + r0 * kNb + c0 : s + r0 * kNb + c0,
+               s_only ? nullptr : p + r0 * kNb + c0);
+  for (int c0 = 0; c0 < d; c0 += 4 * kL)
+    for (int r0 = 0; r0 < kRows; r0 += 6)
+      pv<6, 4, true>(p + r0 * kNb, va + c0, kNb, oa + r0 * d + c0, alpha + r0);
 }
 
 template <class F>
@@ -139,6 +160,7 @@ int main(int argc, char** argv) {
   q = filled(size_t(kRows) * d), kt = filled(size_t(nkb) * d * kNb);
   v = filled(size_t(nkb) * kNb * d), s = filled(kRows * kNb), p = filled(kRows * kNb);
   o = filled(size_t(kRows) * d), alpha = filled(kRows);
+  q2 = filled(size_t(kRows) * d), o2 = filled(size_t(kRows) * d);
   for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
   const double peak = fma_peak(), flop = 2.0 * kRows * kNb * d * nkb;
   std::printf("d=%d, %d key blocks (K^T + V %.1f MiB), FMA peak %.1f GFLOP/s (one thread)\n", d,
@@ -154,4 +176,33 @@ int main(int argc, char** argv) {
   std::printf("P V   6x4 %.1f %%, 12x2 %.1f %%, 6x4 kc64 %.1f %%, 6x4 kc32 %.1f %%\n",
               pv_pct(pv_block<6, 4, 128>), pv_pct(pv_block<12, 2, 128>),
               pv_pct(pv_block<6, 4, 64>), pv_pct(pv_block<6, 4, 32>));
+  // Both products in the forward's block-by-block order, against the two phases above run one
+  // after the other: time ratios, timed round-robin (medians of 9 rounds), so the peak's own
+  // noise stays out. "one store": the tiles store one of S, P; "pair": two query blocks take
+  // each key block before the next one.
+  const auto kblk = [&](int b) { return kt + size_t(b) * d * kNb; };
+  const auto vblk = [&](int b) { return v + size_t(b) * kNb * d; };
+  const auto phases = [&] {
+    for (int b = 0; b < nkb; ++b) qk_block<6, 4>(kblk(b));
+    for (int b = 0; b < nkb; ++b) pv_block<6, 4, 128>(vblk(b));
+  };
+  const auto inter = [&] { for (int b = 0; b < nkb; ++b) interleaved_block(kblk(b), vblk(b), q, o); };
+  const auto one = [&] {
+    for (int b = 0; b < nkb; ++b) interleaved_block(kblk(b), vblk(b), q, o, true);
+  };
+  const auto pair = [&] {
+    for (int b = 0; b < nkb; ++b) {
+      interleaved_block(kblk(b), vblk(b), q, o);
+      interleaved_block(kblk(b), vblk(b), q2, o2);
+    }
+  };
+  double r_inter[9], r_one[9], r_pair[9];
+  for (int i = 0; i < 9; ++i) {
+    const double tp = best_seconds(phases), ti = best_seconds(inter), t1 = best_seconds(one),
+                 t2 = best_seconds(pair);
+    r_inter[i] = ti / tp, r_one[i] = t1 / tp, r_pair[i] = t2 / (2 * tp);
+  }
+  std::sort(r_inter, r_inter + 9), std::sort(r_one, r_one + 9), std::sort(r_pair, r_pair + 9);
+  std::printf("both products per key block / the two phases (time): interleaved %.3f, "
+              "one store %.3f, pair %.3f\n", r_inter[4], r_one[4], r_pair[4]);
 }
