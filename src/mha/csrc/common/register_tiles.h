@@ -65,21 +65,22 @@ MHA_TILE_INLINE void acc_add_stored(__m512 (&acc)[R][NV], const float* o, int64_
 }
 
 // acc = the sum over k in [0, K) of the updates step(acc, k), in blocks of kDotBlock k's: the
-// first block sums into the zeroed tile; each later one parks the tile's sums in spill (R rows
-// of ld floats, the tile's own output), sums into the zeroed tile and adds the parked sums
-// back. With K <= kDotBlock: one in-order sum, as a plain loop.
+// first block sums into the zeroed tile (with K <= kDotBlock: the whole sum, a plain loop);
+// each later one parks the tile's sums in spill (R rows of ld floats, the tile's own output),
+// sums into the zeroed tile and adds the parked sums back.
 template <int R, int NV, class Step>
 MHA_TILE_INLINE void acc_dot_blocks(__m512 (&acc)[R][NV], int64_t K, float* spill, int64_t ld,
                                     const Step& step) {
+  constexpr int64_t kB = mha_common::kDotBlock;
   acc_zero(acc);
-  for (int64_t k0 = 0; k0 < K; k0 += mha_common::kDotBlock) {
-    const int64_t k1 = K - k0 < mha_common::kDotBlock ? K : k0 + mha_common::kDotBlock;
-    if (k0 > 0) {
-      acc_store(acc, spill, ld);
-      acc_zero(acc);
-    }
+  const int64_t first = K < kB ? K : kB;
+  for (int64_t k = 0; k < first; ++k) step(acc, k);
+  for (int64_t k0 = kB; k0 < K; k0 += kB) {
+    const int64_t k1 = K - k0 < kB ? K : k0 + kB;
+    acc_store(acc, spill, ld);
+    acc_zero(acc);
     for (int64_t k = k0; k < k1; ++k) step(acc, k);
-    if (k0 > 0) acc_add_stored(acc, spill, ld);
+    acc_add_stored(acc, spill, ld);
   }
 }
 
