@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from kernel_inputs import bool_mask, key_lengths, qkv  # noqa: E402
-
 from mha import reference  # noqa: E402
 from mha.masks import MaskSpec  # noqa: E402
 from mha.ops import flash  # noqa: E402
