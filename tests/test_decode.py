@@ -23,9 +23,10 @@ NEEDS_KERNEL = pytest.mark.skipif(decode.unavailable() is not None,
 
 # (B, h, h_kv, Tq, Tk, d_k, d_v): MHA / GQA / MQA, one and several key splits (64 … 1024
 # keys each, by shape), Tk and head dims off the vector widths, d_v != d_k, d > 128 (two column
-# blocks), Tq = 16. bf16 with d_k % 32 == 0, d_k <= 128 and G = h / h_kv * Tq <= 16 scores on
-# AMX tiles (32 keys at a time, the rest of a split on AVX-512): G = 1, 4, 6, 8, 16 below; G = 24
-# and 32, and d_k = 40 or 200, take the vdpbf16ps path.
+# blocks), Tq = 16, d_k = 256 (fp32: each of a score's 16 lanes sums 16 of its products). bf16
+# with d_k % 32 == 0, d_k <= 128 and G = h / h_kv * Tq <= 16 scores on AMX tiles (32 keys at a
+# time, the rest of a split on AVX-512): G = 1, 4, 6, 8, 16 below; G = 24 and 32, and d_k = 40,
+# 200 or 256, take the vdpbf16ps path.
 SHAPES = [
     (1, 4, 4, 1, 1, 16, 16),
     (1, 4, 4, 1, 1000, 128, 128),
@@ -36,6 +37,7 @@ SHAPES = [
     (3, 6, 3, 16, 520, 128, 128),
     (1, 2, 2, 7, 1100, 200, 136),
     (2, 4, 2, 3, 33, 96, 72),
+    (2, 4, 2, 2, 300, 256, 128),
 ]
 MASKS = ("none", "causal", "key_lengths", "mask", "all")
 

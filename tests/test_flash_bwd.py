@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from examples import examples
@@ -99,6 +99,12 @@ def _native_grads(q, k, v, go, gl, spec, scale, *, use_go=True, use_gl=True):
                                                                           "keys"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        layout=st.sampled_from(["bhtd", "bthd", "strided"]), seed=st.integers(0, 2**16))
+# d_k = 256 fp32: S recomputed with the forward's sums (blocks of 128 products), one key block
+# and several
+@example(B=2, h_kv=1, group=1, Tq=55, Tk=33, d_k=256, d_v=100, causal=False, lengths=True,
+         mask="keys", dtype=torch.float32, layout="bthd", seed=18)
+@example(B=1, h_kv=2, group=2, Tq=150, Tk=150, d_k=256, d_v=64, causal=True, lengths=False,
+         mask="rows", dtype=torch.float32, layout="bhtd", seed=3)
 def test_gradients_vs_fp64_reference(B, h_kv, group, Tq, Tk, d_k, d_v, causal, lengths, mask,
                                      dtype, layout, seed):
     h = h_kv * group

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import mha
@@ -49,6 +49,9 @@ def _ref(q, k, v, *, causal=False, key_lengths=None, mask=None, scale, upcast=Tr
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), causal=st.booleans(),
        lengths=st.booleans(), mask=st.sampled_from([None, "full", "rows", "keys"]),
        layout=st.sampled_from(["bthd", "contiguous", "strided"]), seed=st.integers(0, 99))
+# d_k = 256 fp32: over the budget while a score's 256 products were summed in order
+@example(B=2, h_kv=1, group=1, Tq=55, Tk=33, d_k=256, d_v=128, dtype=torch.float32, causal=False,
+         lengths=True, mask="keys", layout="bthd", seed=18)
 def test_accuracy_vs_fp64(B, h_kv, group, Tq, Tk, d_k, d_v, dtype, causal, lengths, mask,
                           layout, seed):
     h = h_kv * group
@@ -100,6 +103,32 @@ def test_every_compiled_kernel_matches_reference(kernel, dtype):
         naive = _ref(q, k, v, causal=causal, key_lengths=kl, mask=mask, scale=0.2, upcast=False)
         err = (out.double() - exact.double()).abs().max().item()
         assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype]
+
+
+def _fp32_kernel_cases():
+    """(kernel, Tk) for every fp32 score path of the forward op: the tile kernels compiled in at
+    Tk = 33 (one key block) and 150 (several), the small path (AVX-512 only) at Tk = 33."""
+    isa = flash.isa().split(",")
+    tiles = [k for k in ("portable", "avx512f") if k in isa]
+    return [(k, tk) for k in tiles for tk in (33, 150)] + (
+        [("small", 33)] if "avx512f" in isa else [])
+
+
+@pytest.mark.parametrize("kernel,Tk", _fp32_kernel_cases())
+def test_every_fp32_kernel_within_budget_at_d_k_256(kernel, Tk):
+    """A score of d_k = 256 summed in blocks of 128 (docs/kernel.md, "Scores of d_k > 128"):
+    the hypothesis-found case that in-order sums put over the budget, on each fp32 kernel."""
+    B, h, Tq, d_k, d_v, seed = 2, 1, 55, 256, 128, 18
+    q, k, v = _inputs(B, h, 1, Tq, Tk, d_k, d_v, torch.float32, "bthd", seed)
+    kl = key_lengths(B, Tk, seed, True)
+    m = _mask("keys", B, h, Tq, Tk, seed)
+    scale = d_k ** -0.5
+    out, _ = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, kl, m, False, scale, kernel)
+    exact = _ref(q, k, v, key_lengths=kl, mask=m, scale=scale)
+    naive = _ref(q, k, v, key_lengths=kl, mask=m, scale=scale, upcast=False)
+    err = (out.double() - exact.double()).abs().max().item()
+    naive_err = (naive.double() - exact.double()).abs().max().item()
+    assert err <= 2 * naive_err + EPS[torch.float32], (err, naive_err)
 
 
 def _needs_avx512_exp2():

@@ -87,6 +87,7 @@ def _step_by_step(m, x, monkeypatch):
     (5, 17, 256, 2, True),    # T past one 16-lane vector, d = 128
     (1, 64, 96, 6, True),     # the longest T served, D not a multiple of 64 (partial panels)
     (7, 33, 64, 1, True),     # one head, groups of 2 batch rows (96 // 33) and a short last one
+    (2, 20, 256, 1, True),    # d = 256: fp32 scores summed in blocks of 128
 ])
 def test_matches_float64(B, T, D, h, bias, dtype, monkeypatch):
     m = _module(D, h, dtype, bias)

@@ -29,11 +29,25 @@ constexpr int kTileRows = 6;  // register tile: 6 rows x 64 columns = 24 zmm acc
 // (broadcast one A element, load NV vectors of B per k), B row-major with row stride ldb.
 // E = uint16_t (bf16 bits, vdpbf16ps): k runs over pairs, A(r, pair k) = a[r sam + 2 k] and
 // a[r sam + 2 k + 1] (adjacent; sak unused), B pair-packed [K][ldb][2]: K counts pairs.
-template <int R, int NV, typename E>
+// Blocks (fp32, acc false): the K products of each C element summed in blocks of kDotBlock, as
+// the flash forward's score tiles (register_tiles.h acc_dot_blocks); else one in-order sum.
+template <int R, int NV, typename E, bool Blocks = false>
 void tile(const E* a, int64_t sam, int64_t sak, const E* b, int64_t ldb, int64_t K, float* c,
           int64_t ldc, bool acc) {
 #if defined(__AVX512F__)
   __m512 x[R][NV];
+  if constexpr (std::is_same_v<E, float> && Blocks) {
+    mha_tiles::acc_dot_blocks(x, K, c, ldc,
+                              [&](__m512 (&y)[R][NV], int64_t k) __attribute__((always_inline)) {
+                                __m512 bv[NV];
+#pragma GCC unroll 4
+                                for (int n = 0; n < NV; ++n)
+                                  bv[n] = _mm512_loadu_ps(b + k * ldb + n * kLanes);
+                                mha_tiles::acc_rank1(y, bv, a + k * sak, sam);
+                              });
+    mha_tiles::acc_store(x, c, ldc);
+    return;
+  }
   if (acc) {
     mha_tiles::acc_load(x, c, ldc);
   } else {
@@ -60,12 +74,19 @@ void tile(const E* a, int64_t sam, int64_t sak, const E* b, int64_t ldb, int64_t
   mha_tiles::acc_store(x, c, ldc);
 #else
   static_assert(std::is_same_v<E, float>, "bf16 tiles need AVX512_BF16");
+  const int64_t block = Blocks ? mha_common::kDotBlock : std::max<int64_t>(K, 1);
   for (int r = 0; r < R; ++r) {
     float x[NV * kLanes];
     for (int n = 0; n < NV * kLanes; ++n) x[n] = acc ? c[r * ldc + n] : 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float av = a[r * sam + k * sak];
-      for (int n = 0; n < NV * kLanes; ++n) x[n] += av * b[k * ldb + n];
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+      float part[NV * kLanes] = {};  // this block's sums (the first block's: x itself)
+      float* sum = k0 == 0 ? x : part;
+      for (int64_t k = k0; k < std::min(K, k0 + block); ++k) {
+        const float av = a[r * sam + k * sak];
+        for (int n = 0; n < NV * kLanes; ++n) sum[n] += av * b[k * ldb + n];
+      }
+      if (k0 > 0)
+        for (int n = 0; n < NV * kLanes; ++n) x[n] += part[n];
     }
     for (int n = 0; n < NV * kLanes; ++n) c[r * ldc + n] = x[n];
   }
@@ -76,21 +97,37 @@ template <typename E>
 using TileFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, float*, int64_t,
                         bool);
 
-template <int R, typename E>
+template <int R, typename E, bool Blocks>
 constexpr TileFn<E> tile_for(int nv) {
-  return nv == 4 ? &tile<R, 4, E> : nv == 3 ? &tile<R, 3, E> : nv == 2 ? &tile<R, 2, E>
-                                                                       : &tile<R, 1, E>;
+  return nv == 4   ? &tile<R, 4, E, Blocks>
+         : nv == 3 ? &tile<R, 3, E, Blocks>
+         : nv == 2 ? &tile<R, 2, E, Blocks>
+                   : &tile<R, 1, E, Blocks>;
 }
 
-template <typename E>
+template <typename E, bool Blocks>
 TileFn<E> pick(int r, int nv) {
   switch (r) {
-    case 6: return tile_for<6, E>(nv);
-    case 5: return tile_for<5, E>(nv);
-    case 4: return tile_for<4, E>(nv);
-    case 3: return tile_for<3, E>(nv);
-    case 2: return tile_for<2, E>(nv);
-    default: return tile_for<1, E>(nv);
+    case 6: return tile_for<6, E, Blocks>(nv);
+    case 5: return tile_for<5, E, Blocks>(nv);
+    case 4: return tile_for<4, E, Blocks>(nv);
+    case 3: return tile_for<3, E, Blocks>(nv);
+    case 2: return tile_for<2, E, Blocks>(nv);
+    default: return tile_for<1, E, Blocks>(nv);
+  }
+}
+
+template <typename E, bool Blocks>
+void gemm_tiles(int64_t M, int64_t N, int64_t K, const E* a, int64_t sam, int64_t sak,
+                const E* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+  const int64_t bstep = std::is_same_v<E, float> ? 1 : 2;  // elements per B column
+  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
+    const int nv = int(std::min<int64_t>(4, (N - n0) / kLanes));
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int r = int(std::min<int64_t>(kTileRows, M - m0));
+      pick<E, Blocks>(r, nv)(a + m0 * sam, sam, sak, b + n0 * bstep, ldb, K, c + m0 * ldc + n0,
+                             ldc, acc);
+    }
   }
 }
 
@@ -99,15 +136,16 @@ TileFn<E> pick(int r, int nv) {
 template <typename E>
 void gemm(int64_t M, int64_t N, int64_t K, const E* a, int64_t sam, int64_t sak, const E* b,
           int64_t ldb, float* c, int64_t ldc, bool acc) {
-  const int64_t bstep = std::is_same_v<E, float> ? 1 : 2;  // elements per B column
-  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
-    const int nv = int(std::min<int64_t>(4, (N - n0) / kLanes));
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      const int r = int(std::min<int64_t>(kTileRows, M - m0));
-      pick<E>(r, nv)(a + m0 * sam, sam, sak, b + n0 * bstep, ldb, K, c + m0 * ldc + n0, ldc,
-                     acc);
-    }
-  }
+  gemm_tiles<E, false>(M, N, K, a, sam, sak, b, ldb, c, ldc, acc);
+}
+
+// Scores C[M][N] = A(M x K) B[K][N], K = d_k: fp32 products summed in blocks of kDotBlock, as
+// the forward kernels sum them (so a recomputed S has the forward's bits); bf16 pairs (E =
+// uint16_t) as gemm.
+template <typename E>
+void gemm_scores(int64_t M, int64_t N, int64_t K, const E* a, int64_t sam, int64_t sak,
+                 const E* b, int64_t ldb, float* c, int64_t ldc) {
+  gemm_tiles<E, std::is_same_v<E, float>>(M, N, K, a, sam, sak, b, ldb, c, ldc, false);
 }
 
 }  // namespace

@@ -54,6 +54,36 @@ MHA_TILE_INLINE void acc_store(const __m512 (&acc)[R][NV], float* o, int64_t ld)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ld + v * kLanes, acc[r][v]);
 }
 
+// acc[r][v] += o[r * ld + 16 v ...]: partial sums held in memory added to the tile's.
+template <int R, int NV>
+MHA_TILE_INLINE void acc_add_stored(__m512 (&acc)[R][NV], const float* o, int64_t ld) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm512_add_ps(_mm512_loadu_ps(o + r * ld + v * kLanes), acc[r][v]);
+}
+
+// acc = the sum over k in [0, K) of the updates step(acc, k), in blocks of kDotBlock k's: the
+// first block sums into the zeroed tile (with K <= kDotBlock: the whole sum, a plain loop);
+// each later one parks the tile's sums in spill (R rows of ld floats, the tile's own output),
+// sums into the zeroed tile and adds the parked sums back.
+template <int R, int NV, class Step>
+MHA_TILE_INLINE void acc_dot_blocks(__m512 (&acc)[R][NV], int64_t K, float* spill, int64_t ld,
+                                    const Step& step) {
+  constexpr int64_t kB = mha_common::kDotBlock;
+  acc_zero(acc);
+  const int64_t first = K < kB ? K : kB;
+  for (int64_t k = 0; k < first; ++k) step(acc, k);
+  for (int64_t k0 = kB; k0 < K; k0 += kB) {
+    const int64_t k1 = K - k0 < kB ? K : k0 + kB;
+    acc_store(acc, spill, ld);
+    acc_zero(acc);
+    for (int64_t k = k0; k < k1; ++k) step(acc, k);
+    acc_add_stored(acc, spill, ld);
+  }
+}
+
 // One rank-1 update: acc[r][v] += a[r * stride] * b[v] (a column of scalars times a row).
 template <int R, int NV>
 MHA_TILE_INLINE void acc_rank1(__m512 (&acc)[R][NV], const __m512 (&b)[NV], const float* a,

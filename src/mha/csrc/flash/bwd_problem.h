@@ -42,6 +42,7 @@ constexpr int64_t kMinUnits = 8;  // split key blocks until there are this many 
 
 // ------------------------------------------------------------------------------ GEMM tiles
 using mha_gemm::gemm;
+using mha_gemm::gemm_scores;
 
 // ------------------------------------------------------------------------------ exp
 // 2^x: the forward's own (common/exp2.h), so the recomputed P is the forward's P.

@@ -140,7 +140,7 @@ void block_products_f32(const Problem<T>& P, int64_t b, int64_t kvh, int64_t hh,
   const float* qi = w.q.data() + (hh * P.Tq + i0) * dkp;     // (rows, d_kp)
   const float* oi = w.dout.data() + (hh * P.Tq + i0) * dvp;  // (rows, d_vp)
   float* dqi = w.dq.data() + (hh * P.Tq + i0) * dkp;         // (rows, d_kp)
-  gemm(rows, ncols, P.dk, qi, dkp, 1, w.kt.data(), kBc, w.s.data(), kBc, false);  // S
+  gemm_scores(rows, ncols, P.dk, qi, dkp, 1, w.kt.data(), kBc, w.s.data(), kBc);  // S
   if (has_go)  // dP = dO_i V_j^T: (rows, d_v) x (d_v, Bc)
     gemm(rows, ncols, P.dv, oi, dvp, 1, w.vt.data(), kBc, w.dp.data(), kBc, false);
   softmax_grad(P, b, hi, i0, rows, k.j0, kn, w.lse2.data() + hh * P.Tq,

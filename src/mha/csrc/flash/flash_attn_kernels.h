@@ -57,14 +57,21 @@ struct PortableF32 {
   static constexpr bool kAmx = false, kLazySoftmax = false, kFusedExp = false;
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
+  // The d_k products of a score in blocks of kDotBlock (see Avx512F32::qk_acc).
   template <int R, int NV>
   static void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp, float* s,
                  int64_t lds) {
     for (int r = 0; r < R; ++r) {
       float acc[NV * kLanes] = {};
-      for (int kk = 0; kk < dkp; ++kk) {
-        const float a = q[r * ldq + kk];
-        for (int n = 0; n < NV * kLanes; ++n) acc[n] += a * kt[kk * ldk + n];
+      for (int k0 = 0; k0 < dkp; k0 += mha_common::kDotBlock) {
+        float part[NV * kLanes] = {};  // this block's sums (the first block's: acc itself)
+        float* sum = k0 == 0 ? acc : part;
+        for (int kk = k0; kk < std::min(dkp, k0 + mha_common::kDotBlock); ++kk) {
+          const float a = q[r * ldq + kk];
+          for (int n = 0; n < NV * kLanes; ++n) sum[n] += a * kt[kk * ldk + n];
+        }
+        if (k0 > 0)
+          for (int n = 0; n < NV * kLanes; ++n) acc[n] += part[n];
       }
       for (int n = 0; n < NV * kLanes; ++n) s[r * lds + n] = acc[n];
     }
@@ -166,6 +173,7 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 }
 
 // Register-tile accumulators: zero, alpha-scaled load, rank-1 update, store (register_tiles.h).
+using mha_tiles::acc_dot_blocks;
 using mha_tiles::acc_load_scaled;
 using mha_tiles::acc_rank1;
 using mha_tiles::acc_store;
@@ -405,23 +413,26 @@ struct Avx512F32 {
   static constexpr int kDkAlign = 1, kKeyAlign = kLanes;
 
   // acc = Q K^T for R rows and NV vectors of keys: q rows of ldq, kt [dkp][ldk] packed keys.
+  // A score's dkp products are summed in blocks of kDotBlock (acc_dot_blocks; s: the S tile,
+  // where an earlier block's sums wait), as torch's matmul sums in blocks: one in-order sum of
+  // 256 products can cost an fp32 output twice the error of the matmul's (docs/kernel.md).
   template <int R, int NV>
   MHA_TILE_INLINE static void qk_acc(const float* q, int64_t ldq, const float* kt, int64_t ldk,
-                                     int dkp, __m512 (&acc)[R][NV]) {
-    acc_zero(acc);
-    for (int kk = 0; kk < dkp; ++kk) {
-      __m512 kv[NV];
+                                     int dkp, __m512 (&acc)[R][NV], float* s, int64_t lds) {
+    acc_dot_blocks(acc, dkp, s, lds,
+                   [&](__m512 (&x)[R][NV], int64_t kk) __attribute__((always_inline)) {
+                     __m512 kv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
-      acc_rank1(acc, kv, q + kk, ldq);
-    }
+                     for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(kt + kk * ldk + v * kLanes);
+                     acc_rank1(x, kv, q + kk, ldq);
+                   });
   }
 
   template <int R, int NV>
   static inline void qk(const float* q, int64_t ldq, const float* kt, int64_t ldk, int dkp,
                         float* s, int64_t lds) {
     __m512 acc[R][NV];
-    qk_acc(q, ldq, kt, ldk, dkp, acc);
+    qk_acc(q, ldq, kt, ldk, dkp, acc, s, lds);
     acc_store(acc, s, lds);
   }
 
@@ -437,7 +448,7 @@ struct Avx512F32 {
                             float* s, int64_t lds, float c, const float* m, float* p,
                             int64_t ldp, float* psum, bool first) {
     __m512 acc[R][NV];
-    qk_acc(q, ldq, kt, ldk, dkp, acc);
+    qk_acc(q, ldq, kt, ldk, dkp, acc, s, lds);
     acc_store(acc, s, lds);
     const __m512 cv = _mm512_set1_ps(c);
 #pragma GCC unroll 16

@@ -84,17 +84,19 @@ struct SmallScratch {
   Buffer<uint16_t> bits;
 };
 
-// S^T[j][16 v + l] = sum_kk K[j][kk] QT[kk][16 v + l] for R keys j (rows of k, ldk apart).
+// S^T[j][16 v + l] = sum_kk K[j][kk] QT[kk][16 v + l] for R keys j (rows of k, ldk apart),
+// the dk products in blocks of kDotBlock (the tile kernels' sums: acc_dot_blocks).
 template <int R, int NV>
 inline void small_qk(const float* k, int64_t ldk, const float* qt, int dk, float* st) {
   __m512 acc[R][NV];
-  acc_zero(acc);
-  for (int kk = 0; kk < dk; ++kk) {
-    __m512 qv[NV];
+  acc_dot_blocks(acc, dk, st, kSmallCols,
+                 [&](__m512 (&x)[R][NV], int64_t kk) __attribute__((always_inline)) {
+                   __m512 qv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qt + kk * kSmallCols + v * kLanes);
-    acc_rank1(acc, qv, k + kk, ldk);
-  }
+                   for (int v = 0; v < NV; ++v)
+                     qv[v] = _mm512_load_ps(qt + kk * kSmallCols + v * kLanes);
+                   acc_rank1(x, qv, k + kk, ldk);
+                 });
   acc_store(acc, st, kSmallCols);
 }
 

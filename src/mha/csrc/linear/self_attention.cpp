@@ -185,7 +185,7 @@ void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, 
     for (int64_t c = 0; c < dw; c += 8)
       mha_panels::transpose8(qw + j * ldw + c, ldw, reinterpret_cast<float*>(qt + c * Tp + j), Tp);
   float* st = sc.st.get();  // S^T (T keys, Tp queries)
-  mha_gemm::gemm<E>(T, Tp, dw, k, ld, 1, reinterpret_cast<const E*>(qt), Tp, st, Tp, false);
+  mha_gemm::gemm_scores<E>(T, Tp, dw, k, ld, 1, reinterpret_cast<const E*>(qt), Tp, st, Tp);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(scale * kLog2e);
   alignas(64) float iv_of[kMaxT];  // 1 / sum per query
