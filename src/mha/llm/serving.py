@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import check_int
+from mha.checks import check_int, check_int_tensor
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 NAME = "mha_paged"
@@ -138,10 +138,10 @@ class Scheduler:
         self._next_rid = 0
 
     def add(self, prompt, max_new_tokens: int) -> int:
-        """Queue a request (prompt: token ids); returns its id."""
-        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
+        """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
+        array); returns its id. Refused (nothing queued) when an id is not an integer of the
+        model's vocabulary ``[0, V)``."""
+        prompt = self._check_prompt(prompt)
         n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
         if len(prompt) + n > self.cache.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
@@ -150,6 +150,29 @@ class Scheduler:
         self._next_rid += 1
         self.waiting.append(req)
         return req.rid
+
+    def _check_prompt(self, prompt) -> list[int]:
+        """``prompt`` as a list of ids of the model's vocabulary (TypeError / ValueError naming
+        it: the embedding would raise torch's 'index out of range' in the step that ran it)."""
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompt must be token ids (P,), got a {type(prompt).__name__}; "
+                            "tokenize it first")
+        if isinstance(prompt, (list, tuple)) and any(
+                isinstance(t, bool) or type(t).__name__ == "bool_" for t in prompt):
+            raise TypeError("prompt must be token ids (P,), got a bool among them")
+        ids = check_int_tensor("prompt", prompt, "(P,) of token ids")
+        if ids.dim() != 1:
+            raise ValueError(f"prompt must be token ids of shape (P,), got shape "
+                             f"{tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError("prompt must hold at least one token")
+        V = self.model.get_input_embeddings().num_embeddings
+        bad = ((ids < 0) | (ids >= V)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"prompt must hold token ids in [0, {V}) (the model's vocabulary), "
+                             f"got {int(ids[i])} at position {i}")
+        return ids.tolist()
 
     @contextlib.contextmanager
     def _attention(self):

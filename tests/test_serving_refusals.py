@@ -1,0 +1,72 @@
+"""Refusals of :class:`mha.llm.serving.Scheduler` at its boundary, on a small seeded Llama
+(tests/tiny_llama.py: vocabulary 101, context 64): a request the model cannot run is refused
+when it is added, naming the argument, and leaves the scheduler as it was.
+
+Shape legend: P prompt tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mha.llm.serving import Scheduler  # noqa: E402
+from mha.ops import decode  # noqa: E402
+
+from tiny_llama import CFG, eager_and_mha  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return eager_and_mha()["mha"]
+
+
+def _scheduler(model, **kw):
+    return Scheduler(model, num_pages=16, page_size=4, max_seqs=4,
+                     **{"max_len": 32, **kw})
+
+
+@pytest.mark.parametrize("prompt,err,match", [
+    ([5, CFG.vocab_size], ValueError, r"prompt.*\[0, 101\).*101 at position 1"),
+    ([5, -1], ValueError, r"prompt.*\[0, 101\).*-1 at position 1"),
+    (torch.tensor([5, 10**6]), ValueError, r"prompt.*\[0, 101\)"),
+    ([5.7, 3], TypeError, "prompt must be"),
+    (torch.tensor([5.0, 3.0]), TypeError, "prompt must be"),
+    ([True, 3], TypeError, "prompt must be"),
+    (["5", 3], TypeError, "prompt must be"),
+    ("hello", TypeError, "prompt must be"),
+    (torch.tensor([[5, 6], [7, 8]]), ValueError, r"prompt must be .*\(P,\).*\(2, 2\)"),
+])
+def test_a_prompt_of_other_than_token_ids_is_refused_when_added(model, prompt, err, match):
+    """Before: ids past the vocabulary were queued, and the step that ran them raised torch's
+    'index out of range in self' from the embedding, with the request admitted and its pages
+    taken; float ids were truncated (5.7 ran as 5), bools and digit strings ran as ids."""
+    s = _scheduler(model)
+    free = s.cache.free_pages
+    with pytest.raises(err, match=match):
+        s.add(prompt, 3)
+    assert not s.waiting and not s.running and s.cache.free_pages == free
+
+
+def test_token_ids_of_any_integer_kind_are_taken(model):
+    s = _scheduler(model)
+    for prompt in ([5, 6, 7], torch.tensor([5, 6, 7]), np.array([5, 6, 7], dtype=np.int32),
+                   (np.int64(5), 6, 7)):
+        s.add(prompt, 2)
+    assert [r.prompt for r in s.waiting] == [[5, 6, 7]] * 4
+    assert all(type(t) is int for r in s.waiting for t in r.prompt)
+
+
+@pytest.mark.skipif(decode.unavailable() is not None,
+                    reason=f"decode kernel unavailable: {decode.unavailable()}")
+def test_a_refused_request_leaves_the_others_running(model):
+    s = _scheduler(model)
+    rid = s.add([5, 6, 7], 3)
+    with pytest.raises(ValueError, match="prompt"):
+        s.add([5, 999], 3)
+    out = s.run()
+    assert list(out) == [rid] and len(out[rid]) == 3
