@@ -61,6 +61,18 @@ def test_token_ids_of_any_integer_kind_are_taken(model):
     assert all(type(t) is int for r in s.waiting for t in r.prompt)
 
 
+def test_a_request_past_the_model_context_is_refused(model):
+    """max_len may exceed the model's context (max_position_embeddings = 64); a request that
+    would run past it is refused as mha.llm.generation refuses one (before: it ran, with
+    positions the model was not built for)."""
+    s = _scheduler(model, max_len=200)
+    with pytest.raises(ValueError, match=r"60 tokens.*10 new.*70 > the model's context of 64"):
+        s.add([5] * 60, 10)
+    assert not s.waiting
+    s.add([5] * 60, 4)  # exactly the context
+    assert len(s.waiting) == 1
+
+
 @pytest.mark.skipif(decode.unavailable() is not None,
                     reason=f"decode kernel unavailable: {decode.unavailable()}")
 def test_a_refused_request_leaves_the_others_running(model):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha.checks import check_int, check_int_tensor
+from mha.llm.generation import check_fits
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 NAME = "mha_paged"
@@ -140,12 +141,16 @@ class Scheduler:
     def add(self, prompt, max_new_tokens: int) -> int:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
         array); returns its id. Refused (nothing queued) when an id is not an integer of the
-        model's vocabulary ``[0, V)``."""
+        model's vocabulary ``[0, V)``, or when the prompt and ``max_new_tokens`` exceed
+        ``max_len`` or the model's context (``max_position_embeddings``)."""
         prompt = self._check_prompt(prompt)
         n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
         if len(prompt) + n > self.cache.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
                              f"max_len={self.cache.max_len}")
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if isinstance(context, int):  # as mha.llm.generation refuses it
+            check_fits(len(prompt), n, context)
         req = Request(self._next_rid, prompt, n)
         self._next_rid += 1
         self.waiting.append(req)
