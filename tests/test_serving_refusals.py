@@ -1,6 +1,7 @@
 """Refusals of :class:`mha.llm.serving.Scheduler` at its boundary, on a small seeded Llama
 (tests/tiny_llama.py: vocabulary 101, context 64): a request the model cannot run is refused
-when it is added, naming the argument, and leaves the scheduler as it was.
+when it is added, naming the argument, and leaves the scheduler as it was; a step with nothing
+to do runs no forward.
 
 Shape legend: P prompt tokens, V vocabulary.
 """
@@ -71,6 +72,23 @@ def test_a_request_past_the_model_context_is_refused(model):
     assert not s.waiting
     s.add([5] * 60, 4)  # exactly the context
     assert len(s.waiting) == 1
+
+
+@pytest.mark.parametrize("eos,err", [("2", TypeError), (2.0, TypeError), (-1, ValueError),
+                                     (True, TypeError)])
+def test_eos_token_id_must_be_a_token_id(model, eos, err):
+    """Before: eos_token_id="2" was taken and never matched a token."""
+    with pytest.raises(err, match="eos_token_id"):
+        _scheduler(model, eos_token_id=eos)
+
+
+def test_a_step_with_nothing_to_do_runs_no_forward(model):
+    """Before: step() on an empty scheduler ran the model on a (1, 0) float tensor and raised
+    torch's 'Expected tensor for argument #1 'indices' to have one of the following scalar
+    types'."""
+    s = _scheduler(model)
+    s.step()
+    assert s.forwards == 0 and s.run() == {}
 
 
 @pytest.mark.skipif(decode.unavailable() is not None,

@@ -130,7 +130,8 @@ class Scheduler:
                                   max_seqs=max_seqs, max_len=max_len,
                                   num_layers=cfg.num_hidden_layers, dtype=model.dtype,
                                   kv_dtype=kv_dtype, device=model.device)
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = None if eos_token_id is None else check_int(
+            "eos_token_id", eos_token_id, low=0, what="a token id (an int >= 0) or None")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -197,7 +198,10 @@ class Scheduler:
         return {rid: r.output for rid, r in sorted(self.finished.items())}
 
     def step(self) -> None:
-        """One forward (admissions, one packed batch, frees)."""
+        """One forward (admissions, one packed batch, frees); none when no request waits or
+        runs."""
+        if not (self.waiting or self.running):
+            return
         with self._attention():
             self._step()
 
