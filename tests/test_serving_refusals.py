@@ -1,7 +1,8 @@
 """Refusals of :class:`mha.llm.serving.Scheduler` at its boundary, on a small seeded Llama
 (tests/tiny_llama.py: vocabulary 101, context 64): a request the model cannot run is refused
 when it is added, naming the argument, and leaves the scheduler as it was; a step with nothing
-to do runs no forward.
+to do runs no forward; a step interrupted in its forward leaves a scheduler that resumes to the
+same tokens.
 
 Shape legend: P prompt tokens, V vocabulary.
 """
@@ -100,3 +101,37 @@ def test_a_refused_request_leaves_the_others_running(model):
         s.add([5, 999], 3)
     out = s.run()
     assert list(out) == [rid] and len(out[rid]) == 3
+
+
+@pytest.mark.skipif(decode.unavailable() is not None,
+                    reason=f"decode kernel unavailable: {decode.unavailable()}")
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4, 6])
+def test_a_step_interrupted_in_its_forward_resumes_to_the_same_tokens(model, fail_at,
+                                                                      monkeypatch):
+    """A forward that raises (Ctrl-C, an error in a layer) after the step extended the cache:
+    before, the cache kept the extension while the requests did not advance, and the next
+    run() returned other tokens (3 of 5 steps tried) with no error."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+
+    def scheduler():
+        s = _scheduler(model, prefill_chunk=3)
+        for p in prompts:
+            s.add(p, 5)
+        return s
+
+    want = scheduler().run()
+    s = scheduler()
+    forward, calls = model.forward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.run()
+    monkeypatch.undo()
+    assert s.cache.free_pages == s.cache.num_pages  # every page back in the pool
+    assert s.run() == want

@@ -24,7 +24,9 @@ chunk besides what the running requests' next chunks need. Preemption: when the 
 hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
 the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
-retried; greedy tokens do not change.
+retried; greedy tokens do not change. A forward that raises (Ctrl-C, an error in a layer)
+preempts every running request the same way before the exception propagates, so a later
+:meth:`Scheduler.run` resumes to the same tokens.
 
 Why not ``model.generate_batch`` (transformers' own continuous batching, 5.24): its
 ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (generation/continuous_batching/
@@ -232,6 +234,16 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.preemptions += 1
 
+    def _requeue_running(self) -> None:
+        """After a forward that did not finish: every running request is preempted (its
+        pages freed, first in line again, in order) and will recompute its prompt and the
+        tokens it generated, so :meth:`run` resumes to the same tokens."""
+        for req in reversed(self.running):
+            self.cache.free(req.seq)
+            req.seq, req.done = None, 0
+            self.waiting.insert(0, req)
+        self.running = []
+
     def _step(self) -> None:
         self._admit()
         while True:
@@ -251,10 +263,15 @@ class Scheduler:
         dev = self.model.device
         step = Step(self.cache, [r.seq for r, _ in chunks], cu)
         last = torch.tensor(cu[1:], device=dev) - 1  # (R,) the last token of each chunk
-        with torch.no_grad():
-            logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
-                                position_ids=torch.tensor([pos], device=dev), use_cache=False,
-                                logits_to_keep=last, paged_step=step).logits  # (1, R, V)
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
+                                    position_ids=torch.tensor([pos], device=dev),
+                                    use_cache=False, logits_to_keep=last,
+                                    paged_step=step).logits  # (1, R, V)
+        except BaseException:  # Ctrl-C or an error: the cache holds part of the step's K/V
+            self._requeue_running()
+            raise
         self.forwards += 1
         nxt = logits[0].argmax(dim=-1).tolist()  # (R,)
         for (r, c), tok in zip(chunks, nxt, strict=True):
