@@ -34,3 +34,22 @@ def test_fullgraph_module():
     compiled = torch.compile(m, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, causal=True), m(x, causal=True))
+
+
+def test_fullgraph_with_dynamic_shapes():
+    """dynamic=True makes Python floats symbolic too: the boundary's checks of scale and
+    dropout_p must trace (math.isfinite on a symbolic float was a graph break, so fullgraph
+    raised torch._dynamo's Unsupported)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 33, 32)  # (B, h, Tq, d)
+    k, v = torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)  # (B, h_kv, Tk, d)
+
+    def f(q, k, v):
+        return mha.attention(q, k, v, causal=True, scale=0.3)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+    m = mha.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 16, 32)  # (B, T, d_model)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, fullgraph=True, dynamic=True)(x), m(x))

@@ -242,7 +242,7 @@ def check_scalar(name: str, value, *, low: float, high: float | None = None,
         raise TypeError(f"{name} must be a number, got {_type_hint(value)}")
     value = float(value)
     too_high = high is not None and (value >= high if high_open else value > high)
-    if not math.isfinite(value) or not value >= low or too_high:
+    if not -math.inf < value < math.inf or not value >= low or too_high:  # NaN: False
         bound = "" if high is None else (f", {high})" if high_open else f", {high}]")
         raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'} (a finite number), "
                          f"got {value}")
