@@ -6,6 +6,7 @@ Shape legend: B batch, h heads, T length, d head dim.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mha
@@ -53,3 +54,32 @@ def test_fullgraph_with_dynamic_shapes():
     x = torch.randn(2, 16, 32)  # (B, T, d_model)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(m, fullgraph=True, dynamic=True)(x), m(x))
+
+
+def test_fullgraph_with_tensors_whose_values_are_checked():
+    """key_lengths and alibi_slopes are checked by value; a trace cannot branch on values, so
+    under torch.compile the check runs with the compiled code (a RuntimeError naming the
+    argument) instead of raising torch's 'Could not guard on data-dependent expression' while
+    tracing, as it did."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 32) for _ in range(3))  # (B, h, T, d)
+
+    def f(q, k, v, key_lengths, slopes):
+        return mha.attention(q, k, v, causal=True, key_lengths=key_lengths, alibi_slopes=slopes)
+
+    compiled = torch.compile(f, fullgraph=True)
+    slopes = mha.alibi_slopes(4)  # (h,)
+    for lengths in ([10, 40], [0, 33]):
+        kl = torch.tensor(lengths)  # (B,)
+        torch.testing.assert_close(compiled(q, k, v, kl, slopes), f(q, k, v, kl, slopes))
+    with pytest.raises(RuntimeError, match=r"key_lengths must lie in \[0, Tk=40\]"):
+        compiled(q, k, v, torch.tensor([41, 3]), slopes)
+    with pytest.raises(RuntimeError, match="alibi_slopes must be finite"):
+        compiled(q, k, v, torch.tensor([4, 3]), slopes * float("nan"))
+    m = mha.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 16, 32)  # (B, T, d_model)
+    kl = torch.tensor([5, 16])  # (B,)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.compile(lambda x, kl: m(x, key_lengths=kl), fullgraph=True)(x, kl),
+            m(x, key_lengths=kl))

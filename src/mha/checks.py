@@ -158,6 +158,10 @@ def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> tor
         raise ValueError(f"key_lengths must have shape (B,) = ({B},), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device:
         raise ValueError(f"key_lengths must be on {device} like q, got {key_lengths.device}")
+    if torch.compiler.is_compiling():  # a trace cannot branch on values: checked as it runs
+        torch._assert_async(((key_lengths >= 0) & (key_lengths <= Tk)).all(),
+                            f"key_lengths must lie in [0, Tk={Tk}]")
+        return key_lengths.to(torch.int64)
     check_readable("key_lengths", key_lengths)
     if B and (int(key_lengths.min()) < 0 or int(key_lengths.max()) > Tk):
         raise ValueError(f"key_lengths must lie in [0, Tk={Tk}], got {key_lengths.tolist()}")
@@ -314,8 +318,11 @@ def check_alibi_slopes(slopes, B: int, h: int, device: torch.device) -> torch.Te
     if tuple(slopes.shape) not in ((h,), (B, h)):
         raise ValueError(f"alibi_slopes must have shape (h,) = ({h},) or (B, h) = ({B}, {h}), "
                          f"got {tuple(slopes.shape)}; mha.alibi_slopes(h) gives the standard ones")
-    check_readable("alibi_slopes", slopes)
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-    if slopes.numel() and not exporting and not bool(torch.isfinite(slopes).all()):
-        raise ValueError("alibi_slopes must be finite numbers")
+    if torch.compiler.is_compiling() and not exporting:  # checked as the compiled code runs
+        torch._assert_async(torch.isfinite(slopes).all(), "alibi_slopes must be finite numbers")
+    else:
+        check_readable("alibi_slopes", slopes)
+        if slopes.numel() and not exporting and not bool(torch.isfinite(slopes).all()):
+            raise ValueError("alibi_slopes must be finite numbers")
     return slopes if slopes.dim() == 2 else slopes.unsqueeze(0)  # (h,) -> (1, h)
