@@ -18,7 +18,6 @@ import torch  # noqa: E402
 
 from mha.llm.serving import Scheduler  # noqa: E402
 from mha.ops import decode  # noqa: E402
-
 from tiny_llama import CFG, eager_and_mha  # noqa: E402
 
 
