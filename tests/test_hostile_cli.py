@@ -84,6 +84,12 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["encode", "--model", DIR, "hi"], 2, ["--model", "no config.json"]),
     (["encode", "--attn", "flash", "hi"], 2, ["--attn: invalid choice: 'flash'", "'eager'"]),
     (["encode"], 2, ["SENTENCE"]),
+    # text that is not UTF-8 (the shell passes the bytes; Python keeps them as surrogates)
+    (["encode", "ok", "hi\udcff"], 2, ["mha encode: SENTENCE must be UTF-8 text",
+                                       "byte 0xff at character 2"]),
+    (["viz", "\udcc3(", "--out", NEW], 2, ["mha viz: text must be UTF-8 text", "byte 0xc3"]),
+    (["generate", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text", "byte 0xff"]),
+    (["generate", "--raw", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text"]),
     # viz
     (["viz", "hi"], 2, ["the following arguments are required: --out"]),
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),

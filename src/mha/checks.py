@@ -227,6 +227,23 @@ def check_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool (True or False), got {_type_hint(value)}")
 
 
+def check_text(name: str, text) -> str:
+    """A str that is UTF-8 text, as tokenizers take it (TypeError / ValueError naming
+    ``name``). Bytes that are not UTF-8 reach Python as lone surrogates (``surrogateescape``,
+    how command lines and a C-locale stdin are decoded), which a tokenizer refuses with an
+    error of its own."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"{text[e.start]!r}"
+        raise ValueError(f"{name} must be UTF-8 text, got {what} at character {e.start}, "
+                         f"which is not") from None
+    return text
+
+
 def check_int(name: str, value, *, low: int | None = None, what: str = "an int") -> int:
     """An integer (Python or numpy; not a bool), ``>= low`` when given; returned as int.
     ``what`` names the expectation in both errors, e.g. "a positive int" with ``low=1``."""

@@ -110,6 +110,18 @@ def _float(text: str, *, allow_zero: bool) -> float:
     return value
 
 
+def utf8_text(text: str) -> str:
+    """A text argument (a prompt, a sentence): bytes that are not UTF-8, which the shell
+    passes on and Python keeps as lone surrogates, are refused (:func:`mha.checks.check_text`)
+    instead of failing inside the tokenizer."""
+    from mha.checks import check_text
+
+    try:
+        return check_text("text", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("text ", "", 1)) from None
+
+
 def positive_float(text: str) -> float:
     """A ``type=`` for finite numbers > 0."""
     return _float(text, allow_zero=False)
