@@ -134,3 +134,15 @@ def test_a_step_interrupted_in_its_forward_resumes_to_the_same_tokens(model, fai
     monkeypatch.undo()
     assert s.cache.free_pages == s.cache.num_pages  # every page back in the pool
     assert s.run() == want
+
+
+def test_a_request_larger_than_the_page_pool_is_refused(model):
+    """Before: it was queued, every run() raised PagePoolExhausted with it admitted, and the
+    requests behind it never ran."""
+    s = Scheduler(model, num_pages=2, page_size=4, max_seqs=2, max_len=32)
+    with pytest.raises(ValueError, match=r"need 3 pages of 4 tokens, more than the pool's "
+                                         r"num_pages=2"):
+        s.add(list(range(5, 15)), 3)  # 10 + 3 - 1 = 12 tokens held
+    assert not s.waiting
+    s.add(list(range(5, 11)), 3)  # 6 + 3 - 1 = 8 tokens: the whole pool
+    assert len(s.waiting) == 1

@@ -145,7 +145,8 @@ class Scheduler:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
         array); returns its id. Refused (nothing queued) when an id is not an integer of the
         model's vocabulary ``[0, V)``, or when the prompt and ``max_new_tokens`` exceed
-        ``max_len`` or the model's context (``max_position_embeddings``)."""
+        ``max_len``, the model's context (``max_position_embeddings``) or the page pool (a
+        request alone may use every page, so one that fits runs, preempting others)."""
         prompt = self._check_prompt(prompt)
         n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
         if len(prompt) + n > self.cache.max_len:
@@ -154,6 +155,12 @@ class Scheduler:
         context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         if isinstance(context, int):  # as mha.llm.generation refuses it
             check_fits(len(prompt), n, context)
+        held = len(prompt) + n - 1  # the last new token is returned, never fed back
+        if self.cache.pages_for(held) > self.cache.num_pages:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} need "
+                             f"{self.cache.pages_for(held)} pages of {self.cache.page_size} "
+                             f"tokens, more than the pool's num_pages={self.cache.num_pages} "
+                             "even when it runs alone")
         req = Request(self._next_rid, prompt, n)
         self._next_rid += 1
         self.waiting.append(req)
