@@ -40,6 +40,8 @@ def _scheduler(model, **kw):
     ([True, 3], TypeError, "prompt must be"),
     (["5", 3], TypeError, "prompt must be"),
     ("hello", TypeError, "prompt must be"),
+    ([], ValueError, "prompt must hold at least one token"),
+    (torch.tensor([], dtype=torch.long), ValueError, "prompt must hold at least one token"),
     (torch.tensor([[5, 6], [7, 8]]), ValueError, r"prompt must be .*\(P,\).*\(2, 2\)"),
 ])
 def test_a_prompt_of_other_than_token_ids_is_refused_when_added(model, prompt, err, match):

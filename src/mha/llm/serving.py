@@ -172,6 +172,8 @@ class Scheduler:
         if isinstance(prompt, (str, bytes)):
             raise TypeError(f"prompt must be token ids (P,), got a {type(prompt).__name__}; "
                             "tokenize it first")
+        if isinstance(prompt, (list, tuple)) and not prompt:  # as_tensor([]) is float32
+            raise ValueError("prompt must hold at least one token")
         if isinstance(prompt, (list, tuple)) and any(
                 isinstance(t, bool) or type(t).__name__ == "bool_" for t in prompt):
             raise TypeError("prompt must be token ids (P,), got a bool among them")
