@@ -95,3 +95,32 @@ def test_needs_a_process_group():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.ring_attention(q, q, q)
+
+
+def test_a_group_of_one_process_gives_the_whole_answer(tmp_path):
+    """World size 1 (a script run without a launcher): each strategy is mha.attention, values
+    and gradients. Before, ring_attention's backward sent its accumulators to itself and gloo
+    raised 'Pair is not connected'."""
+    import torch.distributed as dist
+
+    import mha
+    from mha import distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, 12, 16, generator=g)  # (B, h, T, d)
+        k, v = (torch.randn(1, 2, 12, 16, generator=g) for _ in range(2))  # (B, h_kv, T, d)
+        for fn in (distributed.ring_attention, distributed.ulysses_attention,
+                   distributed.context_parallel_attention):
+            for layout in ("contiguous", "zigzag"):
+                got = [t.clone().requires_grad_() for t in (q, k, v)]
+                want = [t.clone().requires_grad_() for t in (q, k, v)]
+                fn(*got, causal=True, layout=layout).square().sum().backward()
+                mha.attention(*want, causal=True).square().sum().backward()
+                for a, b in zip(got, want, strict=True):
+                    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m, f=fn: f"{f.__name__}: {m}")
+    finally:
+        dist.destroy_process_group()

@@ -82,3 +82,15 @@ def test_errors_survive_python_O():
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.startswith("ok d_model=10 must be divisible")
+
+
+@pytest.mark.parametrize("call", [
+    lambda: __import__("mha.llm.generation", fromlist=["generate"]).generate("hi\udcff"),
+    lambda: __import__("mha.integrations.minilm", fromlist=["encode"]).encode(["ok", "a\udcff"]),
+], ids=["llm.generate", "minilm.encode"])
+def test_text_that_is_not_utf8_is_refused_before_any_work(call):
+    """Bytes that are not UTF-8 reach Python as lone surrogates; tokenizers raised their own
+    TypeError ('TextEncodeInput must be Union[...]') after the model was loaded."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="must be UTF-8 text, got byte 0xff at character"):
+        call()

@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="transformers not installed (pip inst
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
+import mha  # noqa: E402
 import mha.integrations.transformers as hf  # noqa: E402
 
 from oracle import FLOOR, max_err  # noqa: E402
@@ -287,3 +288,30 @@ def test_what_mha_lacks_raises_naming_it(kwargs, match):
     q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match=match):
         hf.attention_forward(_Layer(), q, k, v, None, **kwargs)
+
+
+def test_float_mask_row_with_no_pair_above_half_finfo_min_follows_eager():
+    """A row of a float mask whose finite values are all about ``finfo.min`` is not masked in
+    eager or SDPA: the scores vanish in the sum, so the row's weights are the softmax of the
+    mask alone (uniform over its ``finfo.min`` entries, nothing at its -inf ones). mha gives
+    that row the same output and weights, so a later layer reading it at that position sees
+    what transformers computes; a row of -inf only stays the row that attends nothing."""
+    q, k, v = _qkv(d=16)  # d_k 16: the native kernels serve it
+    lo = torch.finfo(torch.float32).min
+    add = torch.zeros(2, 1, 5, 6)
+    add[0, 0, 1, :] = lo  # every pair at finfo.min: uniform
+    add[1, 0, 3, :] = lo
+    add[1, 0, 3, 4] = float("-inf")  # ... over the finite entries only
+    add[0, 0, 2, :3] = lo  # a row that keeps pairs: the masked ones are masked
+    want, want_w = _eager(q, k, v, add)
+    out, w = hf.attention_forward(_Layer(), q, k, v, add, output_attentions=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(w, want_w)
+    for backend in ("flash_cpu", "sdpa", "math"):  # without weights: each backend's rows
+        with mha.use_backend(backend):
+            out_b, _ = hf.attention_forward(_Layer(), q, k, v, add)
+        torch.testing.assert_close(out_b, want, msg=lambda m, b=backend: f"{b}: {m}")
+    torch.testing.assert_close(w[0, :, 1], torch.full((4, 6), 1 / 6))
+    add[0, 0, 1, :] = float("-inf")  # nothing finite: the row attends nothing
+    out, w = hf.attention_forward(_Layer(), q, k, v, add, output_attentions=True)
+    assert out[0, 1].abs().max() == 0 and w[0, :, 1].abs().max() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,8 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # bench: every check happens before the peaks are measured
     (["bench", "--threads", "0"], 2, ["mha bench: --threads must be a positive int, got 0"]),
     (["bench", "--threads", "two"], 2, ["--threads must be a positive int, got 'two'"]),
+    (["bench", "--threads", "99999", "--list"], 2, [  # was a segfault (OpenMP threads)
+        f"mha bench: --threads must be at most {os.cpu_count()} (the logical CPUs", "99999"]),
     (["bench", "--repeat", "-3"], 2, ["--repeat must be a positive int"]),
     (["bench", "--min-time", "nan"], 2, ["--min-time must be a number >= 0"]),
     (["bench", "--min-time", "-1"], 2, ["--min-time must be a number >= 0"]),
@@ -84,6 +87,12 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["encode", "--model", DIR, "hi"], 2, ["--model", "no config.json"]),
     (["encode", "--attn", "flash", "hi"], 2, ["--attn: invalid choice: 'flash'", "'eager'"]),
     (["encode"], 2, ["SENTENCE"]),
+    # text that is not UTF-8 (the shell passes the bytes; Python keeps them as surrogates)
+    (["encode", "ok", "hi\udcff"], 2, ["mha encode: SENTENCE must be UTF-8 text",
+                                       "byte 0xff at character 2"]),
+    (["viz", "\udcc3(", "--out", NEW], 2, ["mha viz: text must be UTF-8 text", "byte 0xc3"]),
+    (["generate", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text", "byte 0xff"]),
+    (["generate", "--raw", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text"]),
     # viz
     (["viz", "hi"], 2, ["the following arguments are required: --out"]),
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),

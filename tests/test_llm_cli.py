@@ -69,6 +69,21 @@ def test_chat_reads_stdin(capsys, monkeypatch):
 
 
 @needs_model
+def test_chat_line_that_is_not_utf8_is_one_line_and_the_chat_goes_on(capsys, monkeypatch):
+    """A line of bytes that are not UTF-8 (decoded with surrogateescape) is refused like a
+    message too long for the context; before, the tokenizer's TypeError ended the chat with a
+    traceback."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\udcff there\nHi!\n/exit\n"))
+    code = main(["chat", "--max-new-tokens", "2"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert "must be UTF-8 text, got byte 0xff at character 2" in lines[0]
+    assert len([ln for ln in lines if "tok/s" in ln]) == 1  # the next message was answered
+
+
+@needs_model
 def test_prompt_longer_than_context_is_one_line(capsys):
     code = main(["generate", "word " * 9000, "--max-new-tokens", "2"])
     _, err = capsys.readouterr()

@@ -90,3 +90,30 @@ def _worker(rank: int, W: int, init_file: str) -> None:
 @pytest.mark.parametrize("W", [2, 4])
 def test_heads_split_over_ranks_equal_the_single_process_module(W, tmp_path):
     mp.spawn(_worker, args=(W, str(tmp_path / "rendezvous")), nprocs=W, join=True)
+
+
+def test_a_mesh_of_one_rank_leaves_the_module_whole(tmp_path):
+    """Before: the parameters became DTensors while tensor_parallel stayed 1, so the forward
+    took the unsplit path and torch raised 'aten.addmm.default got mixed torch.Tensor and
+    DTensor'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import mha
+    from mha import distributed as D
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = mha.MultiHeadAttention(32, 4)
+        m = D.tensor_parallel(copy.deepcopy(ref), init_device_mesh("cpu", (1,)))
+        assert m.tensor_parallel == 1 and m.num_heads == 4
+        x = torch.randn(2, 8, 32)  # (B, T, d_model)
+        y, y_ref = m(x, causal=True), ref(x, causal=True)
+        _close(y, y_ref, "W=1 output")
+        y.sum().backward()
+        y_ref.sum().backward()
+        _close(m.in_proj.weight.grad, ref.in_proj.weight.grad, "W=1 d in_proj.weight")
+    finally:
+        dist.destroy_process_group()

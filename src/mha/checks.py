@@ -158,6 +158,10 @@ def check_key_lengths(key_lengths, B: int, Tk: int, device: torch.device) -> tor
         raise ValueError(f"key_lengths must have shape (B,) = ({B},), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device:
         raise ValueError(f"key_lengths must be on {device} like q, got {key_lengths.device}")
+    if torch.compiler.is_compiling():  # a trace cannot branch on values: checked as it runs
+        torch._assert_async(((key_lengths >= 0) & (key_lengths <= Tk)).all(),
+                            f"key_lengths must lie in [0, Tk={Tk}]")
+        return key_lengths.to(torch.int64)
     check_readable("key_lengths", key_lengths)
     if B and (int(key_lengths.min()) < 0 or int(key_lengths.max()) > Tk):
         raise ValueError(f"key_lengths must lie in [0, Tk={Tk}], got {key_lengths.tolist()}")
@@ -223,6 +227,23 @@ def check_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool (True or False), got {_type_hint(value)}")
 
 
+def check_text(name: str, text) -> str:
+    """A str that is UTF-8 text, as tokenizers take it (TypeError / ValueError naming
+    ``name``). Bytes that are not UTF-8 reach Python as lone surrogates (``surrogateescape``,
+    how command lines and a C-locale stdin are decoded), which a tokenizer refuses with an
+    error of its own."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"{text[e.start]!r}"
+        raise ValueError(f"{name} must be UTF-8 text, got {what} at character {e.start}, "
+                         f"which is not") from None
+    return text
+
+
 def check_int(name: str, value, *, low: int | None = None, what: str = "an int") -> int:
     """An integer (Python or numpy; not a bool), ``>= low`` when given; returned as int.
     ``what`` names the expectation in both errors, e.g. "a positive int" with ``low=1``."""
@@ -242,7 +263,7 @@ def check_scalar(name: str, value, *, low: float, high: float | None = None,
         raise TypeError(f"{name} must be a number, got {_type_hint(value)}")
     value = float(value)
     too_high = high is not None and (value >= high if high_open else value > high)
-    if not math.isfinite(value) or not value >= low or too_high:
+    if not -math.inf < value < math.inf or not value >= low or too_high:  # NaN: False
         bound = "" if high is None else (f", {high})" if high_open else f", {high}]")
         raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'} (a finite number), "
                          f"got {value}")
@@ -314,8 +335,11 @@ def check_alibi_slopes(slopes, B: int, h: int, device: torch.device) -> torch.Te
     if tuple(slopes.shape) not in ((h,), (B, h)):
         raise ValueError(f"alibi_slopes must have shape (h,) = ({h},) or (B, h) = ({B}, {h}), "
                          f"got {tuple(slopes.shape)}; mha.alibi_slopes(h) gives the standard ones")
-    check_readable("alibi_slopes", slopes)
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-    if slopes.numel() and not exporting and not bool(torch.isfinite(slopes).all()):
-        raise ValueError("alibi_slopes must be finite numbers")
+    if torch.compiler.is_compiling() and not exporting:  # checked as the compiled code runs
+        torch._assert_async(torch.isfinite(slopes).all(), "alibi_slopes must be finite numbers")
+    else:
+        check_readable("alibi_slopes", slopes)
+        if slopes.numel() and not exporting and not bool(torch.isfinite(slopes).all()):
+            raise ValueError("alibi_slopes must be finite numbers")
     return slopes if slopes.dim() == 2 else slopes.unsqueeze(0)  # (h,) -> (1, h)

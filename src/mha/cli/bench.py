@@ -17,6 +17,7 @@ from mha.cli.options import (
     UsageError,
     check_editable_text,
     check_option,
+    cpus,
     json_problem,
     nonnegative_float,
     output_dir,
@@ -24,6 +25,7 @@ from mha.cli.options import (
     positive_float,
     positive_int,
     readable_file,
+    thread_count,
 )
 
 
@@ -44,7 +46,8 @@ def add_parser(sub) -> None:
                    "calls per impl and case (default 0.5; quick 0.1)")
     p.add_argument("--max-case-time", type=positive_float, default=None, help="stop adding rounds to a "
                    "case after this many seconds, keeping >= 3 samples (default 25; quick 5)")
-    p.add_argument("--threads", type=positive_int, default=2, help="threads for every implementation")
+    p.add_argument("--threads", type=thread_count, default=min(2, cpus()),
+                   help="threads for every implementation (default 2; at most the logical CPUs)")
     p.add_argument("--mem-budget", type=positive_float, default=3.0, metavar="GIB",
                    help="skip implementations that would allocate more than this (GiB)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")

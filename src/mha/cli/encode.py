@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from mha.cli.options import UsageError, model_dir, positive_int, require
+from mha.cli.options import UsageError, model_dir, positive_int, require, utf8_text
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("encode", help="embed sentences with MiniLM through mha; cosine table",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sentences", nargs="+", metavar="SENTENCE", help="sentences to embed")
+    p.add_argument("sentences", nargs="+", metavar="SENTENCE", type=utf8_text,
+                   help="sentences to embed")
     p.add_argument("--model", metavar="DIR", default=None, type=model_dir,
                    help="a local BERT-style model directory (default: the shipped MiniLM)")
     p.add_argument("--attn", default="mha", choices=("mha", "eager", "sdpa"),

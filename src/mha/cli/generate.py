@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mha.cli.options import MissingExtra, UsageError, positive_int
+from mha.cli.options import MissingExtra, UsageError, positive_int, utf8_text
 
 
 def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -37,7 +37,7 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="SmolLM2-135M answers a prompt through mha (greedy)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", help="the user's message")
+    p.add_argument("prompt", type=utf8_text, help="the user's message")
     add_llm_options(p, 64)
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--raw", action="store_true",

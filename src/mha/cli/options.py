@@ -99,6 +99,22 @@ positive_int = int_at_least(1, "a positive int")
 nonnegative_int = int_at_least(0, "an int >= 0")
 
 
+def cpus() -> int:
+    """The machine's logical CPUs (at least 1)."""
+    return os.cpu_count() or 1
+
+
+def thread_count(text: str) -> int:
+    """A thread count from 1 to the machine's logical CPUs: more only wait for each other, and
+    tens of thousands make OpenMP fail to create them (torch then crashes: a segfault at
+    99999)."""
+    value = positive_int(text)
+    if value > cpus():
+        raise argparse.ArgumentTypeError(f"must be at most {cpus()} (the logical CPUs of this "
+                                         f"machine), got {value}")
+    return value
+
+
 def _float(text: str, *, allow_zero: bool) -> float:
     what = "a number >= 0" if allow_zero else "a positive number"
     try:
@@ -108,6 +124,18 @@ def _float(text: str, *, allow_zero: bool) -> float:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+def utf8_text(text: str) -> str:
+    """A text argument (a prompt, a sentence): bytes that are not UTF-8, which the shell
+    passes on and Python keeps as lone surrogates, are refused (:func:`mha.checks.check_text`)
+    instead of failing inside the tokenizer."""
+    from mha.checks import check_text
+
+    try:
+        return check_text("text", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("text ", "", 1)) from None
 
 
 def positive_float(text: str) -> float:

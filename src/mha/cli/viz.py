@@ -19,13 +19,14 @@ from mha.cli.options import (
     nonnegative_int,
     output_dir,
     require,
+    utf8_text,
 )
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("viz", help="attention maps of a real model (all-MiniLM-L6-v2 by "
                        "default) run through mha: PNGs and an HTML page")
-    p.add_argument("text", nargs="?", default=None,
+    p.add_argument("text", nargs="?", default=None, type=utf8_text,
                    help='the text to look at (default: "The cat sat on the mat because it was '
                         'tired.")')
     p.add_argument("--model", default=None, metavar="DIR|smollm2", type=_model,

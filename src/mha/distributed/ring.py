@@ -152,10 +152,12 @@ class _RingAttention(torch.autograd.Function):
                 acc = (acc[0] + grads[1], acc[1] + grads[2])
             for w in works:
                 w.wait()
-            # the accumulators follow their shard (and, after the last step, go home)
-            acc, acc_works = ring.shift(acc, tag0=2)
-            for w in acc_works:
-                w.wait()
+            # the accumulators follow their shard (and, after the last step, go home; with
+            # one rank they are home: a send to itself is no gloo pair)
+            if ring.W > 1:
+                acc, acc_works = ring.shift(acc, tag0=2)
+                for w in acc_works:
+                    w.wait()
             if step < ring.W - 1:
                 kv = incoming
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None

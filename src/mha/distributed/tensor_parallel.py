@@ -40,6 +40,8 @@ def tensor_parallel(module, device_mesh):
     DTensors, ``module.num_heads`` / ``num_kv_heads`` are this rank's (h / W, h_kv / W),
     ``module.new_cache`` caches this rank's K/V heads, and ``module(x)`` returns the full
     ``(B, Tq, d_model)`` output on every rank; gradients flow to the sharded parameters.
+    A mesh of one rank (a script run without a launcher) leaves the module as it is: every
+    head is that rank's, the parameters stay tensors.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -54,6 +56,8 @@ def tensor_parallel(module, device_mesh):
         raise ValueError("module is already split over ranks (tensor_parallel="
                          f"{module.tensor_parallel})")
     W, h, h_kv = device_mesh.size(), module.num_heads, module.num_kv_heads
+    if W == 1:  # nothing to split (DTensor parameters would meet the unsplit path's tensors)
+        return module
     if h_kv < W:
         raise ValueError(f"num_kv_heads={h_kv} < world size {W}: every rank needs whole K/V "
                          f"heads, and replicating a K/V head on several ranks is not "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mha.checks import check_text
 from mha.integrations.transformers import register
 
 
@@ -74,6 +75,8 @@ def encode(sentences, *, model=None, tokenizer=None, model_dir: str | Path | Non
     if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
         raise TypeError("sentences must be a list of strings, got "
                         f"{type(sentences).__name__}")
+    for i, s in enumerate(sentences):
+        check_text(f"sentences[{i}]", s)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if model is None or tokenizer is None:

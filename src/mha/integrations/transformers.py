@@ -27,7 +27,9 @@ Recipe::
 Masks from elsewhere (a 4-D mask passed by the caller) are converted at the boundary: bool
 as is; a float additive mask is split into the pairs it masks (-inf or at most half of the
 dtype's most negative value) and, if any other value is not 0, an additive ``bias`` for the
-rest. The score variants that models pass to their attention function reach
+rest; a row of such a mask that keeps no pair but holds finite values gets eager's and SDPA's
+answer, the softmax of the mask alone (uniform over its ``finfo.min`` entries), not mha's
+zeros for a row that attends nothing. The score variants that models pass to their attention function reach
 :func:`mha.attention` as its own arguments (table :data:`SERVED`): ``softcap`` (Gemma 2),
 ``s_aux`` attention sinks (gpt-oss) as ``sinks``, ``position_bias`` (T5 family) as ``bias``;
 ``head_mask`` (transformers 4's per-head multiplier of the probabilities) scales each head's
@@ -249,11 +251,38 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         dropout_p=float(dropout or 0.0), return_weights=want_weights,
                         **variants)
     out, weights = res if want_weights else (res, None)
+    if attention_mask is not None and attention_mask.is_floating_point():  # a caller's mask
+        out, weights = _rows_of_the_mask_alone(attention_mask, spec.mask, value, out, weights)
     out = out.to(out_dtype)  # (B, h, Tq, d_v), the model's dtype
     if head_mask is not None:  # (., ., Tq or 1, 1) broadcasts over d_v and over Tk
         out = out * head_mask.to(out.dtype)  # (B, h, Tq, d_v)
         weights = None if weights is None else weights * head_mask.to(weights.dtype)
     return out.transpose(1, 2).contiguous(), weights  # (B, h, Tq, d_v) -> (B, Tq, h, d_v)
+
+
+def _rows_of_the_mask_alone(add: torch.Tensor, keep: torch.Tensor, value: torch.Tensor,
+                            out: torch.Tensor, weights: torch.Tensor | None):
+    """The rows of a float mask ``add`` that keep no pair but hold finite values (all about
+    ``finfo.min``): eager and SDPA add that to every score, the scores vanish in the sum, and
+    the row's weights are ``softmax(add_row)``, uniform over its ``finfo.min`` entries. Those
+    rows of ``out (B, h, Tq, d_v)`` (and of ``weights (B, h, Tq, Tk)``) are replaced by what
+    that gives; mha, told the row keeps nothing, returned zeros. ``value (B, h_kv, Tk, d_v)``
+    (int8 cache views are read through their cache)."""
+    alone = ~keep.any(dim=-1, keepdim=True) & add.isfinite().any(dim=-1, keepdim=True)
+    if not bool(alone.any()):  # (., ., Tq, 1)
+        return out, weights
+    kv = getattr(value, _KV_ATTR, None)
+    Tk = add.shape[-1]
+    v = kv.values()[:, :, :Tk] if kv is not None else value  # (B, h_kv, Tk, d_v)
+    h = out.shape[1]
+    v = v.to(torch.float32).repeat_interleave(h // v.shape[1], 1)  # (B, h, Tk, d_v)
+    w = torch.softmax(add.to(torch.float32), dim=-1)  # (., ., Tq, Tk): the scores vanished
+    w = torch.where(alone, w, 0.0)  # only the rows that keep nothing; NaN-free elsewhere
+    fill = (w @ v).to(out.dtype)  # (., ., Tq, Tk) @ (B, h, Tk, d_v) -> (B, h, Tq, d_v)
+    out = torch.where(alone, fill, out)  # (B, h, Tq, d_v)
+    if weights is not None:
+        weights = torch.where(alone, w.to(weights.dtype), weights)  # (B, h, Tq, Tk)
+    return out, weights
 
 
 def _decode():
@@ -373,7 +402,8 @@ def split_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     Bool masks are all keep. A float mask is additive: -inf, or a value at most half of the
     dtype's most negative one (``finfo.min``, what transformers writes, plus any bias),
     masks the pair; 0 keeps it; any other value is a bias added to the score (the bias at
-    masked pairs is never read).
+    masked pairs is never read). A row that keeps no pair but holds finite values is the
+    softmax of the mask alone in eager and SDPA (:func:`attention_forward` gives it that).
     """
     if mask.dtype == torch.bool:
         return mask, None

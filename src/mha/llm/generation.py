@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import check_int
+from mha.checks import check_int, check_text
 from mha.llm.model import Loaded, load
 
 
@@ -160,8 +160,7 @@ def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str =
     unless ``chat=False``), K/V stored as ``kv`` (see the module docstring), projections'
     weights as ``weights`` (see :func:`mha.llm.load`). ``on_text`` receives the text as it is
     decoded (streaming)."""
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    check_text("prompt", prompt)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     check_kv(kv, attn)
     loaded = load(dtype, attn, weights)
@@ -175,7 +174,8 @@ class Chat:
     """A conversation with SmolLM2: each :meth:`say` renders the whole history with the chat
     template and generates the reply (a cache of capacity ``P + max_new_tokens`` per turn).
 
-    A refused turn (too long for the context) leaves the history as it was.
+    A refused turn (too long for the context, or ``text`` not UTF-8 text) leaves the history
+    as it was.
     """
 
     def __init__(self, *, dtype="fp32", attn: str = "mha", kv: str | None = None,
@@ -189,6 +189,7 @@ class Chat:
                                      if system else [])
 
     def say(self, text: str, on_text: Callable[[str], None] | None = None) -> Result:
+        check_text("text", text)
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
         res = run_ids(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv)

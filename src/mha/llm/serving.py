@@ -24,7 +24,9 @@ chunk besides what the running requests' next chunks need. Preemption: when the 
 hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
 the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
-retried; greedy tokens do not change.
+retried; greedy tokens do not change. A forward that raises (Ctrl-C, an error in a layer)
+preempts every running request the same way before the exception propagates, so a later
+:meth:`Scheduler.run` resumes to the same tokens.
 
 Why not ``model.generate_batch`` (transformers' own continuous batching, 5.24): its
 ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (generation/continuous_batching/
@@ -42,7 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import check_int
+from mha.checks import check_int, check_int_tensor
+from mha.llm.generation import check_fits
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 NAME = "mha_paged"
@@ -129,7 +132,8 @@ class Scheduler:
                                   max_seqs=max_seqs, max_len=max_len,
                                   num_layers=cfg.num_hidden_layers, dtype=model.dtype,
                                   kv_dtype=kv_dtype, device=model.device)
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = None if eos_token_id is None else check_int(
+            "eos_token_id", eos_token_id, low=0, what="a token id (an int >= 0) or None")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -138,18 +142,54 @@ class Scheduler:
         self._next_rid = 0
 
     def add(self, prompt, max_new_tokens: int) -> int:
-        """Queue a request (prompt: token ids); returns its id."""
-        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
+        """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
+        array); returns its id. Refused (nothing queued) when an id is not an integer of the
+        model's vocabulary ``[0, V)``, or when the prompt and ``max_new_tokens`` exceed
+        ``max_len``, the model's context (``max_position_embeddings``) or the page pool (a
+        request alone may use every page, so one that fits runs, preempting others)."""
+        prompt = self._check_prompt(prompt)
         n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
         if len(prompt) + n > self.cache.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
                              f"max_len={self.cache.max_len}")
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if isinstance(context, int):  # as mha.llm.generation refuses it
+            check_fits(len(prompt), n, context)
+        held = len(prompt) + n - 1  # the last new token is returned, never fed back
+        if self.cache.pages_for(held) > self.cache.num_pages:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} need "
+                             f"{self.cache.pages_for(held)} pages of {self.cache.page_size} "
+                             f"tokens, more than the pool's num_pages={self.cache.num_pages} "
+                             "even when it runs alone")
         req = Request(self._next_rid, prompt, n)
         self._next_rid += 1
         self.waiting.append(req)
         return req.rid
+
+    def _check_prompt(self, prompt) -> list[int]:
+        """``prompt`` as a list of ids of the model's vocabulary (TypeError / ValueError naming
+        it: the embedding would raise torch's 'index out of range' in the step that ran it)."""
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompt must be token ids (P,), got a {type(prompt).__name__}; "
+                            "tokenize it first")
+        if isinstance(prompt, (list, tuple)) and not prompt:  # as_tensor([]) is float32
+            raise ValueError("prompt must hold at least one token")
+        if isinstance(prompt, (list, tuple)) and any(
+                isinstance(t, bool) or type(t).__name__ == "bool_" for t in prompt):
+            raise TypeError("prompt must be token ids (P,), got a bool among them")
+        ids = check_int_tensor("prompt", prompt, "(P,) of token ids")
+        if ids.dim() != 1:
+            raise ValueError(f"prompt must be token ids of shape (P,), got shape "
+                             f"{tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError("prompt must hold at least one token")
+        V = self.model.get_input_embeddings().num_embeddings
+        bad = ((ids < 0) | (ids >= V)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"prompt must hold token ids in [0, {V}) (the model's vocabulary), "
+                             f"got {int(ids[i])} at position {i}")
+        return ids.tolist()
 
     @contextlib.contextmanager
     def _attention(self):
@@ -169,7 +209,10 @@ class Scheduler:
         return {rid: r.output for rid, r in sorted(self.finished.items())}
 
     def step(self) -> None:
-        """One forward (admissions, one packed batch, frees)."""
+        """One forward (admissions, one packed batch, frees); none when no request waits or
+        runs."""
+        if not (self.waiting or self.running):
+            return
         with self._attention():
             self._step()
 
@@ -200,6 +243,16 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.preemptions += 1
 
+    def _requeue_running(self) -> None:
+        """After a forward that did not finish: every running request is preempted (its
+        pages freed, first in line again, in order) and will recompute its prompt and the
+        tokens it generated, so :meth:`run` resumes to the same tokens."""
+        for req in reversed(self.running):
+            self.cache.free(req.seq)
+            req.seq, req.done = None, 0
+            self.waiting.insert(0, req)
+        self.running = []
+
     def _step(self) -> None:
         self._admit()
         while True:
@@ -219,10 +272,15 @@ class Scheduler:
         dev = self.model.device
         step = Step(self.cache, [r.seq for r, _ in chunks], cu)
         last = torch.tensor(cu[1:], device=dev) - 1  # (R,) the last token of each chunk
-        with torch.no_grad():
-            logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
-                                position_ids=torch.tensor([pos], device=dev), use_cache=False,
-                                logits_to_keep=last, paged_step=step).logits  # (1, R, V)
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
+                                    position_ids=torch.tensor([pos], device=dev),
+                                    use_cache=False, logits_to_keep=last,
+                                    paged_step=step).logits  # (1, R, V)
+        except BaseException:  # Ctrl-C or an error: the cache holds part of the step's K/V
+            self._requeue_running()
+            raise
         self.forwards += 1
         nxt = logits[0].argmax(dim=-1).tolist()  # (R,)
         for (r, c), tok in zip(chunks, nxt, strict=True):

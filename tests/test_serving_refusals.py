@@ -1,0 +1,150 @@
+"""Refusals of :class:`mha.llm.serving.Scheduler` at its boundary, on a small seeded Llama
+(tests/tiny_llama.py: vocabulary 101, context 64): a request the model cannot run is refused
+when it is added, naming the argument, and leaves the scheduler as it was; a step with nothing
+to do runs no forward; a step interrupted in its forward leaves a scheduler that resumes to the
+same tokens.
+
+Shape legend: P prompt tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mha.llm.serving import Scheduler  # noqa: E402
+from mha.ops import decode  # noqa: E402
+from tiny_llama import CFG, eager_and_mha  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return eager_and_mha()["mha"]
+
+
+def _scheduler(model, **kw):
+    return Scheduler(model, num_pages=16, page_size=4, max_seqs=4,
+                     **{"max_len": 32, **kw})
+
+
+@pytest.mark.parametrize("prompt,err,match", [
+    ([5, CFG.vocab_size], ValueError, r"prompt.*\[0, 101\).*101 at position 1"),
+    ([5, -1], ValueError, r"prompt.*\[0, 101\).*-1 at position 1"),
+    (torch.tensor([5, 10**6]), ValueError, r"prompt.*\[0, 101\)"),
+    ([5.7, 3], TypeError, "prompt must be"),
+    (torch.tensor([5.0, 3.0]), TypeError, "prompt must be"),
+    ([True, 3], TypeError, "prompt must be"),
+    (["5", 3], TypeError, "prompt must be"),
+    ("hello", TypeError, "prompt must be"),
+    ([], ValueError, "prompt must hold at least one token"),
+    (torch.tensor([], dtype=torch.long), ValueError, "prompt must hold at least one token"),
+    (torch.tensor([[5, 6], [7, 8]]), ValueError, r"prompt must be .*\(P,\).*\(2, 2\)"),
+])
+def test_a_prompt_of_other_than_token_ids_is_refused_when_added(model, prompt, err, match):
+    """Before: ids past the vocabulary were queued, and the step that ran them raised torch's
+    'index out of range in self' from the embedding, with the request admitted and its pages
+    taken; float ids were truncated (5.7 ran as 5), bools and digit strings ran as ids."""
+    s = _scheduler(model)
+    free = s.cache.free_pages
+    with pytest.raises(err, match=match):
+        s.add(prompt, 3)
+    assert not s.waiting and not s.running and s.cache.free_pages == free
+
+
+def test_token_ids_of_any_integer_kind_are_taken(model):
+    s = _scheduler(model)
+    for prompt in ([5, 6, 7], torch.tensor([5, 6, 7]), np.array([5, 6, 7], dtype=np.int32),
+                   (np.int64(5), 6, 7)):
+        s.add(prompt, 2)
+    assert [r.prompt for r in s.waiting] == [[5, 6, 7]] * 4
+    assert all(type(t) is int for r in s.waiting for t in r.prompt)
+
+
+def test_a_request_past_the_model_context_is_refused(model):
+    """max_len may exceed the model's context (max_position_embeddings = 64); a request that
+    would run past it is refused as mha.llm.generation refuses one (before: it ran, with
+    positions the model was not built for)."""
+    s = _scheduler(model, max_len=200)
+    with pytest.raises(ValueError, match=r"60 tokens.*10 new.*70 > the model's context of 64"):
+        s.add([5] * 60, 10)
+    assert not s.waiting
+    s.add([5] * 60, 4)  # exactly the context
+    assert len(s.waiting) == 1
+
+
+@pytest.mark.parametrize("eos,err", [("2", TypeError), (2.0, TypeError), (-1, ValueError),
+                                     (True, TypeError)])
+def test_eos_token_id_must_be_a_token_id(model, eos, err):
+    """Before: eos_token_id="2" was taken and never matched a token."""
+    with pytest.raises(err, match="eos_token_id"):
+        _scheduler(model, eos_token_id=eos)
+
+
+def test_a_step_with_nothing_to_do_runs_no_forward(model):
+    """Before: step() on an empty scheduler ran the model on a (1, 0) float tensor and raised
+    torch's 'Expected tensor for argument #1 'indices' to have one of the following scalar
+    types'."""
+    s = _scheduler(model)
+    s.step()
+    assert s.forwards == 0 and s.run() == {}
+
+
+@pytest.mark.skipif(decode.unavailable() is not None,
+                    reason=f"decode kernel unavailable: {decode.unavailable()}")
+def test_a_refused_request_leaves_the_others_running(model):
+    s = _scheduler(model)
+    rid = s.add([5, 6, 7], 3)
+    with pytest.raises(ValueError, match="prompt"):
+        s.add([5, 999], 3)
+    out = s.run()
+    assert list(out) == [rid] and len(out[rid]) == 3
+
+
+@pytest.mark.skipif(decode.unavailable() is not None,
+                    reason=f"decode kernel unavailable: {decode.unavailable()}")
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4, 6])
+def test_a_step_interrupted_in_its_forward_resumes_to_the_same_tokens(model, fail_at,
+                                                                      monkeypatch):
+    """A forward that raises (Ctrl-C, an error in a layer) after the step extended the cache:
+    before, the cache kept the extension while the requests did not advance, and the next
+    run() returned other tokens (3 of 5 steps tried) with no error."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+
+    def scheduler():
+        s = _scheduler(model, prefill_chunk=3)
+        for p in prompts:
+            s.add(p, 5)
+        return s
+
+    want = scheduler().run()
+    s = scheduler()
+    forward, calls = model.forward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.run()
+    monkeypatch.undo()
+    assert s.cache.free_pages == s.cache.num_pages  # every page back in the pool
+    assert s.run() == want
+
+
+def test_a_request_larger_than_the_page_pool_is_refused(model):
+    """Before: it was queued, every run() raised PagePoolExhausted with it admitted, and the
+    requests behind it never ran."""
+    s = Scheduler(model, num_pages=2, page_size=4, max_seqs=2, max_len=32)
+    with pytest.raises(ValueError, match=r"need 3 pages of 4 tokens, more than the pool's "
+                                         r"num_pages=2"):
+        s.add(list(range(5, 15)), 3)  # 10 + 3 - 1 = 12 tokens held
+    assert not s.waiting
+    s.add(list(range(5, 11)), 3)  # 6 + 3 - 1 = 8 tokens: the whole pool
+    assert len(s.waiting) == 1
