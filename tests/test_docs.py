@@ -13,7 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "README.md"]
 FENCE = re.compile(r"^\s*```(\w*)\n(.*?)^\s*```", re.S | re.M)
 
 
@@ -88,13 +89,27 @@ def test_named_paths_exist(doc):
     assert not missing, f"{doc.name} names files that do not exist: {missing}"
 
 
+def test_named_tests_exist():
+    """A test named in the docs (`test_x`, `test_file.py::test_x`) is defined in tests/."""
+    source = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    defined = set(re.findall(r"^\s*(?:async )?(?:def|class) (\w+)", source, re.M))
+    missing = []
+    for doc in DOCS:
+        spans = re.findall(r"`(?:tests/)?(?:\w+\.py::)?(test_\w+)(?:\[[^\]]*\])?`", doc.read_text())
+        for name in spans:
+            if name not in defined and not (ROOT / "tests" / f"{name}.py").exists():
+                missing.append(f"{doc.name}: {name}")
+    assert not missing, missing
+
+
 def _read_variables() -> set[str]:
     """The MHA_* variables the package and the tests read from the environment."""
     found = set()
     for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.h"),
                  *(ROOT / "src").rglob("*.cpp"), *(ROOT / "tests").glob("*.py")]:
         text = path.read_text()
-        found |= set(re.findall(r"(?:environ(?:\.get)?\(|environ\[|getenv\()\s*[\"'](MHA_\w+)", text))
+        found |= set(re.findall(r"(?:environ(?:\.get)?\(|environ\[|getenv\()\s*[\"'](MHA_\w+)",
+                                text))
         if "environ" in text:  # a name held in a constant: ENV = "MHA_..."
             found |= set(re.findall(r"^ENV\s*=\s*\"(MHA_\w+)\"", text, re.M))
     return found - {"MHA_TEST_CXX_LOG"}  # a test's own wrapper compiler log, set and read there
