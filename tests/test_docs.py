@@ -5,6 +5,7 @@ README's Python snippets run in order."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -98,6 +99,36 @@ def test_named_tests_exist():
         spans = re.findall(r"`(?:tests/)?(?:\w+\.py::)?(test_\w+)(?:\[[^\]]*\])?`", doc.read_text())
         for name in spans:
             if name not in defined and not (ROOT / "tests" / f"{name}.py").exists():
+                missing.append(f"{doc.name}: {name}")
+    assert not missing, missing
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``mha.a.b`` is a module or an attribute reached from one."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("mha"):
+                pytest.skip(f"{e.name} is not installed (needed by {name})")
+    else:
+        return False
+    for part in parts[i:]:
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def test_named_python_objects_exist():
+    """Every dotted `mha.x.y` the docs name imports or is an attribute (a renamed function or
+    a moved module shows here)."""
+    missing = []
+    for doc in DOCS:
+        for name in set(re.findall(r"(?<![\w./])(mha(?:\.\w+)+)", doc.read_text())):
+            if not name.endswith((".py", ".md", ".json", ".png")) and not _resolves(name):
                 missing.append(f"{doc.name}: {name}")
     assert not missing, missing
 
