@@ -177,7 +177,10 @@ def test_mha_commands_parse(doc, monkeypatch):
     for command in _commands(doc.read_text()):
         # [--x] is an option shown as optional, "..." more of the same
         args = shlex.split(re.sub(r"\[([^\]]*)\]", r"\1", command).replace("...", ""))
-        parser.parse_args(args)  # a usage error raises, naming the option
+        parsed = parser.parse_args(args)  # a usage error raises, naming the option
+        check = getattr(importlib.import_module(f"mha.cli.{parsed.command}"), "check", None)
+        if check is not None:  # what the command refuses before any work: suites, tasks, ...
+            check(parsed)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
