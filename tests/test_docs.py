@@ -224,3 +224,51 @@ def test_readme_python_snippets_run_in_order(tmp_path, monkeypatch):
         exec(compile(body, "README.md", "exec"), ns)  # noqa: S102 - the README's own code
         ran += 1
     assert ran >= 5
+
+
+# Other pages' snippets: before a block containing the marker, the names it leaves to the
+# reader (a function of the namespace so far). Pages whose snippets need a model file, a
+# process group or minutes (llm, huggingface, distributed, export, viz's MiniLM maps) are run
+# by their own tests.
+GIVEN = {
+    "docs/decoding.md": [
+        ("prompt (4, T0, 512)", lambda ns: dict(prompt=torch.randn(4, 6, 512),
+                                                x_next=torch.randn(4, 1, 512))),
+        ("x_draft", lambda ns: dict(x_draft=torch.randn(4, 3, 512), n_accepted=2)),
+        ("best_beams", lambda ns: dict(best_beams=torch.tensor([1, 1, 0, 3]))),
+        ("padded_prompts", lambda ns: dict(
+            cache=ns["attn"].new_cache(batch_size=4, max_len=64), T_pad=7,
+            padded_prompts=torch.randn(4, 7, 512), left_padded_prompts=torch.randn(4, 7, 512),
+            prompt_lengths=torch.tensor([7, 5, 3, 6]))),
+        ('kv_dtype="int8")', lambda ns: dict(
+            B=2, h_kv=2, T_max=32, d=64, k_new=torch.randn(2, 2, 3, 64),
+            v_new=torch.randn(2, 2, 3, 64), q=torch.randn(2, 8, 1, 64))),
+        ("PagedKVCache", lambda ns: dict(n=5, layer=0, k=torch.randn(5, 3, 64),
+                                         v=torch.randn(5, 3, 64), q=torch.randn(1, 9, 1, 64))),
+    ],
+    "docs/module.md": [
+        ("softcap=50.0", lambda ns: dict(x=torch.randn(2, 16, 512),
+                                         t5_bias=torch.randn(1, 8, 16, 16))),
+    ],
+    "docs/viz.md": [("mha.trace", lambda ns: {})],
+    "docs/kernel.md": [("flash.flash_attention", lambda ns: dict(
+        q=torch.randn(1, 8, 40, 64), k=torch.randn(1, 2, 40, 64), v=torch.randn(1, 2, 40, 32)))],
+}
+
+
+@pytest.mark.parametrize("page", sorted(GIVEN))
+def test_page_python_snippets_run_in_order(page, tmp_path, monkeypatch):
+    """The listed snippets of a page, in order, in one namespace, as a reader runs them."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    ns: dict = {"torch": torch, "mha": importlib.import_module("mha")}
+    ran = 0
+    for body in _blocks((ROOT / page).read_text(), ("python",)):
+        given = [make for marker, make in GIVEN[page] if marker in body]
+        if not given:
+            continue
+        for make in given:
+            ns.update(make(ns))
+        exec(compile(body, page, "exec"), ns)  # noqa: S102 - the page's own code
+        ran += 1
+    assert ran == len(GIVEN[page])  # every listed snippet is still there and ran
