@@ -138,3 +138,22 @@ def test_the_fallback_is_the_reference(monkeypatch):
     monkeypatch.setattr(gemv, "load", lambda: "mha_gemv unavailable (test)")
     slow = gemv.gemv(x, packed, b)
     assert max_err(fast, slow) < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_reach_x_and_bias(kind):
+    """The kernel has no backward: a call needing a gradient runs the reference's torch ops, so
+    x and a bias requiring grad get dy W and dy summed (before, x.grad stayed None behind
+    torch's 'autograd kernel was not registered' warning)."""
+    x, w, b = _inputs(3, 40, 21)
+    packed = gemv.pack(w, kind)
+    x.requires_grad_(True)
+    b.requires_grad_(True)
+    dy = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    gemv.gemv(x, packed, b).backward(dy)
+    W = packed.unpack().double()  # (N, K), the rounded weight the product uses
+    assert x.grad is not None and b.grad is not None
+    assert torch.allclose(x.grad.double(), dy.double() @ W, atol=1e-4)  # (M, N) @ (N, K)
+    assert torch.allclose(b.grad, dy.sum(0), atol=1e-5)
+    with torch.no_grad():  # inference keeps the kernel: the same values
+        assert max_err(gemv.gemv(x, packed, b), gemv.reference(x, packed, b)) < 1e-4

@@ -139,11 +139,15 @@ def _check_call(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> N
 
 def gemv(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x (..., K) W^T + bias -> (..., N)`` in x's dtype (fp32 or bf16; summed in fp32) with W
-    packed by :func:`pack`. No autograd: the packed weight is a constant."""
+    packed by :func:`pack`. The packed weight is a constant; a call that needs a gradient
+    (``x`` or ``bias`` requiring grad, grad mode on) runs :func:`reference`, whose torch ops
+    carry it (the kernel has no backward)."""
     _check_call(x, packed, bias)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or (bias is not None and bias.requires_grad))
+    if load() is not None or needs_grad:
+        return reference(x, packed, bias)
     b = None if bias is None else bias.float().contiguous()
-    if load() is not None:
-        return reference(x, packed, b)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)  # (..., K) -> (M, K)
     y = torch.ops.mha.gemv(x2, packed.data, packed.scale, packed.n, packed.k, b)  # (M, N)
