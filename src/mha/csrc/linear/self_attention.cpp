@@ -121,10 +121,13 @@ void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2
       bv[v] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + v * kLanes);
     mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4 && v * kLanes < cols; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
-                          mha_tiles::to_bf16(x[r][v]));
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)  // unrolled: from registers, not a stack array (rows.h)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v)
+      if (v * kLanes < cols)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
+                            mha_tiles::to_bf16(x[r][v]));
 }
 using PvFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, uint16_t*, int64_t,
                       int64_t);
