@@ -310,8 +310,7 @@ class MultiHeadAttention(nn.Module):
                 mask=mask, causal=causal, key_lengths=key_lengths, window=window,
                 need_weights=need_weights or rec.on, backend=backend, cache=cache,
                 cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants)) is None:
-            return fused_forward(query, self.in_proj.weight, self.in_proj.bias,
-                                 self.out_proj.weight, self.out_proj.bias, self.num_heads,
+            return fused_forward(query, *self._fused_weights(), self.num_heads,
                                  self.head_dim ** -0.5, self.frozen)  # (B, T, d_model)
         q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
         want_weights = need_weights or rec.on  # a trace records the weights too
@@ -371,6 +370,12 @@ class MultiHeadAttention(nn.Module):
         self.frozen = None
         return self
 
+    def _fused_weights(self) -> tuple:
+        """``(W_qkv, b_qkv, W_O, b_O)``, what the fused forward reads (packed weight only); each
+        submodule looked up once (nn.Module's ``__getattr__`` is ~0.3 us a lookup)."""
+        inp, out = self.in_proj, self.out_proj
+        return inp.weight, inp.bias, out.weight, out.bias
+
     def _why_not_fused(self, query, self_attention: bool, call: dict) -> str | None:
         """Why this call runs step by step rather than in the fused forward (bf16 or fp32,
         :mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
@@ -386,8 +391,7 @@ class MultiHeadAttention(nn.Module):
         if on:
             return (f"the fused forward has no {', '.join(sorted(on))} (masks, modes, dropout, "
                     f"weights and score variants run step by step)")
-        params = (self.in_proj.weight, self.in_proj.bias, self.out_proj.weight,
-                  self.out_proj.bias)
+        params = self._fused_weights()
         if torch.is_grad_enabled() and (query.requires_grad or any(
                 p is not None and p.requires_grad for p in params)):
             return "a gradient is needed (the fused forward is for inference)"
