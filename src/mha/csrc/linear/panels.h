@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -40,13 +40,63 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The same for a 16 x 16 block of 32-bit words: 16 rows of 64 bytes (whole cache lines) in,
+// 16 out, 64 shuffles (transpose8: 96 per 1 KB, half lines). Measured by
+// benchmarks/probes/pack_micro.cpp (docs/module.md, "Where the fused call's time goes").
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4 i + c], lane L: column 4 L + c of rows 4 i .. 4 i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)  // t[8 i + c]: columns c and 8 + c of rows 8 i .. 8 i + 7
+    for (int c = 0; c < 4; ++c) {  // (lanes: c rows 0-3, 8 + c rows 0-3, c rows 4-7, ...)
+      t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {  // columns c and 8 + c of all 16 rows
+    _mm512_storeu_si512(dst + c * ldd, _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * ldd, _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// out[k][j] = src[j lds + k] for j < cols (cols % 16 == 0) and k < K16 = K rounded down to 16,
+// 32-bit words, out's rows 64 words apart; returns K16. By 16 x 16 blocks, 16 rows of src at a
+// time, each read along K with the line 4 ahead prefetched (rows 1 KB apart: 16 streams).
+inline int64_t pack_words16(const float* src, int64_t lds, int64_t cols, int64_t K, float* out) {
+  const int64_t k16 = K / 16 * 16;
+  for (int64_t j = 0; j < cols; j += 16)
+    for (int64_t k = 0; k < k16; k += 16) {
+      if (k + 64 < k16)
+        for (int i = 0; i < 16; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(src + (j + i) * lds + k + 64), _MM_HINT_T0);
+      transpose16(src + j * lds + k, lds, out + k * kPanel + j, kPanel);
+    }
+  return k16;
+}
+#endif
+
 // dst (K, 64) = panel p of W^T in fp32, zero past N: dst[k][j] = W(64 p + j, k) with W(n, k) =
-// w[n sn + k sk]. In 64-wide K blocks; a contiguous last dim (sk == 1) moves 8 x 8 blocks
+// w[n sn + k sk]. A contiguous last dim (sk == 1) moves 16 x 16 (pack_words16) or 8 x 8 blocks
 // through registers, anything else goes element by element.
 inline void pack_panel_f32(const float* w, int64_t N, int64_t K, int64_t sn, int64_t sk,
                            int64_t p, float* dst) {
   const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-  for (int64_t k0 = 0; k0 < K; k0 += kPanel) {
+  int64_t kd = 0;  // k below kd: done by pack_words16
+#if defined(__AVX512F__)
+  if (sk == 1 && cols % 16 == 0) kd = pack_words16(w + n0 * sn, sn, cols, K, dst);
+#endif
+  for (int64_t k0 = kd; k0 < K; k0 += kPanel) {  // in 64-wide K blocks
     const int64_t k1 = std::min(K, k0 + kPanel);
     int64_t kv = k0;  // k below kv: done by 8 x 8 blocks
 #if defined(__AVX2__)
@@ -58,20 +108,25 @@ inline void pack_panel_f32(const float* w, int64_t N, int64_t K, int64_t sn, int
 #endif
     for (int64_t k = kv; k < k1; ++k)
       for (int64_t j = 0; j < cols; ++j) dst[k * kPanel + j] = w[(n0 + j) * sn + k * sk];
-    for (int64_t k = k0; k < k1; ++k)
-      for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
   }
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = cols; j < kPanel; ++j) dst[k * kPanel + j] = 0.f;
 }
 
 // dst (K2, 64, 2) = panel p of W^T as bf16 pairs, zero past N: dst[k2][j][e] = W(64 p + j,
 // 2 k2 + e) with W(n, k) = w[n sn + k]. A pair is 32 bits, so this is the fp32 packing of
-// the (N, K2) matrix of pairs (8 x 8 register transposes of bits, never computed on).
+// the (N, K2) matrix of pairs (register transposes of bits, never computed on).
 inline void pack_panel_bf16(const uint16_t* w, int64_t N, int64_t K2, int64_t sn, int64_t p,
                             uint16_t* dst) {
   const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
   const uint32_t* src = reinterpret_cast<const uint32_t*>(w + n0 * sn);  // pairs, row sn / 2
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   int64_t k = 0;
+#if defined(__AVX512F__)
+  if (cols % 16 == 0)
+    k = pack_words16(reinterpret_cast<const float*>(src), sn / 2, cols, K2,
+                     reinterpret_cast<float*>(out));
+#endif
 #if defined(__AVX2__)
   if (cols % 8 == 0)
     for (; k + 8 <= K2; k += 8)

@@ -40,7 +40,9 @@ template <typename E>
 constexpr int64_t kStep = std::is_same_v<E, float> ? 1 : 2;
 
 // out[r][0, cols) for R rows = bias + sum_k A(r, k) panel[k] (bf16: rounded once); bias (64,)
-// fp32 or null. K: steps of the reduction (bf16: pairs).
+// fp32 or null. K: steps of the reduction (bf16: pairs). The stores are unrolled (a branch per
+// 16 columns): a loop bounded by cols made the compiler keep all 24 accumulators in a stack
+// array (stored after the K loop, reloaded to round and store).
 template <int R, typename E>
 void tile(const E* a, int64_t lda, const E* panel, int64_t K, const float* bias, E* out,
           int64_t ldo, int64_t cols) {
@@ -57,9 +59,11 @@ void tile(const E* a, int64_t lda, const E* panel, int64_t K, const float* bias,
       for (int v = 0; v < 4; ++v) bv[v] = _mm512_loadu_ps(panel + k * kPanel + v * kLanes);
       mha_tiles::acc_rank1(x, bv, a + k, lda);
     }
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4 && v * kLanes < cols; ++v)
-        _mm512_storeu_ps(out + r * ldo + v * kLanes, x[r][v]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v)
+        if (v * kLanes < cols) _mm512_storeu_ps(out + r * ldo + v * kLanes, x[r][v]);
   } else {
 #if defined(__AVX512BF16__)
     for (int64_t k = 0; k < K; ++k) {
@@ -69,10 +73,13 @@ void tile(const E* a, int64_t lda, const E* panel, int64_t K, const float* bias,
         bv[v] = (__m512bh)_mm512_loadu_si512(panel + (k * kPanel + v * kLanes) * 2);
       mha_tiles::acc_rank2_bf16(x, bv, a + 2 * k, lda);
     }
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r)  // one rounding per output
-      for (int v = 0; v < 4 && v * kLanes < cols; ++v)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
-                            mha_tiles::to_bf16(x[r][v]));
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v)
+        if (v * kLanes < cols)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
+                              mha_tiles::to_bf16(x[r][v]));
 #else
     static_assert(std::is_same_v<E, float>, "bf16 rows need AVX512_BF16");
 #endif
@@ -90,17 +97,27 @@ constexpr TileFn<E> kTiles[kTileRows + 1] = {nullptr,        &tile<1, E>, &tile<
 // out (R, N, row stride ldo) = A (R, K) W^T + bias (bf16: rounded once) from W's packed panels
 // wp (P, K, 64) fp32 or (P, K2, 64, 2) bf16, K counting steps (bf16: pairs); bias fp32
 // (P 64,) zero-padded, or null. N % 16 == 0.
+//
+// The R rows are split evenly over the fewest tiles of at most 6 rows (80 rows: ten of 6 and
+// four of 5, not thirteen of 6 and one of 2): a 2-row tile has 8 accumulator chains, too few
+// to cover vdpbf16ps's / FMA's latency, and took as long as half a 6-row tile for a third of its
+// work. Each output is the same sum either way (same bias, same K order): the same bits.
 template <typename E>
 void project(int64_t R, int64_t N, int64_t K, const E* a, int64_t lda, const E* wp,
              const float* bias, E* out, int64_t ldo) {
+  if (R <= 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t tiles = (R + kTileRows - 1) / kTileRows;
+  const int64_t base = R / tiles, extra = R % tiles;  // the first `extra` tiles: base + 1 rows
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
     const E* panel = wp + p * K * kPanel * kStep<E>;
-    for (int64_t m0 = 0; m0 < R; m0 += kTileRows)
-      kTiles<E>[std::min<int64_t>(kTileRows, R - m0)](a + m0 * lda, lda, panel, K,
-                                                      bias ? bias + n0 : nullptr,
-                                                      out + m0 * ldo + n0, ldo, cols);
+    for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+      const int64_t rows = base + (t < extra ? 1 : 0);
+      kTiles<E>[rows](a + m0 * lda, lda, panel, K, bias ? bias + n0 : nullptr,
+                      out + m0 * ldo + n0, ldo, cols);
+      m0 += rows;
+    }
   }
 }
 

@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,7 @@
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/gemm_tiles.h"
@@ -121,10 +123,13 @@ void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2
       bv[v] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + v * kLanes);
     mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4 && v * kLanes < cols; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
-                          mha_tiles::to_bf16(x[r][v]));
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)  // unrolled: from registers, not a stack array (rows.h)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v)
+      if (v * kLanes < cols)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + v * kLanes),
+                            mha_tiles::to_bf16(x[r][v]));
 }
 using PvFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, uint16_t*, int64_t,
                       int64_t);
@@ -170,6 +175,44 @@ void pv_bf16(int64_t T, int64_t d, const uint16_t* v, int64_t ld, const float* i
 }
 #endif  // MHA_GEMM_BF16
 
+// S^T (T keys, Tp = 16 NV queries, row stride Tp) = K Q^T: K's rows ld elements apart, Q^T
+// (dw, Tp) words (qt); dw reduction steps (bf16: pairs). The T rows are split evenly over the
+// fewest register tiles of at most 24 / NV rows (24 accumulators; at most 12 rows): T = 20,
+// Tp = 32 makes two tiles of 10 x 2 vectors, where gemm's 6-row tiles made 6 + 6 + 6 + 2 and
+// the 2-row tile's 4 accumulator chains waited on vdpbf16ps's latency. The same sums: fp32 in
+// blocks of kDotBlock products (gemm_scores' rule, the flash kernels' S), bf16 pairs in order.
+template <int NV, typename E, std::size_t... R>
+constexpr std::array<mha_gemm::TileFn<E>, sizeof...(R) + 1> score_tiles(
+    std::index_sequence<R...>) {
+  return {nullptr, &mha_gemm::tile<int(R) + 1, NV, E, std::is_same_v<E, float>>...};
+}
+template <int NV, typename E>
+constexpr int kScoreRows = std::min(12, 24 / NV);
+template <int NV, typename E>
+constexpr auto kScoreTiles = score_tiles<NV, E>(std::make_index_sequence<kScoreRows<NV, E>>());
+
+template <int NV, typename E>
+void scores_nv(int64_t T, int64_t dw, const E* k, int64_t ld, const E* qt, float* st) {
+  constexpr int64_t Tp = NV * kLanes;
+  const int64_t tiles = (T + kScoreRows<NV, E> - 1) / kScoreRows<NV, E>;
+  const int64_t base = T / tiles, extra = T % tiles;  // the first `extra` tiles: base + 1 rows
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t rows = base + (t < extra ? 1 : 0);
+    kScoreTiles<NV, E>[rows](k + m0 * ld, ld, 1, qt, Tp, dw, st + m0 * Tp, Tp, false);
+    m0 += rows;
+  }
+}
+
+template <typename E>
+void scores(int64_t T, int64_t Tp, int64_t dw, const E* k, int64_t ld, const E* qt, float* st) {
+  switch (Tp / kLanes) {
+    case 1: return scores_nv<1, E>(T, dw, k, ld, qt, st);
+    case 2: return scores_nv<2, E>(T, dw, k, ld, qt, st);
+    case 3: return scores_nv<3, E>(T, dw, k, ld, qt, st);
+    default: return scores_nv<4, E>(T, dw, k, ld, qt, st);  // Tp <= kMaxT = 64
+  }
+}
+
 // One head of one batch row: q, k, v its (T, d) rows ld elements apart; out (T, d) rows ldo
 // apart, softmax(scale q k^T) v (bf16: P and O rounded as above; fp32: no rounding but fp32's).
 template <typename E>
@@ -185,7 +228,7 @@ void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, 
     for (int64_t c = 0; c < dw; c += 8)
       mha_panels::transpose8(qw + j * ldw + c, ldw, reinterpret_cast<float*>(qt + c * Tp + j), Tp);
   float* st = sc.st.get();  // S^T (T keys, Tp queries)
-  mha_gemm::gemm_scores<E>(T, Tp, dw, k, ld, 1, reinterpret_cast<const E*>(qt), Tp, st, Tp);
+  scores<E>(T, Tp, dw, k, ld, reinterpret_cast<const E*>(qt), st);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(scale * kLog2e);
   alignas(64) float iv_of[kMaxT];  // 1 / sum per query
