@@ -18,8 +18,8 @@ constexpr float kWideLogit = 16777216.f;  // 2^24
 // Whether a row that the float softmax left with max m and sum l is run again by the wide
 // softmax (softmax_wide): a max at or beyond kWideLogit, or +-inf (the row's answer is NaN
 // then either way), a non-finite sum with a finite max, or no visible logit where a finite
-// score may have overflowed s c (can_overflow: a score variant on, or c > 1). A NaN max: the
-// row is NaN whichever way it is computed.
+// score may have overflowed s c (can_overflow: a score variant on, or c > 1, and the row has
+// keys before its bool mask). A NaN max: the row is NaN whichever way it is computed.
 inline bool needs_wide(float m, float l, bool can_overflow) {
   if (std::isnan(m)) return false;
   if (m == kNegInf) return can_overflow;
@@ -123,7 +123,8 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
   const bool can_overflow = P.mods.on_scores() || std::fabs(c) > 1.f;
   bool wide = false;
   for (int r = 0; r < rows && !wide; ++r)
-    wide = needs_wide(m[r], K::row_sum(lsum + r * kLanes), can_overflow);
+    wide = needs_wide(m[r], K::row_sum(lsum + r * kLanes),
+                      can_overflow && P.key_limit(b, i0 + r) > P.key_start(i0 + r));
   if (wide) {
     wide_m_ = sc.wm.get(rows);
     wide_l_ = sc.wl.get(rows);
