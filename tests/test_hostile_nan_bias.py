@@ -56,7 +56,8 @@ def _inputs(B, h, Tq, Tk, d, dtype, seed):
 
 def bias_oracle(q, k, v, bias, scale, causal=False):
     """``(out, lse)`` in float64 of ``softmax(fl32(scale q k^T + bias)) v`` over the visible
-    keys (bottom-right causal). q ``(B, h, Tq, d)``, k/v ``(B, h, Tk, d)``, bias ``(B, h, Tq, Tk)``."""
+    keys (bottom-right causal). q ``(B, h, Tq, d)``, k/v ``(B, h, Tk, d)``, bias
+    ``(B, h, Tq, Tk)``."""
     Tq, Tk = q.shape[2], k.shape[2]
     s = (q.double() @ k.double().transpose(-2, -1)) * scale  # (B, h, Tq, Tk)
     x = (s.float() + bias.float()).double()  # (B, h, Tq, Tk): the sum rounded as the inputs' math
@@ -106,7 +107,7 @@ def test_backward_huge_bias(value):
             out = torch.softmax(x, -1) @ vv.double()  # (B, h, Tq, d)
         (out.double() * go.double()).sum().backward()
         grads[name] = [t.grad for t in leaves]
-    for what, a, b in zip("q k v bias".split(), grads["kernel"], grads["oracle"]):
+    for what, a, b in zip("q k v bias".split(), grads["kernel"], grads["oracle"], strict=True):
         assert torch.isfinite(a).all(), f"d{what} not finite"
         err = (a.double() - b.double()).abs().max().item()
         assert err <= 2e-5, f"d{what}: error {err:.3e}"
