@@ -215,13 +215,26 @@ def flash_attention_bwd(grad_out: torch.Tensor | None, grad_lse: torch.Tensor | 
     float32 ``(B, h, Tq|1, Tk|1)``, the bias's gradient before the sum over its broadcast batch
     and head dims; else an empty tensor. ``plan``, ``plan_bits``: a block plan as in the
     forward, or None."""
-    if load_backward() is None:
+    if load_backward() is None and not _wide_rows(lse).any():
         return torch.ops.mha.flash_attention_bwd_fused(
             grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask, causal, scale, window,
             softcap, sinks, bias, alibi, bias_grad, plan, plan_bits)
     return flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths, mask,
                                      causal, scale, window, softcap, sinks, bias, alibi,
                                      bias_grad, plan, plan_bits)
+
+
+# |lse| from which a row's P is not recomputed as exp(S - lse): the forward took such a row's
+# softmax in double (csrc/flash/key_loop.h, kWideLogit: 2^24 in base 2), and past ~2^50 the
+# double lse = m + log l no longer holds log l (P would lose the factor 1 / l) nor, once
+# |lse| log2 e overflows float, anything. Such rows take flash_attention_bwd_torch's exact
+# per-row softmax instead.
+_WIDE_LSE = 2.0 ** 24 * math.log(2.0)
+
+
+def _wide_rows(lse: torch.Tensor) -> torch.Tensor:
+    """``(B, h, Tq)`` bool: the rows whose lse is finite and at least ``_WIDE_LSE`` in size."""
+    return torch.isfinite(lse) & (lse.abs() >= _WIDE_LSE)
 
 
 def _no_double_backward(ctx, *grads):
@@ -271,6 +284,7 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
     k_safe = torch.where(torch.isfinite(kf), kf, 0.0)  # (B, h_kv, Tk, d_k), for dq = dS K
     lse_safe = torch.where(q_finite & (lse != float("inf")), lse.to(f32), float("nan"))
     lse_safe = lse_safe.masked_fill(lse == float("-inf"), float("inf"))  # empty rows: P = 0
+    wide = _wide_rows(lse)  # (B, h, Tq): P from the row's own softmax (see _WIDE_LSE)
     if window:  # rows <= w: a chunk reads at most rows + w - 1 < 2 w keys
         rows = max(1, min(Tq, window, _CHUNK_ELEMENTS // max(1, B * h * min(Tk, 2 * window))))
     else:
@@ -303,6 +317,9 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
                                  plan, plan_bits)
         if allowed is not None:
             p = p.masked_fill(~allowed, 0.0)
+        if wide[:, :, i0:i1].any():
+            p = torch.where(wide[:, :, i0:i1, None] & q_finite[:, :, i0:i1, None],
+                            _wide_softmax(s, allowed, sinks), p)  # (B, h, C, n)
         p_g = p.view(B, h_kv, g * C, n)  # (B, h, C, n) -> (B, h_kv, g*C, n)
         dv[:, :, j0:j1] += p_g.transpose(-2, -1) @ do_c  # (B, h_kv, n, d_v)
         dp = (do_c @ v_c.transpose(-2, -1)).view(B, h, C, n)  # (B, h, C, n)
@@ -321,6 +338,25 @@ def flash_attention_bwd_torch(grad_out, grad_lse, q, k, v, out, lse, key_lengths
         dq[:, :, i0:i1] = (ds @ k_safe[:, :, j0:j1]).view(B, h, C, d_k) * scale  # (B, h, C, d_k)
         dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ q_c) * scale  # (B, h_kv, n, d_k)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db
+
+
+def _wide_softmax(s: torch.Tensor, allowed: torch.Tensor | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """``P`` ``(B, h, C, n)`` float32 of a chunk's scores ``s`` in float64, each row over the keys
+    it may attend (``allowed``, None: all), its sink (``(h,)`` or None) in the denominator:
+    exact for finite scores of any size (rows whose lse is too large to recompute P from)."""
+    s64 = s.double()  # (B, h, C, n)
+    if allowed is not None:
+        s64 = s64.masked_fill(~allowed, float("-inf"))
+    m = s64.amax(-1, keepdim=True)  # (B, h, C, 1)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.double().view(1, -1, 1, 1))
+    m = torch.where(torch.isinf(m), 0.0, m)  # no visible key (and no sink): P = 0 below
+    e = torch.exp(s64 - m)  # (B, h, C, n)
+    den = e.sum(-1, keepdim=True)  # (B, h, C, 1)
+    if sinks is not None:
+        den = den + torch.exp(sinks.double().view(1, -1, 1, 1) - m)
+    return (e / den).float()
 
 
 @flash_attention_bwd.register_fake

@@ -47,9 +47,9 @@ void pv_portable(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, 
     }
 }
 
-// Row max, then s <- 2^(s - max) in place; returns (max, sum). Entries at -inf become 0; a
-// NaN entry makes the max, every entry and the sum NaN.
-std::pair<float, float> softmax_portable(float* s, int64_t n) {
+// Row max, then s <- 2^((s - max) unit) in place (unit: Problem::unit); returns (max, sum).
+// Entries at -inf become 0; a NaN entry makes the max, every entry and the sum NaN.
+std::pair<float, float> softmax_portable(float* s, int64_t n, float unit) {
   float m = kNegInf, l = 0.f;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   // std::max drops NaN; next to a finite score a NaN one still gives a NaN weight and sum.
@@ -58,7 +58,7 @@ std::pair<float, float> softmax_portable(float* s, int64_t n) {
     for (int64_t j = 0; j < n; ++j)
       if (std::isnan(s[j])) m = s[j];
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = (s[j] == kNegInf) ? 0.f : std::exp2(s[j] - m);
+    s[j] = (s[j] == kNegInf) ? 0.f : std::exp2((s[j] - m) * unit);
     l += s[j];
   }
   return {m, l};
@@ -428,7 +428,7 @@ void pv_vec(const float* p, int64_t G, int64_t n, const T* v, int64_t vst, int64
 
 using mha_exp2::exp2_avx512;  // 2^x, shared with the flash kernels
 
-std::pair<float, float> softmax_vec(float* s, int64_t n) {
+std::pair<float, float> softmax_vec(float* s, int64_t n, float unit) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 mx = ninf;
   for (int64_t j = 0; j < n; j += 16)
@@ -451,7 +451,7 @@ std::pair<float, float> softmax_vec(float* s, int64_t n) {
     // below 2^-125 (relative to the row max) the weight is flushed to an exact 0: -inf
     // (masked) keys, and no denormal results, which can cost floating-point assists; NaN
     // (a NaN max) stays NaN
-    const __m512 dx = _mm512_sub_ps(x, vm);
+    const __m512 dx = _mm512_mul_ps(_mm512_sub_ps(x, vm), _mm512_set1_ps(unit));
     const __mmask16 live = _mm512_mask_cmp_ps_mask(mk, dx, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_avx512(dx));
     _mm512_mask_storeu_ps(s + j, mk, e);
@@ -491,11 +491,11 @@ inline void pv(const float* p, int64_t G, int64_t n, const KV* v, int64_t vst, i
 }
 
 template <bool kVec>
-inline std::pair<float, float> softmax2(float* s, int64_t n) {
+inline std::pair<float, float> softmax2(float* s, int64_t n, float unit) {
 #ifdef __AVX512F__
-  if constexpr (kVec) return softmax_vec(s, n);
+  if constexpr (kVec) return softmax_vec(s, n, unit);
 #endif
-  return softmax_portable(s, n);
+  return softmax_portable(s, n, unit);
 }
 
 }  // namespace

@@ -245,7 +245,7 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   }
   const KV* K = static_cast<const KV*>(P.k);
   const KV* V = static_cast<const KV*>(P.v);
-  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in base-2 units, one contiguous run of
+  // scores (G, n) = q (G, d_k) @ k[j0:j1]^T (d_k, n), in P.unit units, one contiguous run of
   // keys at a time (the whole split without pages; a page at most with them)
   for (int64_t j = j0; j < j1;) {
     const int64_t e = run_end(P, j, j1);
@@ -269,7 +269,7 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
   for (int64_t r = 0; r < G; ++r) {  // variants; masks -> -inf; then max, 2^(s - max), sum
     float* s = scores + r * kChunk;
     const int64_t head = kvh * P.g + r / P.Tq, i = r % P.Tq;
-    if (P.variants) apply_variants(P, b, head, i, j0, n, Tk, s);  // now in base 2
+    if (P.variants) apply_variants(P, b, head, i, j0, n, Tk, s);  // natural-log units
     if (P.causal) {
       const int64_t last = i + Tk - P.Tq;  // query i sees keys j <= last
       for (int64_t j = std::max(j0, last + 1); j < j1; ++j) s[j - j0] = kNegInf;
@@ -279,7 +279,7 @@ void split_item(const Problem& P, int64_t b, int64_t kvh, int64_t j0, int64_t j1
       for (int64_t j = j0; j < j1; ++j)
         if (!mr[j * P.msk]) s[j - j0] = kNegInf;
     }
-    std::tie(m[r], l[r]) = softmax2<kVec>(s, n);
+    std::tie(m[r], l[r]) = softmax2<kVec>(s, n, P.unit);
     any = any || l[r] != 0.f;  // NaN too
   }
   // O (G, d_v) = p (G, n) @ v[j0:j1] (n, d_v), run by run (pv accumulates into O)
@@ -317,15 +317,16 @@ void merge_group(const Problem& P, const Partials& part, int64_t bh, float* acc,
     }
     std::fill(acc, acc + P.dv, 0.f);
     float Ls = 0.f;
-    if (P.mods.sinks && Mx != kNegInf) {  // the sink's logit, base 2; the max over keys and sink
-      const float sink = P.mods.sink_log2((bh % P.h_kv) * P.g + r / P.Tq);
+    if (P.mods.sinks && Mx != kNegInf) {  // the sink's logit in M's units; the max over keys
+      const int64_t head = (bh % P.h_kv) * P.g + r / P.Tq;  // and sink
+      const float sink = P.unit == 1.f ? P.mods.sink_log2(head) : P.mods.sinks[head];
       if (!std::isnan(Mx)) Mx = std::isnan(sink) ? sink : std::max(Mx, sink);
-      Ls = std::exp2(sink - Mx);
+      Ls = std::exp2((sink - Mx) * P.unit);
     }
     for (int64_t s = 0; Mx != kNegInf && s < P.S; ++s) {  // Mx: -inf only without keys
       const int64_t at = (bh * P.S + s) * P.G + r;
       if (part.L[at] == 0.f) continue;
-      const float w = std::exp2(part.M[at] - Mx);
+      const float w = std::exp2((part.M[at] - Mx) * P.unit);
       Ls += part.L[at] * w;
       const float* o = part.O + at * P.dv;
       for (int64_t c = 0; c < P.dv; ++c) acc[c] += w * o[c];
@@ -438,6 +439,7 @@ at::Tensor run(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
   }
   P.variants = P.mods.on_scores();
   P.qk_scale = static_cast<float>(scale) * (P.variants ? 1.f : kLog2e);
+  P.unit = P.variants ? kLog2e : 1.f;
 
   // partials in one buffer: O (B, h_kv, S, G, d_v), then M and L (B, h_kv, S, G) each
   const int64_t rows = P.B * P.h_kv * P.S * P.G;

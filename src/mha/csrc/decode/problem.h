@@ -33,8 +33,13 @@ struct Problem {
   bool causal;
   bool amx;  // bf16 q.k on AMX tiles (see qk_amx)
   // The q.k paths leave qk_scale * (q . k) in the score block: scale * log2(e) (base 2, the
-  // softmax's units) without variants; scale with them (decode/variants.h goes to base 2).
+  // softmax's units) without variants; scale with them (the variants' natural-log units).
   float qk_scale;
+  // The softmax's weights are 2^((s - max) unit): 1 for base-2 scores (no variants); log2(e)
+  // for the variants' natural-log scores, so that the row's max is subtracted before the
+  // product (a bias of -1e6 costs no weight 6% through fl(s log2 e), and one of -3e38 does not
+  // overflow it to -inf). The maxima M of the splits are in the same units.
+  float unit;
   // Score variants (decode/variants.h), each optional.
   bool variants;                // softcap, bias or alibi present: apply_variants runs on every row
   mha_common::ScoreMods mods;   // the flash kernel's (common/score_mods.h)

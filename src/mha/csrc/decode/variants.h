@@ -1,15 +1,15 @@
 // The score variants of the decode kernel (mha/scores.py's order), applied to one row of a
 // split's fp32 score block between q.k and the masks. One helper for every q.k path (portable,
-// AVX-512, AMX): they all leave scale * (q . k) in the block, this turns it into base 2.
+// AVX-512, AMX): they all leave scale * (q . k) in the block. The result stays in natural-log
+// units: the softmax multiplies by log2(e) after subtracting the row's max (Problem::unit).
 //
 //   s  = scale * (q_i . k_j)                      (from qk / qk_amx: P.qk_scale = scale)
 //   s  = softcap * tanh(s / softcap)              softcap
 //   s  = s + bias[b, head, i, j]                  bias, read through its strides (0: broadcast)
 //   s  = s - slope[b, head] * (i + Tk - Tq - j)   ALiBi, the distance computed here (Tk: the
 //                                                 row's length when K/V are paged)
-//   s2 = s * log2(e)                              the kernel's softmax is in base 2
 //
-// The sink is not a score of any key: merge_group adds 2^(sink * log2(e) - M) to each row's
+// The sink is not a score of any key: merge_group adds e^(sink - M) to each row's
 // denominator once, after the splits are combined.
 #pragma once
 
@@ -27,7 +27,6 @@ namespace {
 inline void apply_variants(const Problem& P, int64_t b, int64_t head, int64_t i, int64_t j0,
                            int64_t n, int64_t Tk, float* s) {
   P.mods.apply_row(s, n, b, head, i, j0, P.Tq, Tk, 1.f);
-  for (int64_t t = 0; t < n; ++t) s[t] *= kLog2e;
 }
 
 }  // namespace

@@ -27,6 +27,8 @@
 //      non-finite, its query block is run again with those products skipped (the exact pass,
 //      Worker::key_loop): all-finite inputs never take it.
 //   3. A row that may attend no key returns zeros and lse -inf, whatever q_i holds.
+//   4. Finite scores, however large (a bias of -1e10 or -3e38), give the math's answer: rows
+//      beyond the float softmax's reach run again with the wide softmax (key_loop.h).
 //   (Known gap: a row whose visible scores are all -inf, from an Inf in K, returns zeros and
 //   lse -inf, where IEEE softmax gives NaN: the kernels tell "no key" by a zero sum.)
 //

@@ -7,6 +7,25 @@
 namespace mha_flash {
 namespace {
 
+// Logits (base 2) from which a row's float softmax may go wrong: P = 2^(fma(s, c, -m)) with
+// m = fl(max s c) leaves every P of the row scaled by 2^(the max's rounding error), up to
+// half an ulp of m: harmless below 2^24 (at most 2^0.5, and common to the row, so O / l and
+// lse are unchanged), an overflow to inf (NaN rows) or to 0 (zero rows) beyond ~2^31; and s c
+// itself overflows to -inf (taken for "masked") for |s c| > FLT_MAX. Only a huge bias or
+// ALiBi slope, or huge q and k, bring a row there.
+constexpr float kWideLogit = 16777216.f;  // 2^24
+
+// Whether a row that the float softmax left with max m and sum l is run again by the wide
+// softmax (softmax_wide): a max at or beyond kWideLogit, or +-inf (the row's answer is NaN
+// then either way), a non-finite sum with a finite max, or no visible logit where a finite
+// score may have overflowed s c (can_overflow: a score variant on, or c > 1, and the row has
+// keys before its bool mask). A NaN max: the row is NaN whichever way it is computed.
+inline bool needs_wide(float m, float l, bool can_overflow) {
+  if (std::isnan(m)) return false;
+  if (m == kNegInf) return can_overflow;
+  return !(std::fabs(m) < kWideLogit) || !std::isfinite(l);
+}
+
 template <class K, typename T, class Parts>
 void Worker<K, T, Parts>::zero_rows(int64_t b, int64_t hq, int64_t i0, int64_t i1) const {
   // no key: zeros; the log-sum-exp is the sink's logit (the only term left), else -inf
@@ -98,6 +117,23 @@ void Worker<K, T, Parts>::query_block(int64_t b, int64_t hq, int64_t i0, int64_t
     const float l = K::row_sum(lsum + r * kLanes);
     redo = !std::isnan(l) && !mha_finite::all_finite(o + r * dvp, P.dv);
   }
+  // A row of huge logits (needs_wide): the block runs again with the wide softmax, its
+  // products as the exact pass takes them. Finite logits of ordinary size never get here.
+  const float c = P.mods.score_scale(P.scale) * kLog2e;
+  const bool can_overflow = P.mods.on_scores() || std::fabs(c) > 1.f;
+  bool wide = false;
+  for (int r = 0; r < rows && !wide; ++r)
+    wide = needs_wide(m[r], K::row_sum(lsum + r * kLanes),
+                      can_overflow && P.key_limit(b, i0 + r) > P.key_start(i0 + r));
+  if (wide) {
+    wide_m_ = sc.wm.get(rows);
+    wide_l_ = sc.wl.get(rows);
+    m_base_ = m;
+    key_loop(b, i0, rows, rp, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits, true);
+    finish_wide(b, hq, i0, rows, o);
+    wide_m_ = wide_l_ = nullptr;
+    return;
+  }
   if (redo)
     key_loop(b, i0, rows, rp, jlo, kend, mrow0, q, kt, vp, s, p, o, m, alpha, lsum, bits, true);
   for (int r = 0; r < rows; ++r) {  // O / l and the log-sum-exp
@@ -127,6 +163,10 @@ void Worker<K, T, Parts>::key_loop(int64_t b, int64_t i0, int rows, int rp, int6
   std::fill(m, m + rows, kNegInf);
   std::fill(lsum, lsum + rows * kLanes, 0.f);
   std::fill(o, o + rp * dvp, 0.f);
+  if (wide_m_) {
+    std::fill(wide_m_, wide_m_ + rows, double(kNegInf));
+    std::fill(wide_l_, wide_l_ + rows, 0.0);
+  }
 #if defined(MHA_FLASH_AMX)
   if constexpr (K::kAmx) {
     if (!exact) {
@@ -222,6 +262,12 @@ template <class K, typename T, class Parts>
 template <int NV, int RS>
 void Worker<K, T, Parts>::softmax(bool unmasked, const float* s, const int* nvalid, const uint16_t* bits, float c,
              float* m, float* lsum, float* alpha, p_t* p) const {
+  if (wide_m_) {
+    for (int r = 0; r < RS; ++r)
+      softmax_wide<NV>(s + r * Nb, nvalid[r], bits ? bits + r * kMaxVecsPerBlock : nullptr, c,
+                       m + r - m_base_, alpha[r], p + r * Nb);
+    return;
+  }
 #if defined(__AVX512F__)
   if constexpr (K::kLazySoftmax) {
     if (c > 0.f) {
@@ -237,6 +283,67 @@ void Worker<K, T, Parts>::softmax(bool unmasked, const float* s, const int* nval
 #endif
   K::template softmax_rows<NV, RS>(s, Nb, nvalid, bits, kMaxVecsPerBlock, c, m, lsum, alpha,
                                    p, Nb);
+}
+
+template <class K, typename T, class Parts>
+template <int NV>
+void Worker<K, T, Parts>::softmax_wide(const float* s, int nvalid, const uint16_t* bits, float,
+                                       int64_t r, float& alpha, p_t* p) const {
+  constexpr int W = NV * kLanes;
+  const double u = P.mods.score_scale(P.scale);  // natural-log logits x = s u
+  double x[W];
+  double mb = kNegInf;
+  bool nan = false;
+  for (int n = 0; n < W; ++n) {
+    const bool ok = n < nvalid && (!bits || ((bits[n / kLanes] >> (n % kLanes)) & 1));
+    x[n] = ok ? double(s[n]) * u : double(kNegInf);  // exact: 24 x 24 bits
+    if (std::isnan(x[n])) nan = true;
+    else mb = std::max(mb, x[n]);
+  }
+  double& m = wide_m_[r];
+  double& l = wide_l_[r];
+  const double mnew = nan || std::isnan(m) ? std::numeric_limits<double>::quiet_NaN()
+                                           : std::max(m, mb);
+  if (mnew == double(kNegInf)) {  // nothing visible yet in this row
+    alpha = 1.f;
+    for (int n = 0; n < W; ++n) p[n] = p_t(0);
+    return;
+  }
+  const double a = std::exp(m - mnew);  // m = -inf: 0; a +inf logit: NaN (so is the row)
+  alpha = float(a);
+  m = mnew;
+  double sum = l * a;
+  for (int n = 0; n < W; ++n) {
+    const double e = x[n] == double(kNegInf) ? 0.0 : std::exp(x[n] - mnew);
+    sum += e;
+    if constexpr (std::is_same_v<p_t, float>) {
+      p[n] = float(e);
+    } else {  // bf16 bits, rounded to nearest even (NaN kept NaN)
+      const float f = float(e);
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof(u));
+      p[n] = std::isnan(f) ? p_t(0x7FC0) : p_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  l = sum;
+}
+
+template <class K, typename T, class Parts>
+void Worker<K, T, Parts>::finish_wide(int64_t b, int64_t hq, int64_t i0, int rows,
+                                      const float* o) const {
+  for (int r = 0; r < rows; ++r) {  // as the float rows' O / l and lse, in double
+    double l = wide_l_[r], mr = wide_m_[r], inv = l != 0.0 ? 1.0 / l : 0.0;
+    if (P.mods.sinks && l != 0.0) {  // the sink joins the denominator: l e^m + e^sink
+      const double sk = P.mods.sinks[hq], mn = std::max(mr, sk);
+      const double shrink = std::exp(mr - mn);  // NaN m: stays NaN
+      l = l * shrink + std::exp(sk - mn);
+      inv = shrink / l;
+      mr = mn;
+    }
+    store_row(o + r * dvp, float(inv), P.out_row(b, hq, i0 + r));
+    const double none = P.mods.sinks ? P.mods.sinks[hq] : kNegInf;  // no key: the sink alone
+    P.lse_at(b, hq, i0 + r) = l != 0.0 ? mr + std::log(l) : none;
+  }
 }
 
 template <class K, typename T, class Parts>
@@ -287,7 +394,7 @@ void Worker<K, T, Parts>::key_block(int64_t b, int64_t i0, int rows, int64_t j0,
     // P with the stale max from the tiles' registers (the lazy softmax's fast path), then the
     // rows whose block sum passes the limit take the slow path from S (lazy_finish)
     const float c = P.mods.score_scale(P.scale) * kLog2e;
-    bool fused = c > 0.f && !P.mods.on_scores() && mrow0 == nullptr && pbits_ == nullptr &&
+    bool fused = c > 0.f && !wide_m_ && !P.mods.on_scores() && mrow0 == nullptr && pbits_ == nullptr &&
                  jn == NV * kLanes && j0 >= P.key_start(i0 + rows - 1) &&
                  j0 + jn <= P.key_limit(b, i0);
     for (int r = 0; r < rows && fused; ++r) fused = m[r] != kNegInf;

@@ -131,6 +131,7 @@ struct Scratch {
   Buffer<float> s, o, m, alpha, lsum, arun, psum;
   Buffer<typename K::p_t> p, prun;
   Buffer<uint16_t> bits;
+  Buffer<double> wm, wl;  // the wide softmax's running max and sum per row
   void trim() {
     kt.trim(kKeepBytes);
     v.trim(kKeepBytes);

@@ -26,6 +26,11 @@ struct Worker {
   // key block in flight when it is partial (row r of the query block at r * kPlanKeys), else null.
   const int32_t* prow_ = nullptr;
   const bool* pbits_ = nullptr;
+  // The wide softmax (softmax_wide), while a query block runs it: each row's running max
+  // (natural log units) and sum in double, row r at wide_m_[r], wide_l_[r], where r = (its m pointer) - m_base_.
+  double* wide_m_ = nullptr;
+  double* wide_l_ = nullptr;
+  const float* m_base_ = nullptr;
 
   Worker(const Problem<T>& p, Scratch<K>& scratch) : P(p), sc(scratch) {
     Nb = std::min<int64_t>(kMaxKeysPerBlock, round_up(std::max<int64_t>(P.Tk, 1), K::kKeyAlign));
@@ -84,6 +89,18 @@ struct Worker {
   // The online-softmax update of RS rows of one key block (rows of s and p are Nb long; bit
   // masks kMaxVecsPerBlock words per row). bf16 kernels: the one-pass softmax with lazy
   // rescaling (for scale > 0; the masked variant only where some lane may be masked).
+  // The online-softmax update of one row (row r of the query block) in double, for rows the
+  // float arithmetic cannot hold (needs_wide): the logits x = s * score_scale are exact
+  // products of two floats in double (natural log units, no log2 e), the max m is exactly the
+  // largest of them, and P = e^(x - m), so a finite logit of any magnitude gives the math's
+  // weights; lse = m + log l. Plain loops (hostile inputs only).
+  template <int NV>
+  void softmax_wide(const float* s, int nvalid, const uint16_t* bits, float c, int64_t r,
+                    float& alpha, p_t* p) const;
+
+  // O / l and lse of the rows of a query block that ran the wide softmax (rows from i0).
+  void finish_wide(int64_t b, int64_t hq, int64_t i0, int rows, const float* o) const;
+
   template <int NV, int RS>
   void softmax(bool unmasked, const float* s, const int* nvalid, const uint16_t* bits, float c,
                float* m, float* lsum, float* alpha, p_t* p) const;
