@@ -237,21 +237,21 @@ class Scheduler:
     def _preempt(self) -> None:
         """Free the request admitted last; it waits again (first in line) and will recompute
         its prompt and the tokens it generated."""
-        req = self.running.pop()
-        self.cache.free(req.seq)
-        req.seq, req.done = None, 0
-        self.waiting.insert(0, req)
+        self._wait_again(self.running.pop())
         self.preemptions += 1
 
     def _requeue_running(self) -> None:
-        """After a forward that did not finish: every running request is preempted (its
-        pages freed, first in line again, in order) and will recompute its prompt and the
-        tokens it generated, so :meth:`run` resumes to the same tokens."""
-        for req in reversed(self.running):
-            self.cache.free(req.seq)
-            req.seq, req.done = None, 0
-            self.waiting.insert(0, req)
-        self.running = []
+        """After a forward that did not finish: every running request waits again (in order,
+        first in line), so :meth:`run` resumes to the same tokens."""
+        while self.running:
+            self._wait_again(self.running.pop())
+
+    def _wait_again(self, req: Request) -> None:
+        """``req``'s pages freed; it waits first in line and will recompute its prompt and the
+        tokens it generated."""
+        self.cache.free(req.seq)
+        req.seq, req.done = None, 0
+        self.waiting.insert(0, req)
 
     def _step(self) -> None:
         self._admit()
