@@ -17,6 +17,35 @@ using mha_common::kLanes;
 
 #define MHA_TILE_INLINE __attribute__((always_inline)) inline
 
+// In place: rows r[0..15] of a 16 x 16 block of 32-bit words become its columns (64 shuffles;
+// fp32 here, bf16 pairs or any words in linear/panels.h).
+MHA_TILE_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // interleave row pairs: 2 x 2 blocks
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks within each 128-bit lane
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // u[4 i + k], lane L (128-bit): column 4 L + k of rows 4 i .. 4 i + 3.
+  for (int k = 0; k < 4; ++k) {  // gather the 128-bit lanes: first rows 0-7, then 8-15
+    const __m512 a0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);       // lanes 0, 2 | 0, 2
+    const __m512 a1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);       // lanes 1, 3 | 1, 3
+    const __m512 b0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 b1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(a0, b0, 0x88);       // lane 0: column k
+    r[8 + k] = _mm512_shuffle_f32x4(a0, b0, 0xDD);   // lane 2: column 8 + k
+    r[4 + k] = _mm512_shuffle_f32x4(a1, b1, 0x88);   // lane 1: column 4 + k
+    r[12 + k] = _mm512_shuffle_f32x4(a1, b1, 0xDD);  // lane 3: column 12 + k
+  }
+}
+
 template <int R, int NV>
 MHA_TILE_INLINE void acc_zero(__m512 (&acc)[R][NV]) {
 #pragma GCC unroll 16

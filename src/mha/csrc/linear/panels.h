@@ -12,6 +12,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "common/register_tiles.h"
 
 namespace mha_panels {
 namespace {
@@ -42,30 +43,14 @@ inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
 
 #if defined(__AVX512F__)
 // The same for a 16 x 16 block of 32-bit words: 16 rows of 64 bytes (whole cache lines) in,
-// 16 out, 64 shuffles (transpose8: 96 per 1 KB, half lines). Measured by
-// benchmarks/probes/pack_micro.cpp (docs/module.md, "Where the fused call's time goes").
+// 16 out, through mha_tiles::transpose16 (64 shuffles; transpose8: 96 per 1 KB, half lines).
+// Measured by benchmarks/probes/pack_micro.cpp (docs/module.md, "Where the fused call's time
+// goes").
 inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 of rows 2i, 2i + 1
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4 i + c], lane L: column 4 L + c of rows 4 i .. 4 i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i)  // t[8 i + c]: columns c and 8 + c of rows 8 i .. 8 i + 7
-    for (int c = 0; c < 4; ++c) {  // (lanes: c rows 0-3, 8 + c rows 0-3, c rows 4-7, ...)
-      t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
-      t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
-    }
-  for (int c = 0; c < 8; ++c) {  // columns c and 8 + c of all 16 rows
-    _mm512_storeu_si512(dst + c * ldd, _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88));
-    _mm512_storeu_si512(dst + (8 + c) * ldd, _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD));
-  }
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  mha_tiles::transpose16(r);
+  for (int c = 0; c < 16; ++c) _mm512_storeu_ps(dst + c * ldd, r[c]);
 }
 #endif
 
