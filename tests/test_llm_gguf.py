@@ -77,7 +77,6 @@ def test_the_converted_copy_is_named_by_the_file_contents(tmp_path, monkeypatch)
     for i, (data, mtime) in enumerate([(b"GGUF one", 1_700_000_000), (b"GGUF one", 1_800_000_000),
                                        (b"GGUF two", 1_800_000_000)]):
         site = _site_with_gguf(tmp_path / f"site{i}", data, mtime)
-        monkeypatch.syspath_prepend(str(site))
         monkeypatch.setattr(llm_model, "gguf_path",
                             lambda s=site: s / llm_model.WHEEL / llm_model.GGUF_NAME)
         names.append(llm_model.cache_dir().name)
