@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mha.backends.base import AttentionCall, Backend, Capabilities
+from mha.backends.base import AttentionCall, Backend, Capabilities, size_below
 from mha.ops import decode
 
 
@@ -24,8 +24,11 @@ def _forward(call: AttentionCall):
 
 def _extra_reasons(call: AttentionCall) -> list[str]:
     reasons = []
-    if call.Tq > decode.MAX_TQ:
-        reasons.append(f"query length Tq={call.Tq} > {decode.MAX_TQ} (a decode kernel; "
+    if not size_below(call.Tq, decode.MAX_TQ + 1, unsettled=False):
+        # under torch.export a Tq range reaching past MAX_TQ goes whole to the next backend
+        length = (f"Tq={call.Tq} >" if isinstance(call.Tq, int)
+                  else "Tq (dynamic under torch.export) may exceed")
+        reasons.append(f"query length {length} {decode.MAX_TQ} (a decode kernel; "
                        "prefill goes to the next backend)")
     return reasons
 

@@ -264,6 +264,17 @@ def load_extension(name: str, sources: tuple[str, ...], *, register=None,
     return None
 
 
+def ask(op):
+    """``op()`` for an op that answers a question about the loaded build (its instruction sets,
+    the kernel it chose), run eagerly even while a graph is traced: non-strict ``torch.export``
+    records every op it sees, and such an answer is a fact of the process, not a step of the
+    exported program."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return op()
+
+
 def forget(name: str) -> None:
     """Drop the kept answer of :func:`load_extension` for ``name`` (tests that simulate a
     failed build); the next call asks again."""
