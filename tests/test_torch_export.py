@@ -97,7 +97,8 @@ def test_cross_attention_tq_differs_from_tk():
         _close(model, ep, args, f"Tq={tq} Tk={tk}")
 
 
-def test_alibi_sinks_and_window():
+@pytest.mark.parametrize("strict", [False, True])  # strict: traced by dynamo
+def test_alibi_sinks_and_window(strict):
     torch.manual_seed(2)
     m = mha.MultiHeadAttention(64, 4, alibi=True, sinks=True).eval()
     with torch.no_grad():
@@ -113,16 +114,18 @@ def test_alibi_sinks_and_window():
 
     model = Windowed()
     B, T = _dims()
-    ep = export(model, (torch.randn(2, 33, 64),), dynamic_shapes=({0: B, 1: T},))
+    ep = export(model, (torch.randn(2, 33, 64),), dynamic_shapes=({0: B, 1: T},), strict=strict)
     assert _range(ep, 0, 1) == (1, T_MAX) and _mha_ops(ep) == {FLASH}
     for b, t in ((1, 1), (2, 7), (2, 30), (1, 640)):  # window past T and within it
         _close(model, ep, (torch.randn(b, t, 64),), f"T={t}")
 
 
-def test_tiny_decoder():
+@pytest.mark.parametrize("strict", [False, True])
+def test_tiny_decoder(strict):
     d = mha.models.TinyDecoder(97, 64, 2, 4, num_kv_heads=2, max_len=T_MAX).eval()
     B, T = _dims()
-    ep = export(d, (torch.randint(0, 97, (2, 33)),), dynamic_shapes=({0: B, 1: T},))
+    ep = export(d, (torch.randint(0, 97, (2, 33)),), dynamic_shapes=({0: B, 1: T},),
+                strict=strict)
     assert _range(ep, 0, 1) == (1, T_MAX) and _mha_ops(ep) == {FLASH}
     assert sum(str(n.target) == FLASH for n in ep.graph.nodes) == 2  # one per layer
     for b, t in ((1, 1), (3, 12), (2, 600)):
@@ -310,6 +313,18 @@ def test_refusals_name_the_argument_and_change_nothing():
     with pytest.raises(ValueError, match="cu_seqlens: torch.export cannot carry"):
         export(Packed(), (torch.randn(1, 30, 64), torch.tensor([0, 10, 30])))
     with torch.no_grad(), pytest.raises(mha.BackendError,
-                                        match=r"Tq \(dynamic under torch.export\) may exceed 16"):
+                                        match=r"Tq \(a range under torch.export\) may exceed 16"):
         export(_Call(m, backend="flash_decode"), (x,), dynamic_shapes=dyn)
     torch.testing.assert_close(m(x), m(x))  # the module still runs eagerly
+
+
+def test_strict_export_refuses_with_the_message():
+    """Under strict=True dynamo wraps an error raised while tracing in its own Unsupported;
+    mha's message is carried in it."""
+    m = mha.MultiHeadAttention(64, 4).eval()
+    B, T = _dims()
+    for kw, words in ((dict(mask_mod=mha.mods.causal), "mask_mod: torch.export cannot carry"),
+                      (dict(backend="flash_decode"), r"backend='flash_decode' cannot serve")):
+        with pytest.raises(Exception, match=words):
+            export(_Call(m, **kw), (torch.randn(2, 33, 64),), dynamic_shapes=({0: B, 1: T},),
+                   strict=True)

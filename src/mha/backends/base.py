@@ -72,8 +72,10 @@ def size_below(size, limit: int, *, unsettled: bool) -> bool:
     (torch then refuses the requested range); a comparison the declared range does not settle
     therefore answers ``unsettled`` without a guard, and the rule picks the side that serves
     every size in the range."""
-    if isinstance(size, int) or not torch.compiler.is_exporting():
+    if not torch.compiler.is_exporting():
         return size < limit
+    # (no isinstance(size, int) shortcut: under strict export dynamo answers it True for a
+    # symbolic size; statically_known_true settles plain ints too)
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     if statically_known_true(size < limit):

@@ -26,8 +26,8 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
     reasons = []
     if not size_below(call.Tq, decode.MAX_TQ + 1, unsettled=False):
         # under torch.export a Tq range reaching past MAX_TQ goes whole to the next backend
-        length = (f"Tq={call.Tq} >" if isinstance(call.Tq, int)
-                  else "Tq (dynamic under torch.export) may exceed")
+        length = ("Tq (a range under torch.export) may exceed" if torch.compiler.is_exporting()
+                  else f"Tq={call.Tq} >")  # (formatting a symbolic size would specialize it)
         reasons.append(f"query length {length} {decode.MAX_TQ} (a decode kernel; "
                        "prefill goes to the next backend)")
     return reasons
