@@ -11,7 +11,7 @@ import math
 import torch
 
 from mha import dispatch, trace
-from mha.backends.base import AttentionCall, size_below
+from mha.backends.base import AttentionCall
 from mha.checks import (
     check_alibi_slopes,
     check_bias,
@@ -27,6 +27,7 @@ from mha.checks import (
 from mha.masks import MaskSpec
 from mha.mods import check_mod
 from mha.scores import NO_SCORES, ScoreSpec
+from mha.symbolic import size_below
 
 INT64_MAX = 2 ** 63 - 1
 

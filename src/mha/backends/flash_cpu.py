@@ -16,14 +16,9 @@ import functools
 
 import torch
 
-from mha.backends.base import (
-    MOD_MASK_KINDS,
-    AttentionCall,
-    Backend,
-    Capabilities,
-    size_below,
-)
+from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.scores import VARIANT_KINDS
+from mha.symbolic import size_below
 
 PLAN_BLOCKS = (48, 128)  # (block_q, block_k) of the plans the kernel walks (csrc/common/block_plan.h)
 

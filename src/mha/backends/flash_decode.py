@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from mha.backends.base import AttentionCall, Backend, Capabilities, size_below
+from mha.backends.base import AttentionCall, Backend, Capabilities
 from mha.ops import decode
+from mha.symbolic import size_below
 
 
 def _forward(call: AttentionCall):
