@@ -6,8 +6,9 @@ Shape legend: B batch, T sequence length, d_model model width.
 ``torch.export.export(module, (x,), dynamic_shapes=...)`` of a :class:`mha.MultiHeadAttention`
 (or a model built from it) traces every attention call to the native op
 ``torch.ops.mha.flash_attention_fwd`` over the whole declared range of B and T (dispatch
-settles no size threshold a dynamic range straddles: :func:`mha.backends.base.size_below`).
-Such a program runs where mha is installed: its op is looked up by name when the program is
+settles no size threshold a dynamic range straddles: :func:`mha.symbolic.size_below`), and
+the projections to ``torch.ops.mha.linear`` where mha's tiles were measured faster here.
+Such a program runs where mha is installed: its ops are looked up by name when the program is
 loaded, so :func:`load` loads mha's native ops first.
 
 ``torch.export.load`` unpickles parts of an archive (sample inputs that ``weights_only``
@@ -33,7 +34,8 @@ from mha.checks import check_path
 
 #: the mha op families a program may hold, and the loader of each (module, function)
 _OP_LOADERS = {"flash_attention_": ("mha.ops.flash", "unavailable"),
-               "flash_decode": ("mha.ops.decode", "unavailable")}
+               "flash_decode": ("mha.ops.decode", "unavailable"),
+               "linear": ("mha.ops.linear", "load")}
 _OP_NAME = re.compile(r'"torch\.ops\.mha\.([A-Za-z0-9_]+)\.[A-Za-z0-9_]+"')
 _INERT_TOP = ("archive_format", "archive_version", "byteorder", ".data/")
 
