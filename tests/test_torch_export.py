@@ -196,6 +196,34 @@ def test_projections_follow_the_measured_side(monkeypatch, side):
             _close(model, ep, (torch.randn(b, t, 64),), f"{side} strict={strict} T={t}")
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_first_measurement_during_export_times_real_gemms(tmp_path, monkeypatch, strict):
+    """A projection class this machine never measured is measured while the program is traced:
+    on real tensors, with no tracer mode active (timing the tracer's fake GEMMs would store a
+    meaningless choice in the cache file)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from mha.ops import linear_choice
+
+    seen = []
+
+    def measure(shape):
+        t = torch.ones(2)
+        seen.append((shape, isinstance(t, FakeTensor), torch._C._is_torch_function_mode_enabled()))
+        return 1e-3, 2e-3, (2.0, 2.0)  # native twice as fast
+
+    monkeypatch.setattr(linear_choice, "path", lambda: tmp_path / "choice.json")
+    monkeypatch.setattr(linear_choice, "forced", lambda: None)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "measure", measure)
+    model = SelfAttention(mha.MultiHeadAttention(64, 4).eval())
+    B, T = _dims()
+    ep = export(model, (torch.randn(2, 33, 64),), dynamic_shapes=({0: B, 1: T},), strict=strict)
+    assert LINEAR in _mha_ops(ep)
+    assert seen and all(shape[0] == linear_choice.MIN_ROWS for shape, _, _ in seen)
+    assert not any(fake or mode for _, fake, mode in seen), seen
+
+
 def test_compile_still_chooses_by_size():
     """Outside export the size rules are unchanged: a 5-query call goes to the decode
     kernel, a 40-query call to the flash forward."""

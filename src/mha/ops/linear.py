@@ -177,17 +177,18 @@ def _measured_reason(M: int, N: int, K: int) -> str | None:
 
 # Under torch.export the rows are a range, which has no shape class (and reading them would fix
 # it): the choice is the one measured at linear_choice.MIN_ROWS rows, the tiles' speed (as the
-# fused forward measures). Computed at trace time from the weight's (N, K) alone: strict export
-# (dynamo) calls these rather than tracing the build and the measurement.
+# fused forward measures). Computed at trace time from the weight's (N, K) alone, on real
+# tensors (build.ask: a first measurement of a class must time real GEMMs, not the tracer's
+# fake ones); strict export (dynamo) calls these rather than tracing the build and the timing.
 
 @torch.compiler.assume_constant_result
 def _exported_reason(N: int, K: int) -> str | None:
-    return _measured_reason(linear_choice.MIN_ROWS, N, K)
+    return build.ask(lambda: _measured_reason(linear_choice.MIN_ROWS, N, K))
 
 
 @torch.compiler.assume_constant_result
 def _exported_bf16_side(N: int, K: int) -> tuple[str, str]:
-    return _bf16_choice(linear_choice.MIN_ROWS, N, K)
+    return build.ask(lambda: _bf16_choice(linear_choice.MIN_ROWS, N, K))
 
 
 @functools.cache
