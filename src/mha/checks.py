@@ -331,11 +331,13 @@ def check_bias(bias, B: int, h: int, Tq: int, Tk: int, device: torch.device) -> 
 
 def check_alibi_slopes(slopes, B: int, h: int, device: torch.device) -> torch.Tensor:
     """ALiBi slopes ``(h,)`` or ``(B, h)``, finite floats; returned as ``(1|B, h)``."""
-    _check_float_tensor("alibi_slopes", slopes, f"(h,) = ({h},) or (B, h) = ({B}, {h})", device)
-    if tuple(slopes.shape) not in ((h,), (B, h)):
-        raise ValueError(f"alibi_slopes must have shape (h,) = ({h},) or (B, h) = ({B}, {h}), "
-                         f"got {tuple(slopes.shape)}; mha.alibi_slopes(h) gives the standard ones")
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+    # under torch.export B may be a range: formatting it into the text would fix it (strict)
+    want = f"(h,) = ({h},) or (B, h)" + ("" if exporting else f" = ({B}, {h})")
+    _check_float_tensor("alibi_slopes", slopes, want, device)
+    if tuple(slopes.shape) not in ((h,), (B, h)):
+        raise ValueError(f"alibi_slopes must have shape {want}, got {tuple(slopes.shape)}; "
+                         f"mha.alibi_slopes(h) gives the standard ones")
     if torch.compiler.is_compiling() and not exporting:  # checked as the compiled code runs
         torch._assert_async(torch.isfinite(slopes).all(), "alibi_slopes must be finite numbers")
     else:

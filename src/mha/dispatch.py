@@ -93,9 +93,10 @@ def choose(call: AttentionCall, backend: str | None = None) -> Backend:
         b = backends.get(backend)
         reasons = b.not_supported_reasons(call)
         if reasons:
+            why = "; ".join(reasons)  # one f-string: torch.compile / strict export trace it
             raise BackendError(f"backend={backend!r} cannot serve this call ({call.describe()}): "
-                               + "; ".join(reasons) + ". Pass backend=None to choose automatically, "
-                               "or see mha.explain(q, k, v, ...).")
+                               f"{why}. Pass backend=None to choose automatically, or see "
+                               f"mha.explain(q, k, v, ...).")
         return b
     first = None
     for b in backends.all_backends():

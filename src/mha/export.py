@@ -32,6 +32,7 @@ from torch import nn
 from mha.checks import check_path
 from mha.dispatch import BackendError, use_backend
 from mha.functional import attention
+from mha.ops.linear import torch_gemm
 from mha.trace import recorder
 
 OPSET = 23  # the first opset with the Attention operator
@@ -118,7 +119,7 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        with use_backend("sdpa"), torch.no_grad():
+        with use_backend("sdpa"), torch_gemm(), torch.no_grad():
             try:
                 program = torch.onnx.export(model, args, dynamo=True, opset_version=opset,
                                             input_names=input_names, output_names=output_names,

@@ -27,6 +27,9 @@ from mha.checks import (
 from mha.masks import MaskSpec
 from mha.mods import check_mod
 from mha.scores import NO_SCORES, ScoreSpec
+from mha.symbolic import size_below
+
+INT64_MAX = 2 ** 63 - 1
 
 
 def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
@@ -52,7 +55,10 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     scale = 1.0 / math.sqrt(d_k) if scale is None else check_scalar("scale", scale, low=0.0)
     dropout_p = check_scalar("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
     if window is not None:  # a window past Tk keys is every key: clamped, so any int fits int64
-        window = min(check_window(window, causal), max(Tk, 1))
+        window = check_window(window, causal)
+        # under torch.export a dynamic Tk is not compared (a guard would narrow its range):
+        # a window >= Tk hides no key in every backend, so only int64 bounds it there
+        window = max(Tk, 1) if size_below(Tk, window, unsettled=False) else min(window, INT64_MAX)
     # score variants (mha.scores)
     if softcap is None and sinks is None and bias is None and alibi_slopes is None:
         scores = NO_SCORES
@@ -66,6 +72,7 @@ def make_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None,
     # mask / score functions of indices (mha.mods): called lazily, when a plan is built
     mask_mod = check_mod("mask_mod", mask_mod)
     score_mod = check_mod("score_mod", score_mod)
+    _check_mods_exportable(mask_mod, score_mod)
     return AttentionCall(q, k, v, MaskSpec(causal, kl, m, window, mask_mod), scale, dropout_p,
                          return_weights, scores, score_mod=score_mod, return_lse=return_lse)
 
@@ -172,6 +179,20 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> disp
     """
     kwargs.pop("backend", None)
     return dispatch.verdicts(make_call(q, k, v, **kwargs))
+
+
+def _check_mods_exportable(mask_mod, score_mod) -> None:
+    """Under ``torch.export``, refuse ``mask_mod`` / ``score_mod``: their block plans are
+    computed in Python from the function's values (which blocks are empty, full, partial), and
+    a traced program has no values, only shapes."""
+    if (mask_mod is None and score_mod is None) or not torch.compiler.is_exporting():
+        return
+    name = "mask_mod" if mask_mod is not None else "score_mod"
+    instead = ("causal= / window= / key_lengths= / a bool mask tensor" if name == "mask_mod"
+               else "a float bias= tensor (or alibi_slopes=, softcap=)")
+    raise ValueError(f"{name}: torch.export cannot carry a {name}: its block plan is computed "
+                     f"in Python from the function's values, which a traced program does not "
+                     f"have; pass it as {instead} instead")
 
 
 def _empty(call: AttentionCall):

@@ -647,6 +647,8 @@ class MultiHeadAttention(nn.Module):
 def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, cache,
                  cu_seqlens, mask_mod, score_mod) -> None:
     """The arguments that choose the mode (cache, packed, plain) agree with one another."""
+    if torch.compiler.is_exporting():
+        _check_exportable_mode(cache, cu_seqlens)
     if cache is not None:
         _check_cache_call(cache, key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
@@ -655,6 +657,20 @@ def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, 
             raise ValueError("cu_seqlens: mask_mod and score_mod are not supported for packed "
                              "sequences (the offsets define the masking); call without "
                              "cu_seqlens=, e.g. with mha.mods.document(cu_seqlens=...)")
+
+
+def _check_exportable_mode(cache, cu_seqlens) -> None:
+    """Under ``torch.export``: the modes whose bookkeeping reads tensor values in Python (a
+    traced program has only shapes) are refused before anything moves, naming the argument."""
+    if cache is not None:
+        raise ValueError("cache: torch.export cannot carry decoding with a KV cache: the cache "
+                         "advances its lengths in place and reads them as Python ints at each "
+                         "call; export mha.export.DecodeStep (past K/V in, present K/V out) "
+                         "or the module without cache=")
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens: torch.export cannot carry packed sequences: the offsets "
+                         "are read as Python ints to cut the sequences apart; export a padded "
+                         "batch with key_lengths= or a bool mask instead")
 
 
 @dataclass(frozen=True)

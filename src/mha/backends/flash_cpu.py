@@ -18,6 +18,7 @@ import torch
 
 from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
 from mha.scores import VARIANT_KINDS
+from mha.symbolic import size_below
 
 PLAN_BLOCKS = (48, 128)  # (block_q, block_k) of the plans the kernel walks (csrc/common/block_plan.h)
 
@@ -55,7 +56,8 @@ def _defers(call: AttentionCall) -> str | None:
     ahead below Tk = 512 (1.1-1.8x at T = 32-256), with a sliding window (2.8x), in decode, and
     in bf16 training (3-8x: SDPA's bf16 backward). So dispatch leaves such calls to sdpa when
     sdpa needs no (Tq, Tk) mask for them."""
-    if call.Tk < PORTABLE_MIN_TK or not _portable(call.dtype) or call.scores.kinds:
+    if size_below(call.Tk, PORTABLE_MIN_TK, unsettled=True) or not _portable(call.dtype) \
+            or call.scores.kinds:  # (torch.export: a Tk range across the threshold stays here)
         return None  # score variants: sdpa would need a (Tq, Tk) float mask or cannot serve
     kinds = call.masks.kinds
     cheap_for_sdpa = kinds in (frozenset(), frozenset({"key_lengths"}), frozenset({"mask"})) or (

@@ -12,6 +12,7 @@ import torch
 
 from mha.backends.base import AttentionCall, Backend, Capabilities
 from mha.ops import decode
+from mha.symbolic import size_below
 
 
 def _forward(call: AttentionCall):
@@ -24,8 +25,11 @@ def _forward(call: AttentionCall):
 
 def _extra_reasons(call: AttentionCall) -> list[str]:
     reasons = []
-    if call.Tq > decode.MAX_TQ:
-        reasons.append(f"query length Tq={call.Tq} > {decode.MAX_TQ} (a decode kernel; "
+    if not size_below(call.Tq, decode.MAX_TQ + 1, unsettled=False):
+        # under torch.export a Tq range reaching past MAX_TQ goes whole to the next backend
+        length = ("Tq (a range under torch.export) may exceed" if torch.compiler.is_exporting()
+                  else f"Tq={call.Tq} >")  # (formatting a symbolic size would specialize it)
+        reasons.append(f"query length {length} {decode.MAX_TQ} (a decode kernel; "
                        "prefill goes to the next backend)")
     return reasons
 

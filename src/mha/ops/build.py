@@ -264,6 +264,19 @@ def load_extension(name: str, sources: tuple[str, ...], *, register=None,
     return None
 
 
+def ask(op):
+    """``op()`` for a question about the loaded build or the CPU (its instruction sets, the
+    kernel it chose, which GEMM was measured faster), run eagerly on real tensors even while a
+    graph is traced: non-strict ``torch.export`` records every op it sees (on fake tensors),
+    and such an answer is a fact of the process, not a step of the exported program."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # both kinds of mode: the tracer's dispatch modes (fake tensors, graph recording) and its
+    # torch-function mode (which would put Python into every op of a measurement)
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        return op()
+
+
 def forget(name: str) -> None:
     """Drop the kept answer of :func:`load_extension` for ``name`` (tests that simulate a
     failed build); the next call asks again."""

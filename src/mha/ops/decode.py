@@ -67,7 +67,7 @@ def bf16_qk() -> str:
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(f"flash_decode: {reason}")
-    return torch.ops.mha.flash_decode_bf16_qk()
+    return build.ask(torch.ops.mha.flash_decode_bf16_qk)
 
 
 @functools.cache
@@ -76,7 +76,7 @@ def amx_refused() -> str | None:
     the tile state, or ``MHA_DECODE_BF16=avx512bf16``): bf16 q.k then runs on ``vdpbf16ps``.
     None when it runs or is not compiled in. Raises RuntimeError as :func:`bf16_qk` does."""
     bf16_qk()
-    return torch.ops.mha.flash_decode_amx() or None
+    return build.ask(torch.ops.mha.flash_decode_amx) or None
 
 
 def _fake(q, k, v, key_lengths, mask, scale, causal, softcap=None, sinks=None, bias=None,

@@ -72,7 +72,7 @@ def _ready() -> None:
 def isa() -> str:
     """The instruction sets compiled into the kernel, e.g. ``portable,avx512f,avx512bf16``."""
     _ready()
-    return torch.ops.mha.flash_attention_isa()
+    return build.ask(torch.ops.mha.flash_attention_isa)
 
 
 @functools.cache
@@ -84,7 +84,7 @@ def kernels() -> dict[str, str]:
     record) asks this function. Raises RuntimeError naming the variable, its choices and why
     when ``MHA_FLASH_BF16`` names a kernel this build cannot run (as every bf16 call does)."""
     _ready()
-    f32, bf16 = torch.ops.mha.flash_attention_kernels()
+    f32, bf16 = build.ask(torch.ops.mha.flash_attention_kernels)
     return {"float32": f32, "bfloat16": bf16}
 
 
@@ -95,7 +95,7 @@ def amx_refused() -> str | None:
     calls then run the next kernel (:func:`kernels`). None when they run or are not compiled in.
     ``MHA_TEST_AMX_REFUSED=1`` (tests only) makes a build with tiles act as if refused."""
     _ready()
-    return torch.ops.mha.flash_attention_amx() or None
+    return build.ask(torch.ops.mha.flash_attention_amx) or None
 
 
 def _fwd_fake(q, k, v, key_lengths, mask, causal, scale, window=0, softcap=0.0, sinks=None,

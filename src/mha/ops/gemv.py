@@ -156,4 +156,4 @@ def gemv(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> t
 
 def vectorized() -> bool:
     """Whether the kernel runs its AVX-512 loop here (False: the portable loop, or no build)."""
-    return load() is None and bool(torch.ops.mha.gemv_vectorized())
+    return load() is None and bool(build.ask(torch.ops.mha.gemv_vectorized))

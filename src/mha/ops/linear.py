@@ -19,7 +19,11 @@ the built kernels; ``MHA_LINEAR=native|torch`` forces a side), and is
   each output rounded once; where the build has AVX512_BF16) or, without them, fp32 on upcast
   inputs (then the fp32 choice applies), against torch's bf16 GEMM;
 * not while ``torch.compile`` traces (the op has no autograd formula registered with
-  ``torch.library`` for the compiler to trace; it gets ``F.linear``).
+  ``torch.library`` for the compiler to trace; it gets ``F.linear``), nor within
+  :func:`torch_gemm` (a graph for a runtime that knows no mha op: ``mha.export.onnx``). Under
+  ``torch.export`` the op is recorded in the program (its fake twin gives the shapes); the
+  rows are then a range, which has no shape class, so the choice is the one measured at
+  ``linear_choice.MIN_ROWS`` rows, the tiles' speed (:func:`_exported_reason`).
 
 :func:`describe` says in one sentence which GEMM a call gets and why (the measured ratio, the
 shape and the CPU); :func:`why_not_native` is that sentence when it is not the native tiles.
@@ -40,12 +44,14 @@ weight changed by any route — an optimizer step, ``load_state_dict``, ``w.data
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 
 from mha.ops import build, forcing, linear_choice
+from mha.symbolic import size_below
 
 NAME = "mha_linear"
 SOURCES = ("linear/linear.cpp", "linear/self_attention.cpp")
@@ -70,12 +76,51 @@ def kernel() -> str:
 
 def _register() -> None:
     torch.library.register_fake("mha::linear")(_fake)
-    if torch.ops.mha.linear_bf16_tiles():
+    torch.library.register_fake("mha::linear_backward")(_backward_fake)
+    if build.ask(torch.ops.mha.linear_bf16_tiles):
         torch.library.register_fake("mha::linear_bf16")(_fake)
+        torch.library.register_fake("mha::linear_bf16_backward")(_backward_fake)
 
 
 def _fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))  # (M, K) x (N, K) -> (M, N)
+
+
+def _backward_fake(grad_out, x, weight, need_x, need_w):
+    """``(grad_x (M, K), grad_w (N, K))``, both shaped (the op leaves an unneeded one undefined,
+    which a fake cannot; the autograd function reads only the needed ones). Traced when strict
+    torch.export speculates the autograd function's backward."""
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+_torch_gemm_only = False  # set by torch_gemm() (a plain global: torch.compile reads it)
+
+
+@contextlib.contextmanager
+def torch_gemm():
+    """Within the block every projection is ``F.linear`` (torch's GEMM), whatever was
+    measured: for a graph that another runtime runs (``mha.export.onnx``), which knows no mha
+    op. Process-wide while the block runs (blocks nest)."""
+    global _torch_gemm_only
+    outer, _torch_gemm_only = _torch_gemm_only, True
+    try:
+        yield
+    finally:
+        _torch_gemm_only = outer
+
+
+def _traced_reason() -> str | None:
+    """Why this call takes ``F.linear`` whatever was measured, or None."""
+    if _torch_gemm_only:
+        return "a graph for another runtime is being traced (mha.export.onnx)"
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return "torch.compile is tracing"
+    return None
+
+
+def _small(x: torch.Tensor, N: int) -> bool:
+    """Fewer than ``SMALL`` multiply-adds (a range under torch.export: small only if all are)."""
+    return size_below(x.numel() * N, SMALL, unsettled=False)
 
 
 def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -83,13 +128,16 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     runs native tiles (bfloat16: the bf16 tiles, or the fp32 tiles on upcast inputs). The first
     call of a shape class on a machine may measure both (see :mod:`mha.ops.linear_choice`);
     later ones read the answer."""
-    if torch.compiler.is_compiling():
-        return "torch.compile is tracing"
+    traced = _traced_reason()
+    if traced is not None:
+        return traced
     bf16 = _bf16_side(x, weight, bias)
     if bf16 is not None:
         side, why = bf16
         if side != "upcast":
             return None if side == "tiles" else why
+        if torch.compiler.is_exporting():  # the fp32 choice (its shape checks: the bf16 ones)
+            return _exported_reason(*weight.shape)
         M, K = x.numel() // x.shape[-1], x.shape[-1]
         x32 = torch.empty(()).expand(M, K)  # the fp32 call's shape, nothing allocated
         return why_not_native(x32, weight.float(), None if bias is None else bias.float())
@@ -101,8 +149,18 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 16 or \
             x.shape[-1] != weight.shape[1]:
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
-    if x.numel() * weight.shape[0] < SMALL:
+    if _small(x, weight.shape[0]):
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
+    if torch.compiler.is_exporting():
+        return _exported_reason(*weight.shape)
+    return _measured_reason(x.numel() // x.shape[-1], *weight.shape)
+
+
+def _measured_reason(M: int, N: int, K: int) -> str | None:
+    """Why an fp32 ``(M, K) x (N, K)^T`` call that the native op can take runs torch's GEMM
+    (forced, the build failed, or measured slower for its shape class), or None."""
+    if N % 16 or K % 16:
+        return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
     side = linear_choice.forced()
     reason = load()
     if reason is not None:
@@ -113,16 +171,31 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return reason
     if side is not None:
         return None if side == "native" else f"torch's GEMM: forced by {linear_choice.ENV}=torch"
-    M, (N, K) = x.numel() // x.shape[-1], weight.shape
     measured = linear_choice.choose(M, N, K, kernel())
     return None if measured.choice == "native" else measured.describe()
+
+
+# Under torch.export the rows are a range, which has no shape class (and reading them would fix
+# it): the choice is the one measured at linear_choice.MIN_ROWS rows, the tiles' speed (as the
+# fused forward measures). Computed at trace time from the weight's (N, K) alone, on real
+# tensors (build.ask: a first measurement of a class must time real GEMMs, not the tracer's
+# fake ones); strict export (dynamo) calls these rather than tracing the build and the timing.
+
+@torch.compiler.assume_constant_result
+def _exported_reason(N: int, K: int) -> str | None:
+    return build.ask(lambda: _measured_reason(linear_choice.MIN_ROWS, N, K))
+
+
+@torch.compiler.assume_constant_result
+def _exported_bf16_side(N: int, K: int) -> tuple[str, str]:
+    return build.ask(lambda: _bf16_choice(linear_choice.MIN_ROWS, N, K))
 
 
 @functools.cache
 def bf16_tiles() -> bool:
     """Whether the native op has its bf16 tiles (``vdpbf16ps``: a build for a CPU with
     AVX512_BF16), ``torch.ops.mha.linear_bf16``."""
-    return load() is None and bool(torch.ops.mha.linear_bf16_tiles())
+    return load() is None and bool(build.ask(torch.ops.mha.linear_bf16_tiles))
 
 
 def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
@@ -131,14 +204,21 @@ def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
     ``"torch"`` (torch's bf16 GEMM); None for any other call. The native side is the bf16 tiles
     where the build has them and the shape suits them (``N % 16 == 0``, ``K % 16 == 0``), else
     the upcast."""
-    if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+    if x.dtype != torch.bfloat16 or _traced_reason() is not None:
         return None
     tensors = [t for t in (x, weight, bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors) or \
             weight.dim() != 2 or x.shape[-1] != weight.shape[1] or \
-            x.numel() * weight.shape[0] < SMALL:
+            _small(x, weight.shape[0]):
         return None
-    tiles = bf16_tiles() and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    if torch.compiler.is_exporting():
+        return _exported_bf16_side(*weight.shape)
+    return _bf16_choice(x.numel() // x.shape[-1], *weight.shape)
+
+
+def _bf16_choice(M: int, N: int, K: int) -> tuple[str, str]:
+    """``(side, why)`` of :func:`_bf16_side` for a bf16 ``(M, K) x (N, K)^T`` call."""
+    tiles = bf16_tiles() and N % 16 == 0 and K % 16 == 0
     native = "tiles" if tiles else "upcast"
     side = linear_choice.forced()
     if side is not None:
@@ -146,7 +226,6 @@ def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
             return "torch", f"torch's bf16 GEMM: forced by {linear_choice.ENV}=torch"
         ours = "the native bf16 tiles" if tiles else "an fp32 GEMM on upcast inputs"
         return native, f"{ours}: forced by {linear_choice.ENV}=native"
-    M, (N, K) = x.numel() // x.shape[-1], weight.shape
     measured = linear_choice.choose(M, N, K, _kernel_or_none(), bf16=True, tiles=tiles)
     return (native if measured.choice == "native" else "torch"), measured.describe()
 
@@ -211,14 +290,12 @@ class _Linear(torch.autograd.Function):
     Under ``create_graph=True`` (grad mode on inside backward) the same three products are torch
     ops, so the gradients are themselves differentiable."""
 
-    op, backward_op = "linear", "linear_backward"  # torch.ops.mha.<name>
-
-    @classmethod
-    def forward(cls, ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
+    @staticmethod  # (a staticmethod: strict torch.export's dynamo inlines no classmethod)
+    def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
-        ctx.backward_op = cls.backward_op
-        return getattr(torch.ops.mha, cls.op)(x2, weight, bias)
+        ctx.backward_op = "linear_backward"  # torch.ops.mha.<name>
+        return torch.ops.mha.linear(x2, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (M, N)
@@ -237,7 +314,12 @@ class _LinearBf16(_Linear):
     """The same function on the bf16 tiles: products of bf16 values summed in fp32, each
     gradient rounded to bf16 once (as torch's bf16 GEMM rounds its own)."""
 
-    op, backward_op = "linear_bf16", "linear_bf16_backward"
+    @staticmethod
+    def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        ctx.backward_op = "linear_bf16_backward"
+        return torch.ops.mha.linear_bf16(x2, weight, bias)
 
 
 def linear_module(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mha.ops import linear, linear_choice
+from mha.ops import build, linear, linear_choice
 
 MAX_T = 64  # longest sequence the fused call serves (csrc: kMaxT)
 TILES_MARGIN = 1.10  # the native tiles may be this much slower than torch's GEMM alone: at GEMM
@@ -41,7 +41,7 @@ def tiles(dtype: torch.dtype) -> str | None:
     if dtype == torch.bfloat16:
         return None if linear.bf16_tiles() else \
             "the native op has no bf16 tiles in this build (needs AVX512_BF16)"
-    if linear.load() is not None or not torch.ops.mha.linear_vectorized():
+    if linear.load() is not None or not build.ask(torch.ops.mha.linear_vectorized):
         return "the native op has no AVX-512 fp32 tiles in this build"
     return None
 

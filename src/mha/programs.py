@@ -1,0 +1,165 @@
+"""Programs of ``torch.export`` that hold mha's native ops: saving them, and loading them
+without unpickling anything.
+
+Shape legend: B batch, T sequence length, d_model model width.
+
+``torch.export.export(module, (x,), dynamic_shapes=...)`` of a :class:`mha.MultiHeadAttention`
+(or a model built from it) traces every attention call to the native op
+``torch.ops.mha.flash_attention_fwd`` over the whole declared range of B and T (dispatch
+settles no size threshold a dynamic range straddles: :func:`mha.symbolic.size_below`), and
+the projections to ``torch.ops.mha.linear`` where mha's tiles were measured faster here.
+Such a program runs where mha is installed: its ops are looked up by name when the program is
+loaded, so :func:`load` loads mha's native ops first.
+
+``torch.export.load`` unpickles parts of an archive (sample inputs that ``weights_only``
+refuses, tensors or objects stored as pickles), so a crafted file could run code. :func:`load`
+reads the archive into memory, refuses every entry it does not know to be inert (JSON, raw
+tensor bytes, sample inputs that ``torch.load(weights_only=True)`` reads), and only then hands
+the checked bytes to ``torch.export.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from mha.checks import check_path
+
+#: the mha op families a program may hold, and the loader of each (module, function)
+_OP_LOADERS = {"flash_attention_": ("mha.ops.flash", "unavailable"),
+               "flash_decode": ("mha.ops.decode", "unavailable"),
+               "linear": ("mha.ops.linear", "load")}
+_OP_NAME = re.compile(r'"torch\.ops\.mha\.([A-Za-z0-9_]+)\.[A-Za-z0-9_]+"')
+_INERT_TOP = ("archive_format", "archive_version", "byteorder", ".data/")
+
+
+def save(program: torch.export.ExportedProgram, path) -> Path:
+    """Write ``program`` with ``torch.export.save`` to ``path`` and return it; the file
+    appears complete or not at all (written aside, then renamed)."""
+    if not isinstance(program, torch.export.ExportedProgram):
+        raise TypeError(f"program must be a torch.export.ExportedProgram, got "
+                        f"{type(program).__name__}")
+    path = check_path("path", path)
+    if path.is_dir():
+        raise ValueError(f"path: {path} is a directory; give the name of the file to write")
+    if not path.parent.is_dir():
+        raise ValueError(f"path: the directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.pt2",
+                                dir=path.parent)  # torch.export.save wants .pt2
+    os.close(fd)
+    try:
+        torch.export.save(program, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(path) -> torch.export.ExportedProgram:
+    """The program saved at ``path`` (by :func:`save` or ``torch.export.save``), with mha's
+    native ops loaded first. Raises ValueError naming the entry for an archive that would make
+    ``torch.export.load`` unpickle anything (nothing of the file is run or unpickled then), and
+    RuntimeError when an mha op the program holds cannot be loaded here (its build failed)."""
+    path = check_path("path", path)
+    if not path.is_file():
+        raise ValueError(f"path: {path} is not a file")
+    data = path.read_bytes()  # checked and loaded from the same bytes
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile:
+        raise ValueError(f"path: {path} is not a torch.export archive (not a zip file)") from None
+    with archive:
+        ops = _check_archive(path, archive)
+    _load_ops(ops)
+    return torch.export.load(io.BytesIO(data))
+
+
+def _check_archive(path: Path, archive: zipfile.ZipFile) -> set[str]:
+    """Refuse anything ``torch.export.load`` would unpickle; return the mha op names the
+    program's graphs call."""
+    names = archive.namelist()
+    roots = {n.split("/", 1)[0] for n in names}
+    if len(roots) != 1 or f"{next(iter(roots))}/archive_format" not in names:
+        raise ValueError(f"path: {path} is not a torch.export .pt2 archive (no archive_format)")
+    root = next(iter(roots)) + "/"
+    if archive.read(root + "archive_format").decode(errors="replace").strip() != "pt2":
+        raise ValueError(f"path: {path} is not a torch.export .pt2 archive")
+    inert: set[str] = set()  # raw tensor bytes listed by a config with use_pickle false
+    ops: set[str] = set()
+    for name in names:
+        rel = name[len(root):]
+        if name.endswith("/"):
+            continue
+        if rel.startswith(("data/weights/", "data/constants/")) and rel.endswith("_config.json"):
+            inert |= _raw_tensors(path, rel, archive.read(name))
+    for name in names:
+        rel = name[len(root):]
+        if name.endswith("/") or rel.startswith(_INERT_TOP) or rel in inert:
+            continue
+        if rel.startswith(("data/weights/", "data/constants/")) and rel.endswith("_config.json"):
+            continue
+        if rel.startswith("models/") and rel.endswith(".json"):
+            ops |= set(_OP_NAME.findall(archive.read(name).decode("utf-8", errors="replace")))
+            continue
+        if rel.startswith("extra/"):
+            continue  # read as text
+        if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
+            _check_weights_only(path, rel, archive.read(name))
+            continue
+        raise ValueError(f"path: {path} holds {rel}, which torch.export.load would unpickle or "
+                         f"run (a pickled tensor, a custom object or compiled code): not loaded")
+    return ops
+
+
+def _raw_tensors(path: Path, rel: str, text: bytes) -> set[str]:
+    """The files a weights / constants config lists as raw tensor bytes (ValueError for an
+    entry stored as a pickle)."""
+    try:
+        config = json.loads(text)["config"]
+        entries = config.items()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"path: {path} holds an unreadable {rel}") from None
+    folder = rel.rsplit("/", 1)[0] + "/"
+    files = set()
+    for fqn, entry in entries:
+        if not isinstance(entry, dict) or entry.get("use_pickle") is not False \
+                or not isinstance(entry.get("path_name"), str):
+            raise ValueError(f"path: {path} stores {fqn!r} ({rel}) as a pickle, which "
+                             f"torch.export.load would unpickle: not loaded")
+        files.add(folder + entry["path_name"])
+    return files
+
+
+def _check_weights_only(path: Path, rel: str, payload: bytes) -> None:
+    """Sample inputs must load with ``weights_only=True``: where that fails,
+    ``torch.export.load`` retries with full unpickling."""
+    try:
+        torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as e:  # any refusal of the restricted unpickler
+        raise ValueError(f"path: {path} holds {rel}, which torch.load(weights_only=True) "
+                         f"refuses ({type(e).__name__}); torch.export.load would unpickle it "
+                         f"fully: not loaded") from None
+
+
+def _load_ops(ops: set[str]) -> None:
+    """Load the native extension of every mha op the program calls (RuntimeError naming the
+    op and why when it cannot be)."""
+    import importlib
+
+    for op in sorted(ops):
+        family = next((f for f in _OP_LOADERS if op.startswith(f)), None)
+        if family is None:
+            raise RuntimeError(f"the program calls torch.ops.mha.{op}, which this version of mha "
+                               f"does not load for exported programs")
+        module, fn = _OP_LOADERS[family]
+        reason = getattr(importlib.import_module(module), fn)()
+        if reason is not None:
+            raise RuntimeError(f"the program calls torch.ops.mha.{op}: {reason}")
