@@ -20,9 +20,10 @@ freed a moment ago, as in ``flash_ab.py``) against the same call after S seconds
 (``--hold M``: then M MiB written and held over the call, which takes whatever free pages the
 machine touched lately, so the output gets pages freed long ago, as on an idle machine).
 
-``--pages M`` (before the shapes): M MiB of fresh 2 MiB pages written step by step, then
-again at once, then again after ``--idle`` seconds: the price of a first write, by how long
-ago the guest freed the memory.
+``--pages M`` (before the shapes): a fresh M MiB block written, in 2 MiB pages (as
+``common/huge_pages.h`` advises large outputs) and in 4 KiB pages, back to back and after
+``--idle`` seconds asleep with ``--hold`` MiB held: the price of an output's first write by
+how long ago the guest freed the memory.
 
 ``--harness``: the callable back to back, against it in the bench's rounds (each call after
 one sample of each of the case's other implementations — ``mha:*`` rows, SDPA, naive torch,
@@ -38,7 +39,7 @@ time (clock ticks: medians and means), and (harness) the CPU time other threads 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/bench_path.py \
         --shapes 1,32,2048,128,dense 4,16,2048,64,causal --threads 1 --clock cpu \
         --idle 4 --hold 1024
-    ... bench_path.py --pages 1024 --idle 4 --shapes
+    ... bench_path.py --pages 32 --idle 4 --hold 1024 --threads 1 --clock cpu --repeats 5 --shapes
     ... bench_path.py --harness --threads 1 --clock cpu --shapes 1,32,2048,128,dense
 """
 
@@ -247,29 +248,37 @@ def idle(shape, dtype: str, causal: bool, args, clock) -> None:
     case.teardown()
 
 
-def pages(args) -> None:
-    """What writing fresh memory costs: ``args.pages`` MiB mapped in 2 MiB pages and written
-    step by step, freed, then again at once and again after ``--idle`` seconds asleep."""
-    def run(label: str) -> None:
-        x = torch.empty((args.pages << 20) // 4)
-        p = x.data_ptr()
-        a = (p + (2 << 20) - 1) & ~((2 << 20) - 1)
-        _LIBC.madvise(ctypes.c_void_p(a), ctypes.c_size_t((args.pages << 20) - (a - p)), 14)
-        y, step = x[(a - p) // 4:], (2 << 20) // 4
-        per = []
-        for i in range(0, y.numel() - step + 1, step):
-            t0 = time.perf_counter()
-            y[i:i + step].fill_(1.0)
-            per.append(time.perf_counter() - t0)
-        print(f"  pages    {label:<22} {statistics.median(per) * 1e3:5.2f} ms per 2 MiB page "
-              f"(median of {len(per)}), {sum(per) / (2 * len(per)) * 1e3:5.2f} ms per MiB",
-              flush=True)
+def pages(args, clock) -> None:
+    """What writing a fresh ``args.pages`` MiB block costs (an output of that size): in 2 MiB
+    pages (``MADV_HUGEPAGE``, as ``common/huge_pages.h`` advises outputs of 32 MiB and more)
+    and in 4 KiB pages, each right after the same write (back to back) and after ``--idle``
+    seconds asleep with ``--hold`` MiB written and held first."""
+    def write(huge: bool) -> float:
+        t0 = clock()
+        if huge:
+            x = _touched(args.pages << 20)
+        else:
+            x = torch.empty((args.pages << 20) // 4)
+            x.fill_(1.0)
+        t = clock() - t0
+        del x
+        return t
 
-    run("first")
-    run("again at once")
-    if args.idle:
-        time.sleep(args.idle)
-        run(f"again after {args.idle:g} s idle")
+    after = f"after {args.idle:g} s idle, {args.hold} MiB held"
+    for huge in (True, False):
+        for mode in ("back to back", after):
+            ts = []
+            for _ in range(args.repeats):
+                write(huge)
+                held = None
+                if mode != "back to back":
+                    time.sleep(args.idle)
+                    held = _touched(args.hold << 20) if args.hold else None
+                ts.append(write(huge))
+                del held
+            print(f"  pages    {args.pages} MiB in {'2 MiB' if huge else '4 KiB'} pages, "
+                  f"{mode:<30} {statistics.median(ts) * 1e3:6.1f} ms "
+                  f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})", flush=True)
     print(f"    load={os.getloadavg()[0]:.2f}")
 
 
@@ -308,7 +317,7 @@ def main() -> None:
     ap.add_argument("--idle", type=float, default=0.0,
                     help="also time the call after this many seconds asleep against back to back")
     ap.add_argument("--pages", type=int, default=0,
-                    help="first the cost of writing this many MiB of fresh 2 MiB pages")
+                    help="first the cost of writing a fresh block of this many MiB (2 MiB / 4 KiB pages)")
     ap.add_argument("--hold", type=int, default=0,
                     help="--idle: MiB mapped and written after the sleep, held over the call")
     ap.add_argument("--per-impl", action="store_true",
@@ -322,7 +331,7 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} clock={args.clock} "
           f"load={os.getloadavg()[0]:.2f}", flush=True)
     if args.pages:
-        pages(args)
+        pages(args, clock)
     for spec in args.shapes:
         B, h, T, d, mode = spec.split(",")
         shape, causal = (int(B), int(h), int(T), int(d)), mode == "causal"
