@@ -33,7 +33,8 @@ call right after each other implementation alone.
 
 Per mode: median time per call (the chosen clock), the CPU seconds per wall second of mha's
 own threads (the calling thread and torch's OpenMP workers) during the call and their system
-time (clock ticks: medians and means), and (harness) the CPU time other threads of the process
+time (/proc's clock ticks of 10 ms: read them for calls of tens of ms and more; medians
+and means), and (harness) the CPU time other threads of the process
 (the peers' pools) spent during it.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/bench_path.py \
@@ -229,7 +230,7 @@ def idle(shape, dtype: str, causal: bool, args, clock) -> None:
                 if mode != "back to back":
                     time.sleep(args.idle)
                     if args.hold:  # takes the free pages touched lately (machine-wide) first
-                        held = _touched(args.hold << 20)
+                        held = touched(args.hold << 20)
                 c0, t0, w0 = _thread_cpu(), clock(), time.perf_counter()
                 fn()
                 del held
@@ -256,7 +257,7 @@ def pages(args, clock) -> None:
     def write(huge: bool) -> float:
         t0 = clock()
         if huge:
-            x = _touched(args.pages << 20)
+            x = touched(args.pages << 20)
         else:
             x = torch.empty((args.pages << 20) // 4)
             x.fill_(1.0)
@@ -273,7 +274,7 @@ def pages(args, clock) -> None:
                 held = None
                 if mode != "back to back":
                     time.sleep(args.idle)
-                    held = _touched(args.hold << 20) if args.hold else None
+                    held = touched(args.hold << 20) if args.hold else None
                 ts.append(write(huge))
                 del held
             print(f"  pages    {args.pages} MiB in {'2 MiB' if huge else '4 KiB'} pages, "
@@ -285,11 +286,12 @@ def pages(args, clock) -> None:
 def _hot_pages(nbytes: int) -> None:
     """Map, write and free ``nbytes`` in 2 MiB pages: the kernel's free lists then start with
     pages this guest touched a moment ago."""
-    _touched(nbytes)  # freed on return
+    touched(nbytes)  # freed on return
 
 
-def _touched(nbytes: int) -> torch.Tensor:
-    """``nbytes`` mapped in 2 MiB pages (where THP allows) and written."""
+def touched(nbytes: int) -> torch.Tensor:
+    """``nbytes`` mapped in 2 MiB pages (where THP allows) and written (``flash_ab.py --hold``
+    uses it too)."""
     x = torch.empty(nbytes // 4)
     p = x.data_ptr()
     a, e = (p + (2 << 20) - 1) & ~((2 << 20) - 1), (p + nbytes) & ~((2 << 20) - 1)
