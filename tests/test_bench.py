@@ -131,6 +131,42 @@ def test_wrong_result_is_an_error_row():
     assert rows[0].status == "error" and "wrong result" in rows[0].reason
 
 
+def _case_inputs(make) -> attention._Inputs:
+    """The case's shared inputs an impl's make closes over (at any depth)."""
+    todo = [make]
+    while todo:
+        for cell in todo.pop().__closure__ or ():
+            x = cell.cell_contents
+            if isinstance(x, attention._Inputs):
+                return x
+            if callable(x) and getattr(x, "__closure__", None):
+                todo.append(x)
+    raise AssertionError("no _Inputs in the impl's closures")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_auto_row_times_the_flash_op_itself(causal):
+    """The attention case's "mha auto" callable returns the flash op's own output tensor layout
+    and values: no copy, no other backend between the bench and the kernel."""
+    from mha.ops import flash
+
+    if flash.unavailable() is not None:
+        pytest.skip(f"flash kernel unavailable: {flash.unavailable()}")
+    case = attention.attention_case(attention.Shape(1, 4, 256, 64, "fp32", causal),
+                                    Context(**FAST))
+    impl = next(i for i in case.impls if i.name == "mha auto")
+    with torch.no_grad():
+        fn = impl.make()
+        assert fn.note == "dispatch chose flash_cpu"
+        out = fn()
+        q, k, v = _case_inputs(impl.make).qkv()
+        want, _ = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, None, None, causal,
+                                                            64 ** -0.5, "auto")
+    assert torch.equal(out, want)
+    assert out.stride() == want.stride()  # the op's (B, Tq, h, d) memory, not a copy of it
+    case.teardown()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_module_case_times_the_frozen_module_checked(dtype):
     """bf16 and fp32 module rows add ``mha module frozen`` (weights packed once): checked against

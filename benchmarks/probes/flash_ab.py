@@ -14,6 +14,8 @@ variant's time over the first variant's (< 1: faster). Builds are cached under
         --variant old=/tmp/base/src/mha/csrc --variant new=src/mha/csrc \\
         --shapes 4,16,2048,64,causal 1,8,4096,64,dense --repeats 7
     # a compile-time switch of one tree: --variant x=src/mha/csrc:-DMHA_SOMETHING=1
+    # each call 4 s after the last, 1 GiB held over it (outputs on pages freed long ago):
+    ... flash_ab.py --variant old=... --variant new=... --idle 4 --hold 1024 --threads 1 --clock cpu
     # the fused backward instead (flash/flash_attn_bwd.cpp; out and lse from the package's
     # forward, grad_out contiguous; GFLOP/s counts its five products, 10 B h Tq Tk d):
     ... flash_ab.py --backward --dtype bf16 --variant old=... --variant new=src/mha/csrc
@@ -25,27 +27,40 @@ import argparse
 import hashlib
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_path import touched  # noqa: E402
 
-def _interleaved(fns: dict, rounds: int, min_time: float, clock) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin with ``clock``."""
+
+def _interleaved(fns: dict, rounds: int, min_time: float, clock, idle: float = 0.0,
+                 hold: int = 0) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin with ``clock``. With
+    ``idle``, each sample is one call made ``idle`` seconds after an untimed one, with ``hold``
+    MiB written and held over it (so its output gets pages freed that long ago)."""
     inner = {}
     for name, fn in fns.items():
         fn()  # warm-up
         t0 = clock()
         fn()
-        inner[name] = max(1, int(min_time / max(clock() - t0, 1e-7)))
+        inner[name] = 1 if idle else max(1, int(min_time / max(clock() - t0, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            held = None
+            if idle:
+                fn()
+                time.sleep(idle)
+                held = touched(hold << 20) if hold else None
             t0 = clock()
             for _ in range(inner[name]):
                 fn()
             samples[name].append((clock() - t0) / inner[name])
+            del held
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -88,6 +103,11 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the calling thread's CPU time (with --threads 1 the kernel runs on "
                          "it), so time lost to other processes on a shared machine is not counted")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="each sample: one call this many seconds after an untimed one (its "
+                         "output on pages freed that long ago; see bench_path.py)")
+    ap.add_argument("--hold", type=int, default=0,
+                    help="--idle: MiB written after the sleep and held over the timed call")
     ap.add_argument("--check", action="store_true", help="print max |difference| to the first")
     ap.add_argument("--backward", action="store_true",
                     help="time the fused backward (flash/flash_attn_bwd.cpp) instead")
@@ -132,7 +152,7 @@ def main() -> None:
                 print(f"  {n}: max |diff| {diff:.3g}")
         with torch.no_grad():
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-            secs = _interleaved(fns, args.repeats, args.min_time, clock)
+            secs = _interleaved(fns, args.repeats, args.min_time, clock, args.idle, args.hold)
         flops = (10.0 if args.backward else 4.0) * B * h * T * T * d * (0.5 if causal else 1.0)
         base = secs[names[0]]
         row = "  ".join(f"{n} {flops / s / 1e9:6.1f} GF/s ({s / base:.3f})" for n, s in secs.items())
