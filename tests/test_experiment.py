@@ -80,6 +80,20 @@ def test_tiny_sweep_learns(tiny_run):
             assert m["final_loss"] < results["tasks"]["markov"]["chance_loss"] - 0.05
 
 
+def test_sweep_hands_back_the_callers_thread_count():
+    """The sweep trains on ``cfg.threads`` torch threads and restores the caller's count after
+    (``mha experiment heads`` run in-process leaves later code on the count it had)."""
+    from dataclasses import replace
+
+    from threads import with_threads
+
+    cfg = replace(heads.PRESETS["tiny"], heads=(1,), tasks=("lags",), steps=2, warmup=1,
+                  eval_size=8, eval_points=1, threads=1)
+    seen = with_threads(2, lambda: (heads.run_sweep(cfg), torch.get_num_threads()))
+    assert seen[0]["environment"]["threads"] == 1  # the sweep's own count
+    assert seen[1] == 2  # the caller's, back after the sweep
+
+
 def test_markdown_regenerates_between_markers(tiny_run, tmp_path):
     _, out, _ = tiny_run
     results = report.load(out / "results.json")

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mha import paged
 from mha.ops import decode, flash
 from mha.paged import PagedKVCache
 
@@ -26,6 +27,13 @@ from oracle import assert_within_budget
 pytestmark = pytest.mark.skipif(
     flash.unavailable() is not None or decode.unavailable() is not None,
     reason=f"native kernels unavailable: {flash.unavailable() or decode.unavailable()}")
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The cache warns once per process and reason: a test that expects the warning starts
+    from a process that has not given it yet, whatever ran before it."""
+    monkeypatch.setattr(paged, "_warned", set())
 
 
 def _filled(lengths, *, p, h_kv=2, d=32, dtype=torch.float32, kv_dtype=None, seed=0,
@@ -200,7 +208,7 @@ def test_bf16_pages_with_fp32_queries_run_native():
     _check_rows(cache, ids, q, cu, out, dtype=torch.bfloat16)
 
 
-def test_int8_pages_fall_back_with_the_reason():
+def test_int8_pages_fall_back_with_the_reason(fresh_warnings):
     cache, ids, gen = _filled([50, 20], p=16, kv_dtype="int8")
     q = torch.randn(30, 4, 32, generator=gen)  # (N, h, d)
     cu = [0, 20, 30]
@@ -209,6 +217,11 @@ def test_int8_pages_fall_back_with_the_reason():
         with torch.no_grad():
             out = cache.attend_varlen(0, q, ids, cu)
     _check_rows(cache, ids, q, cu, out, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process and reason
+        with torch.no_grad():
+            again = cache.attend_varlen(0, q, ids, cu)
+    assert torch.equal(again, out)
 
 
 def test_position_variants_fall_back_and_softcap_sinks_run_native():
@@ -224,7 +237,7 @@ def test_position_variants_fall_back_and_softcap_sinks_run_native():
     torch.testing.assert_close(got, ref[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
 
 
-def test_grad_is_refused_by_the_op_and_served_by_the_gathered_path():
+def test_grad_is_refused_by_the_op_and_served_by_the_gathered_path(fresh_warnings):
     cache, ids, gen = _filled([30], p=16)
     q = torch.randn(10, 4, 32, generator=gen, requires_grad=True)  # (N, h, d)
     bt, cu, lengths = cache.block_table[:1], torch.tensor([0, 10]), cache.lengths[:1]

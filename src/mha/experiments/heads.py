@@ -170,9 +170,18 @@ def task_info(task) -> dict:
 def run_sweep(cfg: HeadsConfig, *, progress=None, log=None) -> dict:
     """Every (seed, task, h) run of ``cfg``, seeds outermost (a stopped sweep still holds whole
     seeds). ``progress`` is an optional rich Progress (bars are added to it); ``log(record,
-    results)`` is called after each run with the results so far (e.g. to save them)."""
+    results)`` is called after each run with the results so far (e.g. to save them). The runs use
+    ``cfg.threads`` torch threads; the caller's thread count is restored afterwards."""
     cfg.validate()
+    before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
+    try:
+        return _sweep(cfg, progress, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sweep(cfg: HeadsConfig, progress, log) -> dict:
     tasks = [make_task(name) for name in cfg.tasks]
     heads = cfg.head_counts()
     eval_sets = {t.name: t.batch(cfg.eval_size, torch.Generator().manual_seed(EVAL_SEED))
