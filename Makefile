@@ -1,7 +1,8 @@
 # Two commands for a fresh machine (Python 3.11, gcc, pip's registry):
 #   make demo   — the seeds' configuration end to end, with shapes recorded from the run
 #   make test   — the whole test suite
-# Both create .venv when missing and install what they need (torch pinned to the CPU build).
+# Both create .venv when missing and install what they need (torch pinned to 2.13.0; the CPU
+# build where pip's configuration finds it, as on the project's machines).
 
 PYTHON ?= python3
 VENV   := .venv

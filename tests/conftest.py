@@ -16,8 +16,8 @@ settings.register_profile("thorough", max_examples=400, deadline=None,
 # keep exploring new ones and remember failures in .hypothesis/.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("MHA_HYPOTHESIS_PROFILE",
-                                     "ci" if os.environ.get("CI") else "default"))
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+settings.load_profile(os.environ.get("MHA_HYPOTHESIS_PROFILE", "ci" if IN_CI else "default"))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
@@ -42,7 +42,7 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("CI") and _missing_dependency_skips:
+    if IN_CI and _missing_dependency_skips:
         print("\nCI: tests skipped for a missing dependency (an install step is broken):")
         for line in _missing_dependency_skips:
             print("  " + line)
