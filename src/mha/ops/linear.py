@@ -292,10 +292,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod  # (a staticmethod: strict torch.export's dynamo inlines no classmethod)
     def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
-        ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        ctx.backward_op = "linear_backward"  # torch.ops.mha.<name>
-        return torch.ops.mha.linear(x2, weight, bias)
+        return _forward(ctx, x2, weight, bias, torch.ops.mha.linear, "linear_backward")
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out (M, N)
@@ -316,10 +313,16 @@ class _LinearBf16(_Linear):
 
     @staticmethod
     def forward(ctx, x2, weight, bias):  # x2 (M, K), weight (N, K), bias (N,) or None
-        ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        ctx.backward_op = "linear_bf16_backward"
-        return torch.ops.mha.linear_bf16(x2, weight, bias)
+        return _forward(ctx, x2, weight, bias, torch.ops.mha.linear_bf16, "linear_bf16_backward")
+
+
+def _forward(ctx, x2, weight, bias, op, backward_op: str):
+    """The forward of both functions: ``op`` (a ``torch.ops.mha`` GEMM) on the inputs, with
+    what the backward needs kept on ``ctx`` (``backward_op``: the name of its gradient op)."""
+    ctx.save_for_backward(x2, weight)
+    ctx.has_bias = bias is not None
+    ctx.backward_op = backward_op  # torch.ops.mha.<name>
+    return op(x2, weight, bias)
 
 
 def linear_module(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
