@@ -264,7 +264,7 @@ void Worker<K, T, Parts>::softmax(bool unmasked, const float* s, const int* nval
              float* m, float* lsum, float* alpha, p_t* p) const {
   if (wide_m_) {
     for (int r = 0; r < RS; ++r)
-      softmax_wide<NV>(s + r * Nb, nvalid[r], bits ? bits + r * kMaxVecsPerBlock : nullptr, c,
+      softmax_wide<NV>(s + r * Nb, nvalid[r], bits ? bits + r * kMaxVecsPerBlock : nullptr,
                        m + r - m_base_, alpha[r], p + r * Nb);
     return;
   }
@@ -287,7 +287,7 @@ void Worker<K, T, Parts>::softmax(bool unmasked, const float* s, const int* nval
 
 template <class K, typename T, class Parts>
 template <int NV>
-void Worker<K, T, Parts>::softmax_wide(const float* s, int nvalid, const uint16_t* bits, float,
+void Worker<K, T, Parts>::softmax_wide(const float* s, int nvalid, const uint16_t* bits,
                                        int64_t r, float& alpha, p_t* p) const {
   constexpr int W = NV * kLanes;
   const double u = P.mods.score_scale(P.scale);  // natural-log logits x = s u

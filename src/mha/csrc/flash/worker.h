@@ -95,7 +95,7 @@ struct Worker {
   // largest of them, and P = e^(x - m), so a finite logit of any magnitude gives the math's
   // weights; lse = m + log l. Plain loops (hostile inputs only).
   template <int NV>
-  void softmax_wide(const float* s, int nvalid, const uint16_t* bits, float c, int64_t r,
+  void softmax_wide(const float* s, int nvalid, const uint16_t* bits, int64_t r,
                     float& alpha, p_t* p) const;
 
   // O / l and lse of the rows of a query block that ran the wide softmax (rows from i0).
