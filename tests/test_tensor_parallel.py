@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 # (name, constructor kwargs, cross-attention)
 MODULES = [
     ("packed GQA", dict(d_model=32, num_heads=8, num_kv_heads=4), False),
+    ("packed GQA rope", dict(d_model=32, num_heads=8, num_kv_heads=4, rope=True), False),
     ("cross d_v != d_k", dict(d_model=32, num_heads=4, head_dim=6, v_head_dim=10, kdim=24,
                               vdim=20), True),
 ]

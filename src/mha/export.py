@@ -74,7 +74,9 @@ class DecodeStep(nn.Module):
     ``(x (B, Tn, d_model), past_k (B, h_kv, P, d_k), past_v (B, h_kv, P, d_v)) -> (y (B, Tn,
     d_model), present_k (B, h_kv, P + Tn, d_k), present_v (B, h_kv, P + Tn, d_v))``. The new
     tokens attend causally, bottom-right: token ``t`` of the step sees the P cached keys and new
-    keys ``<= t`` (the decoder's "token t sees 1..t")."""
+    keys ``<= t`` (the decoder's "token t sees 1..t"). With ``rope`` the new tokens are
+    rotated at positions ``P .. P+Tn-1`` (past keys are stored rotated, as in
+    :class:`mha.KVCache`)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -85,7 +87,11 @@ class DecodeStep(nn.Module):
         m = self.module
         q, k, v = m.project(x, x, x, True)  # (B, Tn, h*d_k), (B, Tn, h_kv*d_k), (B, Tn, h_kv*d_v)
         q = m.split_heads(q, m.num_heads)  # (B, Tn, h*d_k) -> (B, h, Tn, d_k)
-        k = torch.cat([past_k, m.split_heads(k, m.num_kv_heads)], dim=2)  # (B, h_kv, P+Tn, d_k)
+        k = m.split_heads(k, m.num_kv_heads)  # (B, Tn, h_kv*d_k) -> (B, h_kv, Tn, d_k)
+        if m.rope is not None:  # the new tokens sit at P .. P+Tn-1 (from shapes alone)
+            positions = past_k.shape[2] + torch.arange(x.shape[1], device=x.device)  # (Tn,)
+            q, k = m.rope.apply_rotary(q, positions), m.rope.apply_rotary(k, positions)
+        k = torch.cat([past_k, k], dim=2)  # (B, h_kv, P+Tn, d_k)
         v = torch.cat([past_v, m.split_heads(v, m.num_kv_heads)], dim=2)  # (B, h_kv, P+Tn, d_v)
         out = attention(q, k, v, causal=True)  # (B, h, Tn, d_v)
         return m._output(out, None, recorder()), k, v  # (B, Tn, d_model), present K/V

@@ -9,6 +9,8 @@ Score variants (:mod:`mha.scores`) are options of the module: ``softcap`` (a flo
 ``bias`` and the index functions ``mask_mod`` / ``score_mod`` (:mod:`mha.mods`) are per call.
 Every mode (plain, cached, packed) passes them to :func:`mha.attention` /
 :func:`mha.varlen_attention`; the cached mode keeps them aligned to the cache positions.
+Rotary position embeddings (``rope``, :mod:`mha.rope`) turn the query and key heads after the
+projections, at positions each mode defines (given / ``0..T-1``, the cache's, per sequence).
 
 The fast path projects Q, K and V with one GEMM (packed weight) for self-attention, splits the
 heads (views of the GEMM's output), calls :func:`mha.attention`, merges the heads (a view:
@@ -31,6 +33,7 @@ from mha import interop, trace
 from mha.checks import (
     check_bias,
     check_bool,
+    check_cu_seqlens,
     check_float_dtype,
     check_int,
     check_same,
@@ -47,6 +50,7 @@ from mha.ops.self_attention import Panels, why_not_fused
 from mha.ops.self_attention import describe as describe_fused
 from mha.ops.self_attention import self_attention as fused_forward
 from mha.ops.self_attention import tiles as fused_tiles
+from mha.rope import Rotary, as_rotary
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
@@ -106,6 +110,13 @@ class MultiHeadAttention(nn.Module):
             (self-attention and decoding; cross-attention aligns the last query with the
             last key, as :func:`mha.attention`). Derived from h, so not in the state dict,
             and kept float32 under ``.to(dtype)``.
+        rope: rotary position embeddings on the query and key heads after the projections
+            (Llama, Qwen, Mistral, Phi ...): None (off), True (``mha.rope.Rotary(head_dim)``,
+            theta 10000, halves) or a :class:`mha.rope.Rotary` (theta, partial ``dim``,
+            ``interleaved``, linear / llama3 ``scaling``). Self-attention only. The positions
+            are ``0 .. T-1`` in a plain call (or ``forward(positions=...)``), each row's cache
+            length onwards with ``cache=``, and restart at 0 in each sequence with
+            ``cu_seqlens=``. No parameters (nothing in the state dict).
 
     Sizes are positive ints, ``bias`` a bool, ``dropout`` a number in [0, 1), ``dtype`` None or
     floating (numpy scalars of those kinds are accepted); anything else is refused before a
@@ -122,7 +133,8 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, v_head_dim: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
                  dropout: float = 0.0, softcap: float | None = None, sinks: bool = False,
-                 alibi: bool = False, device=None, dtype=None) -> None:
+                 alibi: bool = False, rope: Rotary | bool | None = None, device=None,
+                 dtype=None) -> None:
         super().__init__()
         d_model, num_heads = _positive("d_model", d_model), _positive("num_heads", num_heads)
         if head_dim is None and d_model % num_heads != 0:
@@ -140,6 +152,7 @@ class MultiHeadAttention(nn.Module):
         dropout = check_scalar("dropout", dropout, low=0.0, high=1.0, high_open=True)
         softcap = None if softcap is None else check_softcap(softcap)
         sinks, alibi = check_bool("sinks", sinks), check_bool("alibi", alibi)
+        rope = as_rotary(rope, head_dim)
         dtype = check_float_dtype("dtype", dtype)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim, self.v_head_dim, self.kdim, self.vdim = head_dim, v_head_dim, kdim, vdim
@@ -161,6 +174,8 @@ class MultiHeadAttention(nn.Module):
         # derived from h (not saved): persistent=False keeps it out of the state dict
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi
                              else None, persistent=False)  # (h,) float32
+        #: rotary position embeddings of Q and K (a frozen config; no parameters), or None
+        self.rope = rope
         #: ranks the heads are split over (mha.distributed.tensor_parallel); the head counts
         #: above are then this rank's
         self.tensor_parallel = 1
@@ -187,7 +202,8 @@ class MultiHeadAttention(nn.Module):
                 f"dropout={self.dropout}"
                 + (f", softcap={self.softcap}" if self.softcap is not None else "")
                 + (", sinks=True" if self.sinks is not None else "")
-                + (", alibi=True" if self.alibi_slopes is not None else ""))
+                + (", alibi=True" if self.alibi_slopes is not None else "")
+                + (f", rope={self.rope!r}" if self.rope is not None else ""))
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` ...: as nn.Module, but the ALiBi
@@ -264,7 +280,7 @@ class MultiHeadAttention(nn.Module):
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
                 key_lengths=None, need_weights: bool = False, backend: str | None = None,
                 cache=None, cu_seqlens=None, window: int | None = None, bias=None,
-                mask_mod=None, score_mod=None):
+                mask_mod=None, score_mod=None, positions=None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
         to query (self-attention). ``mask``/``causal``/``key_lengths``/``window`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
@@ -293,13 +309,21 @@ class MultiHeadAttention(nn.Module):
         query is ``(1, N, d_model)``, S sequences end to end, and each token attends only within
         its own sequence (causally if ``causal``). Self-attention only; no mask, key_lengths,
         cache, weights, mask_mod or score_mod; ``bias`` is the per-sequence list of
-        :func:`mha.varlen_attention`."""
+        :func:`mha.varlen_attention`.
+
+        ``positions`` (only with ``rope``): the tokens' positions in a plain call, ints >= 0 of
+        shape ``(Tq,)`` or ``(B, Tq)`` (transformers' ``position_ids``, e.g. counting from each
+        row's first real token in a left-padded batch); None = ``0 .. Tq-1``. With ``cache=``
+        the positions come from the cache (:meth:`mha.KVCache.positions`: each row's length
+        past its start) and with ``cu_seqlens=`` they restart at 0 in each sequence, so
+        ``positions`` must be None there."""
         causal = check_bool("causal", causal)  # also with a cache, which masks causally anyway
         need_weights = check_bool("need_weights", need_weights)
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
                      need_weights=need_weights, cache=cache, cu_seqlens=cu_seqlens,
                      mask_mod=mask_mod, score_mod=score_mod)
         self_attention = key is None and value is None
+        self._check_rope_call(positions, self_attention, cache, cu_seqlens)
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
@@ -309,11 +333,13 @@ class MultiHeadAttention(nn.Module):
         reason, weights = self._fused_plan(query, self_attention, dict(
             mask=mask, causal=causal, key_lengths=key_lengths, window=window,
             need_weights=need_weights or rec.on, backend=backend, cache=cache,
-            cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants))
+            cu_seqlens=cu_seqlens, dropout_p=dropout_p, rope=self.rope, **variants))
         if reason is None:
             return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
                                  self.frozen)  # (B, T, d_model)
         q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
+        if self.rope is not None:
+            q, k = self._rotate(q, k, positions, cache, cu_seqlens, rec)
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
             out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend,
@@ -391,7 +417,7 @@ class MultiHeadAttention(nn.Module):
               if not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
         if on:
             return (f"the fused forward has no {', '.join(sorted(on))} (masks, modes, dropout, "
-                    f"weights and score variants run step by step)"), None
+                    f"weights, score variants and rope run step by step)"), None
         inp, out = self.in_proj, self.out_proj
         params = inp.weight, inp.bias, out.weight, out.bias
         if torch.is_grad_enabled() and (query.requires_grad or any(
@@ -429,6 +455,40 @@ class MultiHeadAttention(nn.Module):
         rec.record("split heads K", "reshape + transpose", k, "(B, h_kv, Tk, d_k)")
         rec.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
         return q, k, v
+
+    def _check_rope_call(self, positions, self_attention: bool, cache, cu_seqlens) -> None:
+        """``positions`` and ``rope`` fit the call's mode (checked before anything moves)."""
+        if self.rope is None:
+            if positions is not None:
+                raise ValueError("positions: this module has no rope (positions place the "
+                                 "tokens for rotary embeddings); construct it with rope=...")
+            return
+        if not self_attention:
+            raise ValueError("rope: cross-attention (key / value given) is not supported with "
+                             "rotary embeddings: the queries' and keys' positions are not "
+                             "defined relative to each other; call with key=value=None")
+        if positions is not None and (cache is not None or cu_seqlens is not None):
+            mode = "cache (the positions continue each row's cache: KVCache.positions)" \
+                if cache is not None else "cu_seqlens (the positions restart in each sequence)"
+            raise ValueError(f"positions must be None with {mode}")
+
+    def _rotate(self, q, k, positions, cache, cu_seqlens, rec):
+        """RoPE on ``q (B, h, T, d_k)`` and ``k (B, h_kv, T, d_k)`` at the mode's positions:
+        given or ``0 .. T-1`` (plain), the cache's (``(B, Tn)``, before the append), or
+        restarting per packed sequence (``(N,)``)."""
+        if cache is not None:
+            # (B, Tn) or (1, Tn); a left-padding slot (before the row's start, never attended)
+            # would count from below 0: it takes position 0
+            positions = cache.positions(q.shape[2]).clamp(min=0)
+        elif cu_seqlens is not None:
+            lengths = check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[2], q.device)
+            positions = torch.cat([torch.arange(n, device=q.device) for n in lengths]) \
+                if lengths else torch.zeros(0, dtype=torch.int64, device=q.device)  # (N,)
+        q = self.rope.apply_rotary(q, positions)  # (B, h, Tq, d_k)
+        k = self.rope.apply_rotary(k, positions)  # (B, h_kv, Tk, d_k)
+        rec.record("rotate Q (RoPE)", "Q = rope(Q, positions)", q, "(B, h, Tq, d_k)")
+        rec.record("rotate K (RoPE)", "K = rope(K, positions)", k, "(B, h_kv, Tk, d_k)")
+        return q, k
 
     def _forward_plain(self, q, k, v, mask, causal, key_lengths, window, dropout_p,
                        want_weights, backend, variants):
@@ -512,6 +572,7 @@ class MultiHeadAttention(nn.Module):
         lines.append(f"  W_O: {describe(concat, self.out_proj.weight, self.out_proj.bias)}")
         variants = self._variants(kwargs.pop("bias", None), kwargs.pop("mask_mod", None),
                                   kwargs.pop("score_mod", None))
+        kwargs.pop("positions", None)  # rotary positions change no backend's verdict
         q = query.new_empty(B, Tq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, Tq, d_k)
         k = query.new_empty(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_k)
         v = query.new_empty(B, Tk, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_v)
@@ -519,7 +580,7 @@ class MultiHeadAttention(nn.Module):
         lines += ["attention:"] + [f"  {line}" for line in str(verdicts).splitlines()]
         dropout_p = self.dropout if self.training else 0.0
         reason = self._why_not_fused(query, self_attention, dict(kwargs, dropout_p=dropout_p,
-                                                                 **variants))
+                                                                 rope=self.rope, **variants))
         forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
                                   self.out_proj.weight, self.out_proj.bias, self.num_heads)
                    if reason is None else f"step by step: {reason}")
@@ -637,7 +698,7 @@ class MultiHeadAttention(nn.Module):
         """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function.
         Refused (ValueError) for a module with score variants, which torch's module has not."""
         on = [n for n, x in (("softcap", self.softcap), ("sinks", self.sinks),
-                             ("alibi", self.alibi_slopes)) if x is not None]
+                             ("alibi", self.alibi_slopes), ("rope", self.rope)) if x is not None]
         if on:
             raise ValueError(f"to_torch: torch.nn.MultiheadAttention has no {', '.join(on)}; "
                              f"this module would compute a different function without them")

@@ -1,0 +1,440 @@
+"""Rotary position embeddings (mha.rope, MultiHeadAttention(rope=...)): against transformers'
+Llama / GPT-J rotary code and a float64 pair-by-pair formula, a transformers LlamaAttention with
+the same weights, and in every mode of the module (plain with positions, cached decoding with
+ragged and left-padded rows, packed sequences, trace, torch.export, ONNX export), plus refusals.
+
+Shape legend: B batch, T lengths, h/h_kv heads, d head dim, r rotated dims, d_model width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mha
+from mha.cache import ConcatKVCache
+from mha.rope import Rotary
+
+from oracle import FLOOR, max_err
+
+tf = pytest.importorskip("transformers", reason="the hf extra: pip install 'mha[hf]'")
+from transformers.models.llama import modeling_llama as llama  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}  # 32: every regime occurs for d = 16
+SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 4.0}, "llama3": LLAMA3}
+
+
+def _llama_config(scaling, theta=500000.0, **kw) -> tf.LlamaConfig:
+    params = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=256, rope_parameters=params, attention_bias=False)
+    cfg.update(kw)
+    return tf.LlamaConfig(**cfg)
+
+
+def hand_rotary(x, positions, r, theta, interleaved, inv_freq=None):
+    """The float64 formula, one pair at a time: ``x (B, H, T, d)``, ``positions (B|1, T)``."""
+    x = x.double()
+    out = x.clone()
+    w = inv_freq if inv_freq is not None else torch.tensor(
+        [theta ** (-2 * i / r) for i in range(r // 2)], dtype=torch.float64)
+    pos = positions.double().expand(x.shape[0], -1)  # (B, T)
+    for i in range(r // 2):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+        ang = pos * w[i]  # (B, T)
+        c, s = ang.cos()[:, None], ang.sin()[:, None]  # (B, 1, T)
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., b] * c + x[..., a] * s
+    return out
+
+
+# ----------------------------------------------------------------------------- the rotation
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_matches_transformers_llama_rotary(scaling):
+    cfg = _llama_config(SCALINGS[scaling])
+    emb = llama.LlamaRotaryEmbedding(cfg)
+    rot = Rotary(16, theta=500000.0, scaling=SCALINGS[scaling])
+    assert max_err(rot.inv_freq(), emb.inv_freq) < 1e-7 * emb.inv_freq.abs().max()
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16)
+    pos = torch.arange(40)[None] + torch.tensor([[0], [9]])  # (B, T): row 1 starts at 9
+    cos, sin = emb(q, pos)
+    q_hf, k_hf = llama.apply_rotary_pos_emb(q, k, cos, sin)
+    assert max_err(rot.apply_rotary(q, pos), q_hf) < 1e-5
+    assert max_err(rot.apply_rotary(k, pos), k_hf) < 1e-5
+    # positions (T,) and None are row 0's
+    assert torch.equal(rot.apply_rotary(q, pos[0]), rot.apply_rotary(q))
+    assert max_err(rot.apply_rotary(q)[0], q_hf[0]) < 1e-5
+
+
+@pytest.mark.parametrize("r", [8, 16])
+def test_interleaved_partial_matches_transformers_gptj(r):
+    """GPT-J rotates neighbouring pairs of the first rotary_dim dims (theta 10000)."""
+    from transformers.models.gptj import modeling_gptj as gptj
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 12, 16)  # (B, H, T, d)
+    pos = torch.arange(12)[None].expand(2, -1) + torch.tensor([[0], [5]])  # (B, T)
+    sin, cos = torch.split(gptj.create_sinusoidal_positions(64, r)[pos], r // 2, dim=-1)
+    xt = x.transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d): GPT-J's layout
+    rot_hf = gptj.apply_rotary_pos_emb(xt[..., :r], sin, cos)  # (B, T, H, r)
+    want = torch.cat([rot_hf, xt[..., r:]], dim=-1).transpose(1, 2)  # -> (B, H, T, d)
+    got = Rotary(r, interleaved=True).apply_rotary(x, pos)
+    assert max_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("r", [4, 10, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_matches_the_float64_formula(interleaved, r, dtype):
+    """Partial rotary (r < d: dims r.. pass unchanged) and both pairings, by the formula; each
+    result is rounded once from float32 (or computed in float64)."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 9, 16).to(dtype)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3, 3, 4, 5, 6, 900, 4095]])
+    got = Rotary(r, theta=1000.0, interleaved=interleaved).apply_rotary(x, pos)
+    want = hand_rotary(x, pos, r, 1000.0, interleaved)
+    assert got.dtype == dtype
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2 ** -8 * 4}[dtype]
+    assert max_err(got, want) <= tol
+    assert torch.equal(got[..., r:], x[..., r:])
+
+
+def test_llama3_scaling_by_the_formula():
+    rot = Rotary(16, theta=500000.0, scaling=LLAMA3)
+    f, lo, hi, L = 8.0, 1.0, 4.0, 32.0
+    for i, w in enumerate(rot.inv_freq().tolist()):
+        w0 = 500000.0 ** (-2 * i / 16)
+        lam = 2 * math.pi / w0
+        s = (L / lam - lo) / (hi - lo)
+        want = w0 if lam < L / hi else w0 / f if lam > L / lo else (1 - s) * w0 / f + s * w0
+        assert w == pytest.approx(want, rel=1e-14)
+
+
+def test_table_grows_and_equals_direct_computation():
+    rot = Rotary(8)
+    x = torch.randn(1, 1, 3, 8)
+    small = rot.apply_rotary(x, torch.tensor([1, 2, 3]))
+    big = rot.apply_rotary(x, torch.tensor([1, 2, 5000]))  # grows the table past 4096
+    assert torch.equal(small[..., :2, :], big[..., :2, :])
+    cos, _ = rot.cos_sin(torch.tensor([5000]), torch.float64)
+    assert max_err(rot.cos_sin(torch.tensor([5000]))[0], cos) < 1e-7  # float32 rounding only
+
+
+def test_config_is_frozen_hashable_and_reads_hf_parameters():
+    a = Rotary(16, theta=5e5, scaling=dict(LLAMA3, rope_theta=5e5))  # a config entry as is
+    b = Rotary(16, theta=500000, scaling=LLAMA3)
+    assert a == b and hash(a) == hash(b) and "llama3" in repr(a)
+    assert Rotary(16, scaling={"rope_type": "default", "rope_theta": 1e4}).scaling is None
+    assert Rotary(16, scaling={"type": "linear", "factor": 2}) == \
+        Rotary(16, scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(AttributeError):
+        a.theta = 1.0
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(dim=7), ValueError, "dim must be an even"),
+    (dict(dim=0), ValueError, "dim must be"),
+    (dict(dim=8.0), TypeError, "dim must be"),
+    (dict(dim=8, theta=0.0), ValueError, "theta must be"),
+    (dict(dim=8, theta=-1.0), ValueError, "theta must"),
+    (dict(dim=8, theta=float("nan")), ValueError, "theta must"),
+    (dict(dim=8, theta=float("inf")), ValueError, "theta must"),
+    (dict(dim=8, interleaved=1), TypeError, "interleaved must be a bool"),
+    (dict(dim=8, scaling="linear"), TypeError, "scaling must be None or a dict"),
+    (dict(dim=8, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError, "rope_type must"),
+    (dict(dim=8, scaling={"rope_type": "linear"}), ValueError, "missing ['factor']"),
+    (dict(dim=8, scaling={"rope_type": "linear", "factor": 0.0}), ValueError, "> 0"),
+    (dict(dim=8, scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}), ValueError,
+     "unknown keys ['beta']"),
+    (dict(dim=8, scaling=dict(LLAMA3, high_freq_factor=0.5)), ValueError, "high_freq_factor"),
+])
+def test_rotary_refusals_name_the_argument(kwargs, error, words):
+    with pytest.raises(error, match=None) as e:
+        Rotary(**kwargs)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("positions, error, words", [
+    (torch.tensor([0.0, 1.0, 2.0]), TypeError, "positions must be an integer tensor"),
+    (torch.tensor([True, False, True]), TypeError, "positions must be an integer tensor"),
+    (torch.tensor([0, -1, 2]), ValueError, "positions must be >= 0"),
+    (torch.arange(4), ValueError, "positions must have shape (T,) = (3,)"),
+    (torch.zeros(3, 3, dtype=torch.int64), ValueError, "positions must have shape"),
+])
+def test_positions_refusals_name_the_argument(positions, error, words):
+    with pytest.raises(error) as e:
+        Rotary(8).apply_rotary(torch.randn(2, 1, 3, 8), positions)
+    assert words in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the module
+def _llama_pair(scaling=None, dtype=torch.float32, seed=3):
+    """A transformers LlamaAttention (GQA 4/2, d = 16, eager) and mha's module with its weights."""
+    cfg = _llama_config(scaling)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = llama.LlamaAttention(cfg, layer_idx=0).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    m = mha.MultiHeadAttention(64, 4, num_kv_heads=2, bias=False,
+                               rope=Rotary(16, theta=500000.0, scaling=scaling)).eval()
+    with torch.no_grad():
+        m.in_proj.weight.copy_(torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight]))
+        m.out_proj.weight.copy_(hf.o_proj.weight)
+    return cfg, hf.to(dtype), m.to(dtype)
+
+
+def _hf_call(cfg, hf, x, pos):
+    """LlamaAttention with an additive causal mask ``(1, 1, T, T)`` at ``positions (B, T)``."""
+    T = x.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.zeros(T, T, dtype=x.dtype).masked_fill(~causal, float("-inf"))[None, None]
+    emb = llama.LlamaRotaryEmbedding(cfg)
+    return hf(x, position_embeddings=emb(x, pos), attention_mask=mask)[0]
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_module_equals_transformers_llama_attention_fp32(scaling):
+    cfg, hf, m = _llama_pair(SCALINGS[scaling])
+    x = torch.randn(2, 37, 64)
+    pos = torch.arange(37)[None].expand(2, -1)
+    with torch.no_grad():
+        want, got = _hf_call(cfg, hf, x, pos), m(x, causal=True)
+    assert max_err(got, want) < 1e-4 * want.abs().max()
+
+
+def test_module_equals_transformers_llama_attention_bf16():
+    """bf16 (transformers rotates in bf16, mha in float32 rounded once): mha's error against
+    the float64 LlamaAttention is at most twice transformers' own bf16 error, plus the floor."""
+    cfg, hf64, _ = _llama_pair(LLAMA3, torch.float64)
+    _, hf16, m16 = _llama_pair(LLAMA3, torch.bfloat16)
+    x = torch.randn(2, 29, 64)
+    pos = torch.arange(29)[None].expand(2, -1)
+    with torch.no_grad():
+        ref = _hf_call(cfg, hf64, x.double(), pos)
+        low = _hf_call(cfg, hf16, x.bfloat16(), pos)
+        got = m16(x.bfloat16(), causal=True)
+    assert got.dtype == torch.bfloat16
+    assert max_err(got, ref) <= 2 * max_err(low, ref) + FLOOR[torch.bfloat16]
+
+
+def make(seed=4, **kw) -> mha.MultiHeadAttention:
+    torch.manual_seed(seed)
+    kw.setdefault("rope", Rotary(8, theta=100.0))  # partial: d = 12, r = 8
+    return mha.MultiHeadAttention(24, 4, num_kv_heads=2, head_dim=12, **kw).eval()
+
+
+def test_positions_per_row_serve_a_left_padded_batch():
+    """transformers-style position_ids ``(B, T)`` counting from each row's first real token:
+    the padded row's real tokens equal the unpadded call."""
+    m = make()
+    x = torch.randn(1, 5, 24)
+    with torch.no_grad():
+        alone = m(x, causal=True)  # (1, 5, d_model)
+        padded = torch.cat([torch.cat([torch.randn(1, 2, 24), x[:, :3]], 1), x], 0)  # (2, 5, ..)
+        keep = torch.ones(2, 5, dtype=torch.bool)
+        keep[0, :2] = False
+        pos = (keep.cumsum(1) - 1).clamp(min=0)  # (B, T): [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+        mask = keep[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril()  # (B, 1, T, T)
+        y = m(padded, mask=mask, positions=pos)
+    assert max_err(y[1], alone[0]) < 1e-5
+    assert max_err(y[0, 2:], alone[0, :3]) < 1e-5
+
+
+@pytest.mark.parametrize("shift", [1, 100, 3000])
+def test_shifting_every_position_changes_nothing(shift):
+    m = make(rope=Rotary(12, theta=10000.0))
+    x = torch.randn(2, 9, 24)
+    with torch.no_grad():
+        y0 = m(x, causal=True)
+        y1 = m(x, causal=True, positions=torch.arange(9) + shift)
+    assert max_err(y0, y1) < 1e-4 * y0.abs().max()
+    with torch.no_grad():  # and rotation matters at all: other relative positions differ
+        y2 = m(x, causal=True, positions=torch.arange(9) * 2)
+    assert max_err(y0, y2) > 1e-2
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decoding_step_by_step_equals_one_causal_call_with_ragged_rows(interleaved, kv_dtype):
+    """Prefill, cut row 0 back (ragged), then single steps: each row's outputs equal the full
+    causal call over that row's own sequence (positions from each row's cache length)."""
+    m = make(rope=Rotary(8, theta=100.0, interleaved=interleaved))
+    torch.manual_seed(5)
+    prompt, steps = torch.randn(2, 5, 24), torch.randn(2, 3, 24)
+    keep = [3, 5]
+    seqs = [torch.cat([prompt[b, :keep[b]], steps[b]]) for b in range(2)]  # (keep[b] + 3, ..)
+    cache = m.new_cache(2, 10, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        m(prompt, cache=cache)
+        cache.truncate(torch.tensor(keep))
+        outs = [m(steps[:, t:t + 1], cache=cache) for t in range(3)]  # 3 x (B, 1, d_model)
+        for b in range(2):
+            full = m(seqs[b][None], causal=True)  # (1, T_b, d_model)
+            got = torch.cat([o[b] for o in outs])  # (3, d_model)
+            assert max_err(got, full[0, -3:]) < (5e-2 if kv_dtype else 1e-5), f"row {b}"
+
+
+def test_left_padded_cache_decodes_like_the_unpadded_sequence():
+    m = make()
+    x = torch.randn(1, 7, 24)
+    with torch.no_grad():
+        full = m(x, causal=True)
+        padded = torch.cat([torch.cat([torch.randn(1, 2, 24), x[:, :4]], 1),
+                            torch.cat([x[:, :2], x[:, :4]], 1)])  # (2, 6, d_model)
+        cache = m.new_cache(2, 12)
+        cache.mark_left_padding(torch.tensor([2, 0]))
+        m(padded, cache=cache)
+        y = torch.cat([m(torch.cat([x[:, t:t + 1]] * 2), cache=cache) for t in (4, 5, 6)], 1)
+    assert max_err(y[0], full[0, 4:]) < 1e-5
+
+
+def test_chunked_prefill_and_concat_cache():
+    m = make()
+    x = torch.randn(2, 8, 24)
+    with torch.no_grad():
+        full = m(x, causal=True)
+        for cache in (m.new_cache(2, 8), ConcatKVCache()):
+            y = torch.cat([m(x[:, :3], cache=cache), m(x[:, 3:7], cache=cache),
+                           m(x[:, 7:], cache=cache)], 1)
+            assert max_err(y, full) < 1e-5, type(cache).__name__
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_equals_each_sequence_alone(causal):
+    """Positions restart at 0 in each packed sequence."""
+    m = make()
+    lengths = [3, 1, 5, 0]
+    seqs = [torch.randn(1, n, 24) for n in lengths]
+    cu = torch.tensor([0, 3, 4, 9, 9])
+    with torch.no_grad():
+        y = m(torch.cat(seqs, 1), cu_seqlens=cu, causal=causal)  # (1, 9, d_model)
+        alone = torch.cat([m(s, causal=causal) for s in seqs if s.shape[1]], 1)
+    assert max_err(y, alone) < 1e-5
+
+
+def test_refusals_name_the_argument_and_change_nothing():
+    for rope, error, words in ((1, TypeError, "rope must be None, True"),
+                               ("yes", TypeError, "rope must be"),
+                               (Rotary(16), ValueError, "rope: Rotary.dim=16 exceeds head_dim=12")):
+        with pytest.raises(error, match=None) as e:
+            make(rope=rope)
+        assert words in str(e.value)
+    m = make()
+    x = torch.randn(2, 4, 24)
+    cache = m.new_cache(2, 8)
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    calls = (
+        (dict(key=torch.randn(2, 5, 24)), "rope: cross-attention"),
+        (dict(cache=cache, positions=torch.arange(4)), "positions must be None with cache"),
+        (dict(cu_seqlens=torch.tensor([0, 4]), positions=torch.arange(4)),
+         "positions must be None with cu_seqlens"),
+        (dict(positions=torch.arange(4) - 1), "positions must be >= 0"),
+        (dict(positions=torch.arange(5)), "positions must have shape"),
+        (dict(positions=torch.arange(4.0)), "positions must be an integer tensor"),
+    )
+    for kw, words in calls:
+        if "cu_seqlens" in kw:
+            x_call = x[:1]
+        else:
+            x_call = x
+        with pytest.raises((ValueError, TypeError)) as e:
+            m(x_call, **kw)
+        assert words in str(e.value), kw
+        assert cache.lengths.tolist() == [0, 0]
+    assert all(torch.equal(t, before[n]) for n, t in m.state_dict().items())
+    with pytest.raises(ValueError, match="positions: this module has no rope"):
+        mha.MultiHeadAttention(24, 4)(x, positions=torch.arange(4))
+    with pytest.raises(ValueError, match="to_torch: torch.nn.MultiheadAttention has no rope"):
+        mha.MultiHeadAttention(24, 4, rope=True).to_torch()
+
+
+def test_state_dict_has_no_rope_entries():
+    with_rope, without = make(seed=6, rope=True), make(seed=6, rope=None)
+    assert with_rope.state_dict().keys() == without.state_dict().keys()
+    with_rope.load_state_dict(without.state_dict())
+    assert "rope=Rotary(dim=12, theta=10000.0)" in repr(with_rope)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_does_not_run_with_rope_and_says_why(dtype):
+    m = mha.MultiHeadAttention(64, 4, rope=True).to(dtype).eval()
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    with torch.no_grad():
+        line = m.explain(x).splitlines()[-1]
+        assert line.startswith("forward: step by step") and "rope" in line
+        ref = mha.MultiHeadAttention(64, 4).to(dtype).eval()
+        ref.load_state_dict(m.state_dict())
+        assert "rope" not in ref.explain(x).splitlines()[-1]
+        assert max_err(m(x), ref(x)) > 1e-3  # the rotation was applied
+
+
+def test_trace_records_the_rotated_heads():
+    m = make()
+    t = mha.trace(m, torch.randn(2, 5, 24))
+    names = [s.step for s in t]
+    i = names.index("rotate Q (RoPE)")
+    assert names[i - 1] == "split heads V" and names[i + 1] == "rotate K (RoPE)"
+    assert tuple(t[i].shape) == (2, 4, 5, 12) and tuple(t[i + 1].shape) == (2, 2, 5, 12)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_with_dynamic_length(strict):
+    from torch.export import Dim, export
+
+    m = mha.MultiHeadAttention(64, 4, num_kv_heads=2, rope=Rotary(16, theta=1e4)).eval()
+
+    class Causal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x, causal=True)  # (B, T, d_model)
+
+    model = Causal()
+    B, T = Dim("B", min=1, max=64), Dim("T", min=1, max=4096)
+    ep = export(model, (torch.randn(2, 33, 64),), dynamic_shapes=({0: B, 1: T},), strict=strict)
+    for b, t in ((1, 1), (2, 7), (1, 600)):
+        x = torch.randn(b, t, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_onnx_export_self_attention_and_decode_step(tmp_path):
+    pytest.importorskip("onnx", reason="the onnx extra: pip install 'mha[onnx]'")
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra: pip install 'mha[onnx]'")
+    pytest.importorskip("onnxscript", reason="the onnx extra: pip install 'mha[onnx]'")
+    from mha import export
+
+    def run(path, feeds):
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return [torch.from_numpy(o) for o in sess.run(None, {k: v.numpy() for k, v in feeds.items()})]
+
+    torch.manual_seed(7)
+    m = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope=Rotary(6, interleaved=True)).eval()
+    path = export.onnx(export.SelfAttention(m, causal=True), (torch.randn(2, 9, 32),),
+                       tmp_path / "sa.onnx", input_names=["x"], output_names=["y"],
+                       dynamic_shapes=({0: "B", 1: "T"},))
+    x = torch.randn(3, 13, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(run(path, {"x": x})[0], m(x, causal=True), rtol=1e-5, atol=1e-5)
+    path = export.onnx(export.DecodeStep(m), (torch.randn(2, 1, 32), torch.randn(2, 2, 3, 8),
+                                              torch.randn(2, 2, 3, 8)),
+                       tmp_path / "step.onnx", input_names=["x", "past_k", "past_v"],
+                       output_names=["y", "present_k", "present_v"],
+                       dynamic_shapes=({0: "B", 1: "Tn"}, {0: "B", 2: "P"}, {0: "B", 2: "P"}))
+    cache = m.new_cache(2, 16)
+    with torch.no_grad():
+        m(torch.randn(2, 4, 32), cache=cache)
+        past_k, past_v = cache.keys().clone(), cache.values().clone()
+        for t in range(3):
+            x = torch.randn(2, 1, 32)
+            want = m(x, cache=cache)
+            y, past_k, past_v = run(path, {"x": x, "past_k": past_k, "past_v": past_v})
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+            torch.testing.assert_close(past_k, cache.keys(), rtol=1e-5, atol=1e-5)
