@@ -257,6 +257,7 @@ GIVEN = {
     "docs/module.md": [
         ("softcap=50.0", lambda ns: dict(x=torch.randn(2, 16, 512),
                                          t5_bias=torch.randn(1, 8, 16, 16))),
+        ("rope=True", lambda ns: {}),
     ],
     "docs/viz.md": [("mha.trace", lambda ns: {})],
     "docs/kernel.md": [("flash.flash_attention", lambda ns: dict(

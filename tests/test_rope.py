@@ -317,6 +317,15 @@ def test_packed_equals_each_sequence_alone(causal):
     assert max_err(y, alone) < 1e-5
 
 
+def test_packed_positions_restart_in_each_sequence():
+    """RoPE is relative, so packed outputs cannot tell restarted positions from running ones
+    (test_packed_equals_each_sequence_alone holds either way): the angles are checked directly."""
+    m = make()
+    cos, sin = m._rope_angles(torch.randn(1, 9, 24), None, None, torch.tensor([0, 3, 4, 9, 9]))
+    want = m.rope.angles(torch.tensor([0, 1, 2, 0, 0, 1, 2, 3, 4]), 1, 9, torch.device("cpu"))
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+
+
 def test_refusals_name_the_argument_and_change_nothing():
     for rope, error, words in ((1, TypeError, "rope must be None, True"),
                                ("yes", TypeError, "rope must be"),
@@ -378,8 +387,9 @@ def test_trace_records_the_rotated_heads():
     t = mha.trace(m, torch.randn(2, 5, 24))
     names = [s.step for s in t]
     i = names.index("rotate Q (RoPE)")
-    assert names[i - 1] == "split heads V" and names[i + 1] == "rotate K (RoPE)"
-    assert tuple(t[i].shape) == (2, 4, 5, 12) and tuple(t[i + 1].shape) == (2, 2, 5, 12)
+    assert names[i - 1] == "project V" and names[i + 1:i + 3] == ["rotate K (RoPE)",
+                                                                  "split heads Q"]
+    assert tuple(t[i].shape) == (2, 5, 4, 12) and tuple(t[i + 1].shape) == (2, 5, 2, 12)
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -438,3 +448,19 @@ def test_onnx_export_self_attention_and_decode_step(tmp_path):
             y, past_k, past_v = run(path, {"x": x, "past_k": past_k, "past_v": past_v})
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
             torch.testing.assert_close(past_k, cache.keys(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sequence_shards_turned_at_global_positions_equal_the_full_rotation(layout):
+    """The recipe of docs/distributed.md: each rank turns its shard at
+    mha.distributed.layout.positions; shard by shard that is the full sequence's rotation."""
+    from mha.distributed.layout import positions, shard
+
+    rot = Rotary(8, theta=100.0)
+    q = torch.randn(2, 3, 16, 8)  # (B, h, T, d)
+    full = rot.apply_rotary(q)
+    for r in range(4):
+        got = rot.apply_rotary(shard(q, 4, r, layout=layout), positions(16, 4, r, layout))
+        assert torch.equal(got, shard(full, 4, r, layout=layout)), f"rank {r}"
+        local = rot.apply_rotary(shard(q, 4, r, layout=layout))  # positions restarting at 0
+        assert r == 0 and layout == "contiguous" or not torch.equal(local, got)

@@ -13,13 +13,14 @@ Public API:
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, ...)   packed sequences
     flash_decode(q, k, v, ...)           a few queries against a long K/V cache (inference)
     MultiHeadAttention(d_model, num_heads, ...)
+    rope.Rotary(dim, theta, ...)         rotary position embeddings (the module's rope=)
     trace(module, x)                     shapes recorded from a real run
     reference                            the seeds' per-head loop (the test oracle)
 """
 
 from __future__ import annotations
 
-from mha import io, mods, reference
+from mha import io, mods, reference, rope
 from mha.blockplan import BlockPlan, block_plan
 from mha.cache import KVCache
 from mha.dispatch import BackendError, use_backend
@@ -35,6 +36,6 @@ from mha.varlen import varlen_attention
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "varlen_attention", "MultiHeadAttention", "MaskSpec", "causal_mask", "trace",
-           "reference", "io", "mods", "block_plan", "BlockPlan", "BackendError", "KVCache", "flash_decode",
+           "reference", "io", "mods", "rope", "block_plan", "BlockPlan", "BackendError", "KVCache", "flash_decode",
            "PagedKVCache", "PagePoolExhausted",
            "ScoreSpec", "alibi_slopes", "use_backend", "__version__"]

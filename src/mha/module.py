@@ -337,9 +337,9 @@ class MultiHeadAttention(nn.Module):
         if reason is None:
             return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
                                  self.frozen)  # (B, T, d_model)
-        q, k, v = self._project_heads(query, key, value, self_attention, rec)  # (B, h|h_kv, T, d)
-        if self.rope is not None:
-            q, k = self._rotate(q, k, positions, cache, cu_seqlens, rec)
+        angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r/2) x 2
+        q, k, v = self._project_heads(query, key, value, self_attention, rec, angles)
+        # (B, h, Tq, d_k), (B, h_kv, Tk, d_k), (B, h_kv, Tk, d_v)
         want_weights = need_weights or rec.on  # a trace records the weights too
         if cu_seqlens is not None:
             out, weights = self._forward_packed(q, k, v, cu_seqlens, causal, dropout_p, backend,
@@ -437,9 +437,10 @@ class MultiHeadAttention(nn.Module):
                     bias=bias, mask_mod=check_mod("mask_mod", mask_mod),
                     score_mod=check_mod("score_mod", score_mod))
 
-    def _project_heads(self, query, key, value, self_attention: bool, rec):
-        """Project and split the heads: ``(B, h, Tq, d_k)``, ``(B, h_kv, Tk, d_k)``,
-        ``(B, h_kv, Tk, d_v)``, recording each step on ``rec``."""
+    def _project_heads(self, query, key, value, self_attention: bool, rec, angles=None):
+        """Project, rotate Q and K by ``angles`` (:meth:`_rope_angles`, or None) and split the
+        heads: ``(B, h, Tq, d_k)``, ``(B, h_kv, Tk, d_k)``, ``(B, h_kv, Tk, d_v)``, recording
+        each step on ``rec``."""
         rec.record("input", "X", query, "(B, Tq, d_model)")
         if not self_attention:
             rec.record("key/value input", "X_kv", key, "(B, Tk, kdim)")
@@ -448,6 +449,14 @@ class MultiHeadAttention(nn.Module):
         rec.record("project Q", "Q = X W^Q", q, "(B, Tq, h*d_k)")
         rec.record("project K", f"K = {src} W^K", k, "(B, Tk, h_kv*d_k)")
         rec.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
+        if angles is not None:  # RoPE in the projections' layout (heads not yet split)
+            B, T, _ = q.shape
+            q = self.rope.rotate_tokens(q.view(B, T, self.num_heads, self.head_dim), *angles)
+            k = self.rope.rotate_tokens(k.view(B, T, self.num_kv_heads, self.head_dim), *angles)
+            # (B, T, h*d_k) -> (B, T, h, d_k) and (B, T, h_kv*d_k) -> (B, T, h_kv, d_k), rotated
+            rec.record("rotate Q (RoPE)", "Q = rope(Q, positions)", q, "(B, Tq, h, d_k)")
+            rec.record("rotate K (RoPE)", "K = rope(K, positions)", k, "(B, Tk, h_kv, d_k)")
+            q, k = q.flatten(2), k.flatten(2)  # (B, T, heads, d_k) -> (B, T, heads*d_k)
         q = self.split_heads(q, self.num_heads)  # (B, Tq, h*d_k) -> (B, h, Tq, d_k)
         k = self.split_heads(k, self.num_kv_heads)  # (B, Tk, h_kv*d_k) -> (B, h_kv, Tk, d_k)
         v = self.split_heads(v, self.num_kv_heads)  # (B, Tk, h_kv*d_v) -> (B, h_kv, Tk, d_v)
@@ -472,23 +481,22 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None else "cu_seqlens (the positions restart in each sequence)"
             raise ValueError(f"positions must be None with {mode}")
 
-    def _rotate(self, q, k, positions, cache, cu_seqlens, rec):
-        """RoPE on ``q (B, h, T, d_k)`` and ``k (B, h_kv, T, d_k)`` at the mode's positions:
-        given or ``0 .. T-1`` (plain), the cache's (``(B, Tn)``, before the append), or
-        restarting per packed sequence (``(N,)``)."""
+    def _rope_angles(self, query, positions, cache, cu_seqlens):
+        """``(cos, sin)`` ``(B|1, Tq, r/2)`` of the call's positions, or None without rope: the
+        given ``positions`` or ``0 .. Tq-1`` (plain), the cache's (``(B, Tn)``, read before the
+        append), or restarting at 0 in each packed sequence (``(N,)``)."""
+        if self.rope is None:
+            return None
+        B, Tq, _ = query.shape
         if cache is not None:
             # (B, Tn) or (1, Tn); a left-padding slot (before the row's start, never attended)
             # would count from below 0: it takes position 0
-            positions = cache.positions(q.shape[2]).clamp(min=0)
+            positions = cache.positions(Tq).clamp(min=0).to(query.device)
         elif cu_seqlens is not None:
-            lengths = check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[2], q.device)
-            positions = torch.cat([torch.arange(n, device=q.device) for n in lengths]) \
-                if lengths else torch.zeros(0, dtype=torch.int64, device=q.device)  # (N,)
-        q = self.rope.apply_rotary(q, positions)  # (B, h, Tq, d_k)
-        k = self.rope.apply_rotary(k, positions)  # (B, h_kv, Tk, d_k)
-        rec.record("rotate Q (RoPE)", "Q = rope(Q, positions)", q, "(B, h, Tq, d_k)")
-        rec.record("rotate K (RoPE)", "K = rope(K, positions)", k, "(B, h_kv, Tk, d_k)")
-        return q, k
+            lengths = check_cu_seqlens("cu_seqlens", cu_seqlens, Tq, query.device)
+            positions = torch.cat([torch.arange(n, device=query.device) for n in lengths]) \
+                if lengths else torch.zeros(0, dtype=torch.int64, device=query.device)  # (N,)
+        return self.rope.angles(positions, B, Tq, query.device, query.dtype)
 
     def _forward_plain(self, q, k, v, mask, causal, key_lengths, window, dropout_p,
                        want_weights, backend, variants):

@@ -137,22 +137,36 @@ class Rotary:
     def apply_rotary(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x (B, H, T, d)`` (``d >= dim``) at ``positions``: ``(T,)`` (every row) or
         ``(B, T)`` (one row each, e.g. transformers' ``position_ids`` of a left-padded batch;
-        ``(1, T)`` broadcasts)
-        ints >= 0; None = ``0 .. T-1`` (computed from T alone, so ``torch.export`` keeps T
-        dynamic). Returns a new tensor of ``x``'s shape and dtype; refusals name the argument."""
-        _check_x(x, self.dim)
-        B, _, T, _ = x.shape
-        if positions is None:
-            positions = torch.arange(T, device=x.device)  # (T,)
+        ``(1, T)`` broadcasts) ints >= 0; None = ``0 .. T-1`` (computed from T alone, so
+        ``torch.export`` keeps T dynamic). Returns a new tensor of ``x``'s shape and dtype;
+        refusals name the argument."""
+        _check_x(x, self.dim, "(B, H, T, d)")
+        cos, sin = self.angles(positions, x.shape[0], x.shape[2], x.device, x.dtype)  # (B|1, T, r/2)
+        return _rotate(x, cos[:, None], sin[:, None], self.dim, self.interleaved)  # (B|1, 1, T, r/2)
+
+    def rotate_tokens(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same rotation for ``x (B, T, H, d)`` (the projections' layout, heads not yet
+        split) by ``(cos, sin)`` of :meth:`angles`, shared by Q and K: a new ``(B, T, H, d)``
+        tensor of ``x``'s dtype."""
+        _check_x(x, self.dim, "(B, T, H, d)")
+        return _rotate(x, cos[:, :, None], sin[:, :, None], self.dim, self.interleaved)  # (B|1, T, 1, r/2)
+
+    def angles(self, positions, B: int, T: int, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``(B|1, T, r/2)`` for ``positions`` (checked: ``(T,)``, ``(B, T)`` or
+        ``(1, T)`` ints >= 0; None = ``0 .. T-1``), in float32 — float64 when ``dtype`` is
+        float64 (the rotation's precision for inputs of ``dtype``)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        if positions is None and work == torch.float32 and not torch.compiler.is_compiling():
+            cos, sin = self._table(T, device)  # (N, r/2) each, N >= T
+            cos, sin = cos[:T], sin[:T]  # (T, r/2): positions 0 .. T-1
         else:
-            positions = check_positions(positions, B, T, x.device)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(positions, dtype)  # (T, r/2) or (B, T, r/2)
+            positions = torch.arange(T, device=device) if positions is None \
+                else check_positions(positions, B, T, device)  # (T,), (B, T) or (1, T)
+            cos, sin = self.cos_sin(positions, work)  # (T, r/2) or (B|1, T, r/2)
         if cos.dim() == 2:
-            cos, sin = cos[None, None], sin[None, None]  # (T, r/2) -> (1, 1, T, r/2)
-        else:
-            cos, sin = cos[:, None], sin[:, None]  # (B, T, r/2) -> (B, 1, T, r/2)
-        return _rotate(x, cos, sin, self.dim, self.interleaved)
+            cos, sin = cos[None], sin[None]  # (T, r/2) -> (1, T, r/2)
+        return cos, sin
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -163,8 +177,9 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int,
             interleaved: bool) -> torch.Tensor:
-    """The rotation of ``x (B, H, T, d)``'s first ``r`` dims by ``cos``, ``sin``
-    ``(B|1, 1, T, r/2)``, in their dtype, rounded once to ``x``'s."""
+    """The rotation of ``x``'s first ``r`` dims (last axis) by ``cos``, ``sin`` broadcastable
+    to ``x[..., :r/2]``, in their dtype, rounded once to ``x``'s. Shapes below are for
+    ``x (B, H, T, d)``; ``(B, T, H, d)`` goes the same way."""
     xr = x[..., :r].to(cos.dtype)  # (B, H, T, r)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]  # (B, H, T, r/2) each: the pairs (x[2i], x[2i+1])
@@ -179,11 +194,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int,
     return torch.cat((y, x[..., r:]), dim=-1)  # (B, H, T, r) + (B, H, T, d - r) -> (B, H, T, d)
 
 
-def _check_x(x, dim: int) -> None:
+def _check_x(x, dim: int, expected: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a floating torch.Tensor (B, H, T, d), got {type(x).__name__}")
+        raise TypeError(f"x must be a floating torch.Tensor {expected}, got {type(x).__name__}")
     if x.dim() != 4 or not x.dtype.is_floating_point:
-        raise ValueError(f"x must be a floating tensor (B, H, T, d), got {x.dtype} of shape "
+        raise ValueError(f"x must be a floating tensor {expected}, got {x.dtype} of shape "
                          f"{tuple(x.shape)}")
     if x.shape[-1] < dim:
         raise ValueError(f"x must have a head dim d >= the rotary dim {dim}, got "
