@@ -1,0 +1,58 @@
+"""What rotary position embeddings cost in the module: MultiHeadAttention(rope=True) against the
+same module without rope (same weights), inference forward, causal.
+
+Run (one thread, load average printed):
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/rope_cost.py \
+        [--dtype float32] [--rounds 15]
+
+Shapes: d_model 512, 8 heads (d_k 64), (B, T) = (1, 512) and (32, 20). Per shape prints the
+median ms of each module and of the rotation alone (``Rotary.apply_rotary`` on Q and K), timed
+side by side in one process (round-robin, thread CPU time), and the ratio with / without rope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+import torch
+
+import mha
+from _timing import interleaved
+
+SHAPES = ((1, 512), (32, 20))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--rounds", type=int, default=15)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    plain = mha.MultiHeadAttention(512, 8).to(dtype).eval()
+    rope = mha.MultiHeadAttention(512, 8, rope=True).to(dtype).eval()
+    rope.load_state_dict(plain.state_dict())
+    print(f"{a.dtype}, d_model 512, h 8, causal forward, threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    for B, T in SHAPES:
+        x = torch.randn(B, T, 512, dtype=dtype)
+        q = torch.randn(B, T, 8, 64, dtype=dtype).transpose(1, 2)  # (B, h, T, d): the module's view
+        fns = {"without rope": functools.partial(plain, x, causal=True),
+               "with rope": functools.partial(rope, x, causal=True),
+               "rotation of Q and K": lambda q=q: (rope.rope.apply_rotary(q),
+                                                   rope.rope.apply_rotary(q))}
+        with torch.no_grad():
+            ms = {n: t * 1e3 for n, t in interleaved(fns, a.rounds, min_time=0.05,
+                                                       clock=time.thread_time).items()}
+        base = ms["without rope"]
+        print(f"  B {B:>2} T {T:>3}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items())
+              + f"; with / without {ms['with rope'] / base:.3f}x")
+    print(f"load after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
