@@ -120,8 +120,9 @@ def test_table_grows_and_equals_direct_computation():
     small = rot.apply_rotary(x, torch.tensor([1, 2, 3]))
     big = rot.apply_rotary(x, torch.tensor([1, 2, 5000]))  # grows the table past 4096
     assert torch.equal(small[..., :2, :], big[..., :2, :])
-    cos, _ = rot.cos_sin(torch.tensor([5000]), torch.float64)
-    assert max_err(rot.cos_sin(torch.tensor([5000]))[0], cos) < 1e-7  # float32 rounding only
+    C64, S64 = rot.angles(torch.tensor([5000]), 1, 1, torch.device("cpu"), torch.float64)
+    C32, S32 = rot.angles(torch.tensor([5000]), 1, 1, torch.device("cpu"))  # from the table
+    assert C32.dtype == torch.float32 and max_err(C32, C64) < 1e-7 and max_err(S32, S64) < 1e-7
 
 
 def test_config_is_frozen_hashable_and_reads_hf_parameters():
@@ -464,3 +465,27 @@ def test_sequence_shards_turned_at_global_positions_equal_the_full_rotation(layo
         assert torch.equal(got, shard(full, 4, r, layout=layout)), f"rank {r}"
         local = rot.apply_rotary(shard(q, 4, r, layout=layout))  # positions restarting at 0
         assert r == 0 and layout == "contiguous" or not torch.equal(local, got)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradients_through_the_rotation(interleaved):
+    """Training: the module's gradients with rope (float64 gradcheck of the rotation, and the
+    module's input gradient against finite differences)."""
+    rot = Rotary(6, theta=50.0, interleaved=interleaved)
+    x = torch.randn(2, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 3, 3, 0, 9]])
+    assert torch.autograd.gradcheck(lambda t: rot.apply_rotary(t, pos), (x,))
+    m = make(rope=rot).double().train()
+    xm = torch.randn(1, 4, 24, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: m(t, causal=True, backend="math"), (xm,))
+
+
+def test_fullgraph_compile_with_positions():
+    """torch.compile(fullgraph=True): the angles are computed from the positions in the graph
+    (no table, no value read), equal to eager's table within float32 rounding."""
+    m = make(rope=Rotary(12, interleaved=True))
+    x, pos = torch.randn(2, 9, 24), torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [2] * 9])
+    compiled = torch.compile(lambda x, p: m(x, causal=True, positions=p), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, pos), m(x, causal=True, positions=pos),
+                                   rtol=1e-5, atol=1e-5)

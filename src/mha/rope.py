@@ -30,7 +30,9 @@ can be passed as it is):
 Precision: frequencies, angles, cos and sin are computed in float64 (positions are exact
 there) and rounded to float32 once; the rotation itself runs in float32 (float64 for float64
 inputs) and its result is rounded once to the input's dtype. The float32 cos / sin are cached
-per device for positions ``0 .. n-1`` (``n`` grown in powers of two); under ``torch.compile`` /
+per device for positions ``0 .. n-1`` (``n`` grown in powers of two), spread to one ``cos`` and
+one signed ``sin`` per dim (``x * C + partner(x) * S``: a multiply, then a multiply-add
+into each half of the pairs); under ``torch.compile`` /
 ``torch.export`` they are computed from the positions instead (the same float64 formula), so a
 traced program holds no table and ``T`` may stay symbolic.
 """
@@ -114,22 +116,18 @@ class Rotary:
         return torch.where(lam < L / hi, w, torch.where(lam > L / lo, w / f, mid))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
-        """``(cos, sin)`` of the angles ``positions[..., None] * w``: ``(..., r/2)`` each, in
-        ``dtype`` (float32, or float64 computed without rounding), on ``positions``' device.
-        ``positions`` holds ints >= 0 (not checked here: :meth:`apply_rotary` checks)."""
-        if dtype == torch.float32 and not torch.compiler.is_compiling():
-            n = int(positions.max()) + 1 if positions.numel() else 1
-            cos, sin = self._table(n, positions.device)  # (N, r/2) each
-            return cos[positions], sin[positions]  # (..., r/2)
+        """``(cos, sin)`` of the angles ``positions[..., None] * w``: ``(..., r/2)`` each, computed
+        in float64 and returned in ``dtype``, on ``positions``' device (ints >= 0, unchecked)."""
         return _cos_sin(positions, self.inv_freq().to(positions.device), dtype)
 
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached float32 ``(cos, sin)`` for positions ``0 .. N-1``, ``N >= n``."""
+        """The cached float32 ``(C, S)`` (:meth:`angles`) ``(N, r)`` for positions
+        ``0 .. N-1``, ``N >= n``."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < n:
             N = max(_MIN_TABLE, 1 << (n - 1).bit_length())
             p = torch.arange(N, device=device)  # (N,)
-            table = _cos_sin(p, self.inv_freq().to(device), torch.float32)  # (N, r/2) each
+            table = _spread(*self.cos_sin(p, torch.float32), self.interleaved)  # (N, r) each
             self._tables[device] = table
         return table
 
@@ -141,32 +139,37 @@ class Rotary:
         ``torch.export`` keeps T dynamic). Returns a new tensor of ``x``'s shape and dtype;
         refusals name the argument."""
         _check_x(x, self.dim, "(B, H, T, d)")
-        cos, sin = self.angles(positions, x.shape[0], x.shape[2], x.device, x.dtype)  # (B|1, T, r/2)
-        return _rotate(x, cos[:, None], sin[:, None], self.dim, self.interleaved)  # (B|1, 1, T, r/2)
+        C, S = self.angles(positions, x.shape[0], x.shape[2], x.device, x.dtype)  # (B|1, T, r)
+        return _rotate(x, C[:, None], S[:, None], self.interleaved)  # (B|1, 1, T, r)
 
-    def rotate_tokens(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate_tokens(self, x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """The same rotation for ``x (B, T, H, d)`` (the projections' layout, heads not yet
-        split) by ``(cos, sin)`` of :meth:`angles`, shared by Q and K: a new ``(B, T, H, d)``
+        split) by ``(C, S)`` of :meth:`angles`, shared by Q and K: a new ``(B, T, H, d)``
         tensor of ``x``'s dtype."""
         _check_x(x, self.dim, "(B, T, H, d)")
-        return _rotate(x, cos[:, :, None], sin[:, :, None], self.dim, self.interleaved)  # (B|1, T, 1, r/2)
+        return _rotate(x, C[:, :, None], S[:, :, None], self.interleaved)  # (B|1, T, 1, r)
 
     def angles(self, positions, B: int, T: int, device: torch.device,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``(B|1, T, r/2)`` for ``positions`` (checked: ``(T,)``, ``(B, T)`` or
-        ``(1, T)`` ints >= 0; None = ``0 .. T-1``), in float32 — float64 when ``dtype`` is
-        float64 (the rotation's precision for inputs of ``dtype``)."""
+        """``(C, S)`` ``(B|1, T, r)`` for ``positions`` (checked: ``(T,)``, ``(B, T)`` or
+        ``(1, T)`` ints >= 0; None = ``0 .. T-1``): each dim's ``cos`` and signed ``sin`` of
+        its pair's angle, so that the rotation is ``x * C + partner(x) * S`` (``partner``
+        swaps the two dims of each pair). float32 — float64 when ``dtype`` is float64 (the
+        rotation's precision for inputs of ``dtype``)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        if positions is None and work == torch.float32 and not torch.compiler.is_compiling():
-            cos, sin = self._table(T, device)  # (N, r/2) each, N >= T
-            cos, sin = cos[:T], sin[:T]  # (T, r/2): positions 0 .. T-1
-        else:
-            positions = torch.arange(T, device=device) if positions is None \
-                else check_positions(positions, B, T, device)  # (T,), (B, T) or (1, T)
-            cos, sin = self.cos_sin(positions, work)  # (T, r/2) or (B|1, T, r/2)
-        if cos.dim() == 2:
-            cos, sin = cos[None], sin[None]  # (T, r/2) -> (1, T, r/2)
-        return cos, sin
+        eager = work == torch.float32 and not torch.compiler.is_compiling()
+        if positions is None and eager:
+            C, S = self._table(T, device)  # (N, r) each, N >= T
+            return C[None, :T], S[None, :T]  # (1, T, r): positions 0 .. T-1
+        positions = torch.arange(T, device=device) if positions is None \
+            else check_positions(positions, B, T, device)  # (T,), (B, T) or (1, T)
+        if positions.dim() == 1:
+            positions = positions[None]  # (T,) -> (1, T)
+        if eager:
+            n = int(positions.max()) + 1 if positions.numel() else 1
+            C, S = self._table(n, device)  # (N, r) each
+            return C[positions], S[positions]  # (B|1, T, r)
+        return _spread(*self.cos_sin(positions, work), self.interleaved)  # (B|1, T, r)
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -175,19 +178,34 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int,
-            interleaved: bool) -> torch.Tensor:
-    """The rotation of ``x``'s first ``r`` dims (last axis) by ``cos``, ``sin`` broadcastable
-    to ``x[..., :r/2]``, in their dtype, rounded once to ``x``'s. Shapes below are for
-    ``x (B, H, T, d)``; ``(B, T, H, d)`` goes the same way."""
-    xr = x[..., :r].to(cos.dtype)  # (B, H, T, r)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]  # (B, H, T, r/2) each: the pairs (x[2i], x[2i+1])
-        y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, r/2, 2)
-        y = y.flatten(-2)  # (B, H, T, r/2, 2) -> (B, H, T, r)
-    else:
-        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]  # (B, H, T, r/2) each: (x[i], x[i+r/2])
-        y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, r)
+def _spread(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """``(..., r/2)`` per pair -> ``C``, ``S`` ``(..., r)`` per dim: the first dim of pair ``i``
+    gets ``(cos_i, -sin_i)``, the second ``(cos_i, +sin_i)``."""
+    if interleaved:  # pairs (2i, 2i+1)
+        C = torch.stack((cos, cos), dim=-1).flatten(-2)  # (..., r/2, 2) -> (..., r)
+        S = torch.stack((-sin, sin), dim=-1).flatten(-2)  # (..., r/2, 2) -> (..., r)
+    else:  # pairs (i, i + r/2)
+        C = torch.cat((cos, cos), dim=-1)  # (..., r)
+        S = torch.cat((-sin, sin), dim=-1)  # (..., r)
+    return C, S
+
+
+def _rotate(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x * C + partner(x) * S`` on ``x``'s first ``r`` dims (``C``, ``S`` broadcastable to
+    ``x[..., :r]``), in their dtype, rounded once to ``x``'s; the rest passes. For a pair
+    ``(x1, x2)`` that is ``(x1 cos - x2 sin, x2 cos + x1 sin)``. One new tensor and two
+    multiply-adds into its halves (no copy of the swapped pairs: each temporary of a large
+    call is fresh memory the kernel must fault in). Shapes below are for ``x (B, H, T, d)``;
+    ``(B, T, H, d)`` goes the same way."""
+    r = C.shape[-1]
+    xr = x[..., :r].to(C.dtype)  # (B, H, T, r)
+    if interleaved:  # pairs (2i, 2i+1)
+        one, two = (..., slice(0, r, 2)), (..., slice(1, r, 2))  # (B, H, T, r/2) views each
+    else:  # pairs (i, i + r/2)
+        one, two = (..., slice(0, r // 2)), (..., slice(r // 2, r))
+    y = xr * C  # (B, H, T, r)
+    y[one].addcmul_(xr[two], S[one])  # x1 cos - x2 sin
+    y[two].addcmul_(xr[one], S[two])  # x2 cos + x1 sin
     y = y.to(x.dtype)
     if r == x.shape[-1]:
         return y
