@@ -1,9 +1,11 @@
 """What rotary position embeddings cost in the module: MultiHeadAttention(rope=True) against the
-same module without rope (same weights), inference forward, causal.
+same module without rope (same weights), inference forward, causal (``--bidirectional``: not
+causal, where the module without rope may take the fused short-sequence forward and the one
+with rope cannot).
 
 Run (one thread, load average printed):
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/probes/rope_cost.py \
-        [--dtype float32] [--rounds 15]
+        [--dtype float32] [--rounds 15] [--bidirectional]
 
 Shapes: d_model 512, 8 heads (d_k 64), (B, T) = (1, 512) and (32, 20). Per shape prints the
 median ms of each module and of the rotation alone (``Rotary.apply_rotary`` on Q and K), timed
@@ -29,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--bidirectional", action="store_true", help="causal=False")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
@@ -36,13 +39,16 @@ def main() -> None:
     plain = mha.MultiHeadAttention(512, 8).to(dtype).eval()
     rope = mha.MultiHeadAttention(512, 8, rope=True).to(dtype).eval()
     rope.load_state_dict(plain.state_dict())
-    print(f"{a.dtype}, d_model 512, h 8, causal forward, threads {torch.get_num_threads()}, "
+    causal = not a.bidirectional
+    print(f"{a.dtype}, d_model 512, h 8, causal={causal} forward, threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.2f}")
     for B, T in SHAPES:
         x = torch.randn(B, T, 512, dtype=dtype)
         q = torch.randn(B, T, 8, 64, dtype=dtype).transpose(1, 2)  # (B, h, T, d): the module's view
-        fns = {"without rope": functools.partial(plain, x, causal=True),
-               "with rope": functools.partial(rope, x, causal=True),
+        with torch.no_grad():
+            print(f"  B {B} T {T} without rope: {plain.explain(x, causal=causal).splitlines()[-1][:60]}")
+        fns = {"without rope": functools.partial(plain, x, causal=causal),
+               "with rope": functools.partial(rope, x, causal=causal),
                "rotation of Q and K": lambda q=q: (rope.rope.apply_rotary(q),
                                                    rope.rope.apply_rotary(q))}
         with torch.no_grad():
