@@ -337,7 +337,7 @@ class MultiHeadAttention(nn.Module):
         if reason is None:
             return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
                                  self.frozen)  # (B, T, d_model)
-        angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r/2) x 2
+        angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r) x 2
         q, k, v = self._project_heads(query, key, value, self_attention, rec, angles)
         # (B, h, Tq, d_k), (B, h_kv, Tk, d_k), (B, h_kv, Tk, d_v)
         want_weights = need_weights or rec.on  # a trace records the weights too
@@ -482,9 +482,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"positions must be None with {mode}")
 
     def _rope_angles(self, query, positions, cache, cu_seqlens):
-        """``(cos, sin)`` ``(B|1, Tq, r/2)`` of the call's positions, or None without rope: the
-        given ``positions`` or ``0 .. Tq-1`` (plain), the cache's (``(B, Tn)``, read before the
-        append), or restarting at 0 in each packed sequence (``(N,)``)."""
+        """``(C, S)`` ``(B|1, Tq, r)`` (:meth:`mha.rope.Rotary.angles`) of the call's positions,
+        or None without rope: the given ``positions`` or ``0 .. Tq-1`` (plain), the cache's
+        (``(B, Tn)``, read before the append), or restarting at 0 in each packed sequence
+        (``(N,)``)."""
         if self.rope is None:
             return None
         B, Tq, _ = query.shape
