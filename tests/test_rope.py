@@ -424,7 +424,8 @@ def test_onnx_export_self_attention_and_decode_step(tmp_path):
 
     def run(path, feeds):
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return [torch.from_numpy(o) for o in sess.run(None, {k: v.numpy() for k, v in feeds.items()})]
+        outs = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+        return [torch.from_numpy(o) for o in outs]
 
     torch.manual_seed(7)
     m = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope=Rotary(6, interleaved=True)).eval()

@@ -40,13 +40,15 @@ def main() -> None:
     rope = mha.MultiHeadAttention(512, 8, rope=True).to(dtype).eval()
     rope.load_state_dict(plain.state_dict())
     causal = not a.bidirectional
-    print(f"{a.dtype}, d_model 512, h 8, causal={causal} forward, threads {torch.get_num_threads()}, "
+    print(f"{a.dtype}, d_model 512, h 8, causal={causal} forward, "
+          f"threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.2f}")
     for B, T in SHAPES:
         x = torch.randn(B, T, 512, dtype=dtype)
         q = torch.randn(B, T, 8, 64, dtype=dtype).transpose(1, 2)  # (B, h, T, d): the module's view
         with torch.no_grad():
-            print(f"  B {B} T {T} without rope: {plain.explain(x, causal=causal).splitlines()[-1][:60]}")
+            path = plain.explain(x, causal=causal).splitlines()[-1]
+            print(f"  B {B} T {T} without rope: {path[:60]}")
         fns = {"without rope": functools.partial(plain, x, causal=causal),
                "with rope": functools.partial(rope, x, causal=causal),
                "rotation of Q and K": lambda q=q: (rope.rope.apply_rotary(q),
