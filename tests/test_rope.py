@@ -416,6 +416,31 @@ def test_torch_export_with_dynamic_length(strict):
             torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_with_positions_as_an_input(strict):
+    """transformers-style position_ids (B, T) as a graph input, B and T dynamic."""
+    from torch.export import Dim, export
+
+    m = mha.MultiHeadAttention(64, 4, rope=Rotary(16, scaling=LLAMA3)).eval()
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, positions):
+            return self.m(x, causal=True, positions=positions)  # (B, T, d_model)
+
+    model = WithPositions()
+    B, T = Dim("B", min=1, max=64), Dim("T", min=2, max=4096)
+    pos = torch.arange(33)[None].repeat(2, 1)  # (B, T)
+    ep = export(model, (torch.randn(2, 33, 64), pos), dynamic_shapes=({0: B, 1: T}, {0: B, 1: T}),
+                strict=strict)
+    x, pos = torch.randn(3, 50, 64), torch.arange(50)[None] + torch.tensor([[0], [5], [900]])
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x, pos), model(x, pos), rtol=1e-5, atol=1e-5)
+
+
 def test_onnx_export_self_attention_and_decode_step(tmp_path):
     pytest.importorskip("onnx", reason="the onnx extra: pip install 'mha[onnx]'")
     ort = pytest.importorskip("onnxruntime", reason="the onnx extra: pip install 'mha[onnx]'")

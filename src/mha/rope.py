@@ -227,9 +227,11 @@ def check_positions(positions, B: int, T: int, device: torch.device) -> torch.Te
     """``positions``: ints ``(T,)`` or ``(B, T)`` on ``device``, >= 0 (the values are checked
     outside ``torch.compile`` / ``torch.export``, where a traced program has only shapes).
     Returned as given (an integer tensor); refusals name ``positions``."""
-    positions = check_int_tensor("positions", positions, f"(T,) = ({T},) or (B, T) = ({B}, {T})",
-                                 device)
-    if tuple(positions.shape) not in ((T,), (B, T), (1, T)):
+    # sizes are formatted only in the errors: formatting a traced size fixes it to a constant
+    positions = check_int_tensor("positions", positions, "(T,) or (B, T)", device)
+    shape = positions.shape  # compared dim by dim: a traced B or T stays symbolic
+    if not (positions.dim() == 1 and shape[0] == T or positions.dim() == 2 and shape[1] == T
+            and (shape[0] == B or shape[0] == 1)):
         raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), got "
                          f"{tuple(positions.shape)}")
     if positions.device != device:
