@@ -99,23 +99,28 @@ AMX_SMALL_MAX_TK = 32  # up to this Tk, bf16 calls of an AMX build take the smal
 
 
 def _note(call: AttentionCall) -> str | None:
-    """bf16 calls on the AMX kernel of a ``MHA_AMX_EMULATE=1`` build run on software tiles
-    (score variants and mask_mod plans go to the AVX-512 tiles, Tk <= 32 to the small path);
-    where the build has AMX tiles the OS refuses, they run the next kernel, and say why."""
-    from mha.ops import flash
+    """Which tiles a bf16 call runs and why: bf16 calls on the AMX kernel of a
+    ``MHA_AMX_EMULATE=1`` build run on software tiles (score variants and mask_mod plans go to
+    the AVX-512 tiles, Tk <= 32 to the small path); where the build has AMX tiles the OS
+    refuses, they run the next kernel, and say why; the vdpbf16ps or the widened fp32 tiles
+    say that they were measured faster on this CPU, and the two rates
+    (:func:`mha.ops.flash.bf16_choice`)."""
+    from mha.ops import flash, flash_choice
 
-    amx = (call.dtype == torch.bfloat16 and not call.scores.kinds
-           and call.masks.mask_mod is None and call.Tk > AMX_SMALL_MAX_TK)
-    if not amx:
+    if call.dtype != torch.bfloat16:
         return None
+    amx = (not call.scores.kinds and call.masks.mask_mod is None
+           and call.Tk > AMX_SMALL_MAX_TK)
     kernel = flash.kernels()["bfloat16"]
-    if "amx-emulated" in flash.isa().split(",") and kernel == "amx":
+    if amx and "amx-emulated" in flash.isa().split(",") and kernel == "amx":
         return ("bf16 tiles: amx-emulated, software AMX tiles of a MHA_AMX_EMULATE=1 build: "
                 "for tests, not for speed")
+    choice = flash.bf16_choice()
+    measured = choice.describe() if isinstance(choice, flash_choice.Measured) else None
     refused = flash.amx_refused()
-    if refused is not None and kernel != "amx":
-        return f"bf16 tiles: {kernel}, not AMX: {refused}"
-    return None
+    if amx and refused is not None and kernel != "amx":
+        return f"bf16 tiles: {kernel}, not AMX: {refused}" + (f"; {measured}" if measured else "")
+    return f"bf16 tiles: {measured}" if measured else None
 
 
 BACKEND = Backend(

@@ -7,9 +7,12 @@ instruction sets compiled into the flash kernel (e.g. AVX-512F, AVX512_BF16, AMX
 ``amx-emulated``: software tiles in a ``MHA_AMX_EMULATE=1`` build), the tiles each dtype runs,
 the backward's products for bf16 inputs (AMX tiles, vdpbf16ps or fp32), the decode kernel's
 bf16 q.k (and, where the build has AMX tiles the OS refuses, why they are not used), the
-compiler and the cache path. ``--remeasure`` measures again the projections' GEMM choices
-recorded for this machine (:func:`mha.ops.linear_choice.remeasure`) and prints each with the
-conditions it was taken under. Exit code 1 when a build fails, the cache directory cannot be
+compiler and the cache path, and how the bf16 tiles were chosen (measured on this CPU: the
+two kernels' times, :mod:`mha.ops.flash_choice`; or why nothing was measured).
+``--remeasure`` measures again the flash kernels' bf16 choice
+(:func:`mha.ops.flash_choice.remeasure`) and the projections' GEMM choices recorded for this
+machine (:func:`mha.ops.linear_choice.remeasure`) and prints each with the conditions it was
+taken under. Exit code 1 when a build fails, the cache directory cannot be
 used, or a forcing variable (``MHA_FLASH_BF16``, ``MHA_DECODE_BF16``) names a kernel this build
 cannot run (the reason is printed, one line).
 """
@@ -22,9 +25,11 @@ def add_parser(sub) -> None:
                                      "the instruction sets they target")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.add_argument("--remeasure", action="store_true",
-                   help="measure again the projections' GEMM choices recorded for this machine "
-                        "(native tiles or torch's, per shape class: mha_linear-choice.json), "
-                        "e.g. after they were measured on a loaded machine")
+                   help="measure again the flash kernels' bf16 choice (avx512bf16 or avx512f: "
+                        "mha_flash-choice.json) and the projections' GEMM choices recorded for "
+                        "this machine (native tiles or torch's, per shape class: "
+                        "mha_linear-choice.json), e.g. after they were measured on a loaded "
+                        "machine")
     p.set_defaults(func=run)
 
 
@@ -64,6 +69,7 @@ def run(args) -> int:
         soft = " (software tiles: a MHA_AMX_EMULATE=1 build, for tests, not for speed)"
         print(f"  tiles used:  float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}"
               + (soft if emulated and picked["bfloat16"] == "amx" else ""))
+        print(f"  bfloat16 choice: {flash.bf16_said()}")
         if flash.amx_refused() is not None:
             print(f"  AMX tiles not used: {flash.amx_refused()}")
     from mha.ops import decode, gemv, linear
@@ -85,8 +91,27 @@ def run(args) -> int:
         print(f"  decode, bfloat16 q.k: {qk}" + (f" (not AMX: {why})" if why else ""))
         status |= refused
     if args.remeasure:
-        status |= _remeasure()
+        status |= _remeasure_flash() | _remeasure()
     return status
+
+
+def _remeasure_flash() -> int:
+    """``--remeasure``: the flash kernels' bf16 choice measured again (where one was measured:
+    not forced, no AMX, a vdpbf16ps kernel built); one line, the record before and after."""
+    from mha.ops import build, flash, flash_choice
+
+    if flash.unavailable() is not None or \
+            not isinstance(flash.bf16_choice(), flash_choice.Measured):
+        return 0
+    try:
+        before, after = build.ask(lambda: flash_choice.remeasure(flash.kernel_key()))
+    except build.BuildError as e:
+        print(f"remeasure: {e}")
+        return 1
+    was = "no sane record" if before is None else f"was {before.choice}"
+    print(f"remeasured flash {flash_choice.NAME}: {after.choice} ({was}; the next process runs "
+          f"it): {after.describe()}")
+    return 0
 
 
 def _remeasure() -> int:

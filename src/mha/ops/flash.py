@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import threading
 
 import torch
 
-from mha.ops import build
+from mha.ops import build, flash_choice
 
 NAME = "mha_flash"
 SOURCES = ("flash/flash_attn.cpp",)
@@ -56,10 +58,72 @@ def _register() -> None:
 
 @torch.compiler.assume_constant_result  # under torch.compile: once, at trace time
 def unavailable() -> str | None:
-    """Why the flash forward cannot run here (its build failed: warned once), or None."""
-    return build.load_extension(
+    """Why the flash forward cannot run here (its build failed: warned once), or None. Once
+    loaded, the extension is handed the bf16 kernel measured on this CPU (:func:`bf16_choice`)
+    before anything else runs."""
+    reason = build.load_extension(
         NAME, SOURCES, register=_register,
         instead="backend flash_cpu disabled, falling back to other backends")
+    if reason is None:
+        _hand_in("_flash_set_bf16_choice", bf16_choice)
+    return reason
+
+
+_handed_in: set[str] = set()  # the setter ops called in this process
+_hand_in_lock = threading.Lock()
+
+
+def _hand_in(setter: str, choice) -> None:
+    """Call the setter op ``setter`` once per process with the measured kernel of
+    ``choice()`` (nothing when nothing was measured: forced, AMX, no vdpbf16ps kernel)."""
+    if setter in _handed_in:
+        return
+    picked = choice()  # may measure: outside the lock (flash_choice serializes measuring)
+    with _hand_in_lock:
+        if setter not in _handed_in:
+            if isinstance(picked, flash_choice.Measured):
+                build.ask(lambda: getattr(torch.ops.mha, setter)(picked.choice))
+            _handed_in.add(setter)
+
+
+@functools.cache
+def kernel_key() -> str:
+    """The flash extension's build key (sources, flags, toolchain, CPU): a new build is
+    measured again. Only once it is loaded."""
+    return build.load(NAME, SOURCES).parent.name
+
+
+@functools.cache
+def bf16_choice() -> flash_choice.Measured | str:
+    """How the bf16 kernel of this process was chosen: the measurement
+    (:class:`mha.ops.flash_choice.Measured`: measured once per CPU model, read from the cache
+    after that), or why nothing was measured, in words (``MHA_FLASH_BF16`` set, the AMX tiles
+    run, the build has no vdpbf16ps kernel). The extension must be loaded."""
+    forced = os.environ.get("MHA_FLASH_BF16")
+    if forced is not None:  # checked and refused by the kernel, as every bf16 call is
+        return f"forced by MHA_FLASH_BF16={forced}"
+    compiled = build.ask(torch.ops.mha.flash_attention_isa).split(",")
+    if ("amx" in compiled or "amx-emulated" in compiled) \
+            and not build.ask(torch.ops.mha.flash_attention_amx):
+        return "the AMX tiles run first where the OS grants them (nothing to measure)"
+    if "avx512bf16" not in compiled:
+        return ("this build has no vdpbf16ps kernel (the CPU lacks AVX512_BF16): bf16 is "
+                "widened to fp32, nothing to measure")
+    try:
+        return build.ask(lambda: flash_choice.choose(kernel_key()))
+    except (RuntimeError, build.BuildError) as e:  # the kernels run; only the timing failed
+        return f"not measured ({type(e).__name__}: {str(e).splitlines()[0]}): bf16 is widened to fp32"
+
+
+def bf16_said() -> str:
+    """Which kernel bf16 inputs run and why, one sentence: the measured kernel and the two
+    rates, or why nothing was measured. Raises as :func:`kernels` does when
+    ``MHA_FLASH_BF16`` names a kernel this build cannot run."""
+    kernel = kernels()["bfloat16"]
+    choice = bf16_choice()
+    if isinstance(choice, flash_choice.Measured):
+        return choice.describe()
+    return f"{kernel}: {choice}"
 
 
 def _ready() -> None:
@@ -79,8 +143,9 @@ def isa() -> str:
 def kernels() -> dict[str, str]:
     """The tile kernel each dtype runs on this CPU, e.g. ``{"float32": "avx512f", ...}``: the
     choice the extension made once when it was loaded (``csrc/common/kernel_choice.h``: the
-    CPU's instruction sets, whether the OS grants the AMX tile state, and ``MHA_FLASH_BF16``),
-    read here once. Every consumer (the backend's deferral rule, ``mha build``, the bench's CPU
+    CPU's instruction sets, whether the OS grants the AMX tile state, the bf16 kernel measured
+    faster on this CPU, :func:`bf16_choice`, and ``MHA_FLASH_BF16``), read here once;
+    :func:`bf16_said` says how the bf16 one was chosen (the two measured rates). Every consumer (the backend's deferral rule, ``mha build``, the bench's CPU
     record) asks this function. Raises RuntimeError naming the variable, its choices and why
     when ``MHA_FLASH_BF16`` names a kernel this build cannot run (as every bf16 call does)."""
     _ready()
@@ -193,10 +258,15 @@ BWD_SOURCES = ("flash/flash_attn_bwd.cpp",)
 
 def load_backward() -> str | None:
     """Build (or reuse) and load the fused backward ``csrc/flash/flash_attn_bwd.cpp`` (extension
-    ``mha_flash_bwd``). Returns the reason it is unavailable (warned once), or None."""
-    return build.load_extension(
+    ``mha_flash_bwd``). Returns the reason it is unavailable (warned once), or None. Once
+    loaded, it is handed the forward's measured bf16 kernel (its products follow it)."""
+    reason = build.load_extension(
         BWD_NAME, BWD_SOURCES, instead="using the PyTorch backward",
         register=lambda: torch.library.register_fake("mha::flash_attention_bwd_fused")(_bwd_fake))
+    if reason is None:
+        _hand_in("_flash_bwd_set_bf16_choice",
+                 lambda: bf16_choice() if unavailable() is None else "no forward to measure")
+    return reason
 
 
 @torch.library.custom_op("mha::flash_attention_bwd", mutates_args=())

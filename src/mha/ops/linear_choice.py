@@ -190,11 +190,12 @@ class Conditions:
         the two sides are within this measurement's own noise."""
         return self.speedups is not None and self.speedups[0] < 1 < self.speedups[1]
 
-    def describe(self) -> str:
+    def describe(self, side: str = "native") -> str:
+        """In words; ``side``: whose speedup the rounds' range is (the native side's here)."""
         said = f"measured at load {self.load:.2f} on {self.cpus} CPUs"
         if self.speedups is not None:
             lo, hi = self.speedups
-            said += f", native speedup {lo:.2f}-{hi:.2f}x over {ROUNDS} rounds"
+            said += f", {side} speedup {lo:.2f}-{hi:.2f}x over {ROUNDS} rounds"
         if self.within_noise:
             said += ("; the two sides are within this measurement's noise "
                      "(`mha build --remeasure` on an idle machine measures again)")
@@ -284,24 +285,26 @@ def measure(shape: tuple[int, int, int]) -> tuple:
     return _fastest((lambda: torch.ops.mha.linear(x, w, b), lambda: F.linear(x, w, b)))
 
 
-def _fastest(fns) -> tuple[float, float, tuple[float, float]]:
-    """The two functions called alternately: the fastest of ``ROUNDS`` batches of each, and
-    the lowest and highest per-round speedup of the first (``second / first``: the noise)."""
+def _fastest(fns, clock=time.perf_counter,
+             batch_s: float = BATCH_S) -> tuple[float, float, tuple[float, float]]:
+    """The two functions called alternately: the fastest of ``ROUNDS`` batches of each (a
+    batch lasts about ``batch_s`` of ``clock``), and the lowest and highest per-round speedup
+    of the first (``second / first``: the noise)."""
     with torch.no_grad():
         reps = []
         for fn in fns:
             fn()  # warm-up: first-touch pages, thread pool
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            reps.append(max(1, min(1000, int(BATCH_S / max(time.perf_counter() - t0, 1e-7)))))
+            reps.append(max(1, min(1000, int(batch_s / max(clock() - t0, 1e-7)))))
         best, speedups = [math.inf, math.inf], []
         for _ in range(ROUNDS):
             took = []
             for i, fn in enumerate(fns):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(reps[i]):
                     fn()
-                took.append((time.perf_counter() - t0) / reps[i])
+                took.append((clock() - t0) / reps[i])
                 best[i] = min(best[i], took[i])
             speedups.append(took[1] / max(took[0], 1e-12))
     return best[0], best[1], (min(speedups), max(speedups))
@@ -368,19 +371,33 @@ def _from_file_or_measure(machine: str, bucket: Bucket, name: str, bf16: bool,
         file = path()
     except build.BuildError:  # no cache directory (already warned by build): keep it in memory
         return _measured(bucket, bf16, tiles)
-    found = _entry(_read(file), machine, name, bf16, tiles)
+    return stored_or_measured(file, machine, name,
+                              lambda data: _entry(data, machine, name, bf16, tiles),
+                              lambda: _measured(bucket, bf16, tiles))
+
+
+def stored_or_measured(file: Path, machine: str, name: str, parse, measure):
+    """The record ``name`` of ``machine`` in the choice file ``file`` (this module's format),
+    or, when it is missing or not sane, ``measure()`` stored there: under an exclusive
+    ``flock`` of ``file`` with the suffix ``.lock``, the file re-read under it first (another
+    process may have measured it meanwhile), written atomically. ``parse(data)`` turns the
+    file's contents into the choice (None: absent or not sane); ``measure()`` returns one with
+    a ``record()``. A lock or a file that cannot be written: measured, not cached. Shared by
+    every measured choice (the projections' here, the flash bf16 kernel's in
+    :mod:`mha.ops.flash_choice`)."""
+    found = parse(_read(file))
     if found is not None:
         return found
     try:
-        with build._exclusive(file.with_name(LOCK)):
+        with build._exclusive(file.with_suffix(".lock")):
             data = _read(file)  # again, under the lock: another process may have measured it
-            found = _entry(data, machine, name, bf16, tiles)
+            found = parse(data)
             if found is None:
-                found = _measured(bucket, bf16, tiles)
+                found = measure()
                 data.setdefault("machines", {}).setdefault(machine, {})[name] = found.record()
                 _write(file, data)
     except (build.BuildError, OSError):  # a lock or a file that cannot be written: not cached
-        found = found or _measured(bucket, bf16, tiles)
+        found = found or measure()
     return found
 
 
@@ -429,7 +446,7 @@ def remeasure(kernel: str) -> list[tuple[str, Measured | None, Measured]]:
     :class:`mha.ops.build.BuildError` without a usable cache directory."""
     machine, file = machine_key(kernel), path()
     done = []
-    with _lock, build._exclusive(file.with_name(LOCK)):
+    with _lock, build._exclusive(file.with_suffix(".lock")):
         data = _read(file)
         entries = data["machines"].get(machine, {})
         for name in sorted(entries):
@@ -465,7 +482,7 @@ def _parse(name: str) -> tuple[Bucket, bool, bool] | None:
 def _write(file: Path, data: dict) -> None:
     """Replace ``file`` atomically: a private temporary file in the same directory, then
     ``os.replace``."""
-    fd, part = tempfile.mkstemp(prefix=f".{FILE}.", suffix=".part", dir=file.parent)
+    fd, part = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".part", dir=file.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)

@@ -1,13 +1,14 @@
 // The CPU's kernel choice for bf16 inputs, shared by the flash forward and backward: the
-// user's MHA_FLASH_BF16 (read here only, once per process) and the vendor rule; and the decode
-// kernel's MHA_DECODE_BF16 (read here only, once per process); and the one rule both follow
-// for a value they cannot honour (check_forced; forced_refusal words it, also for the test op
-// that names a kernel).
+// user's MHA_FLASH_BF16 (read here only, once per process) and the kernel measured faster on
+// this CPU (handed in by mha.ops.flash_choice); and the decode kernel's MHA_DECODE_BF16 (read
+// here only, once per process); and the one rule both follow for a value they cannot honour
+// (check_forced; forced_refusal words it, also for the test op that names a kernel).
 #pragma once
 
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -95,19 +96,46 @@ inline std::vector<Choice> flash_bf16_choices(bool avx512f, bool bf16_tiles,
           {"amx", amx_why_not}};
 }
 
-// Whether bf16 products belong on vdpbf16ps on this CPU: AMD Zen 4/5 run it at twice the fp32
-// FMA rate; Intel cores at half the fp32 FMA FLOP rate (measured), so there bf16 is widened to
-// fp32 instead.
-inline bool bf16_dot_is_fast() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool fast = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return fast;
-#else
-  return false;
-#endif
+// The bf16 kernel measured faster on this CPU where AMX does not run: "avx512bf16" (products
+// on vdpbf16ps) or "avx512f" (bf16 widened to fp32 when packed, the fp32 tiles). No vendor
+// rule decides it: mha.ops.flash_choice times both kernels once per CPU model, caches the
+// result beside the built kernels and hands it to each flash extension through its setter op
+// (set_flash_bf16_measured) when the extension is loaded, before its first bf16 call. Until
+// then it is "" and bf16 is widened to fp32 (no measurement, no claim about the dot-product
+// unit). Fixed at the first read, so the process's results stay deterministic: a later setter
+// call with another value is refused.
+struct MeasuredBf16 {
+  std::mutex lock;
+  std::string kernel;
+  bool read = false;
+};
+
+inline MeasuredBf16& measured_bf16() {
+  static MeasuredBf16 state;
+  return state;
+}
+
+// The setter ops' body: `kernel` must be a kernel this extension can run (bf16_tiles: the
+// vdpbf16ps kernel is compiled in; avx512f: the fp32 tiles are).
+inline void set_flash_bf16_measured(const std::string& kernel, bool bf16_tiles, bool avx512f) {
+  TORCH_CHECK((kernel == "avx512bf16" && bf16_tiles) || (kernel == "avx512f" && avx512f),
+              "the measured bf16 kernel must be one this build runs (",
+              bf16_tiles ? "avx512bf16, " : "", avx512f ? "avx512f" : "none",
+              "), got '", kernel, "'");
+  MeasuredBf16& m = measured_bf16();
+  const std::lock_guard<std::mutex> hold(m.lock);
+  TORCH_CHECK(!m.read || m.kernel == kernel, "the measured bf16 kernel is fixed for the process "
+              "once a bf16 call has read it ('", m.kernel.empty() ? "none" : m.kernel.c_str(),
+              "'); refusing '", kernel, "'");
+  m.kernel = kernel;
+}
+
+// The measured kernel ("" when none was handed in), fixed from this read on.
+inline std::string flash_bf16_measured() {
+  MeasuredBf16& m = measured_bf16();
+  const std::lock_guard<std::mutex> hold(m.lock);
+  m.read = true;
+  return m.kernel;
 }
 
 }  // namespace mha_common

@@ -175,10 +175,10 @@ std::string flash_attention_isa() {
 }
 
 
-// bf16 inputs: vdpbf16ps tiles where the dot-product unit is fast (AMD Zen 4/5: twice the
-// fp32 FMA rate); elsewhere (Intel cores run vdpbf16ps at half the fp32 FMA FLOP rate, measured)
-// bf16 is widened to fp32 when packed and runs the fp32 tiles; AMX tiles first where they can
-// run (compiled in and granted by the OS; else the next kernel: flash_attention_amx says why).
+// bf16 inputs: AMX tiles first where they can run (compiled in and granted by the OS; else the
+// next kernel: flash_attention_amx says why); else the kernel measured faster on this CPU
+// (common/kernel_choice.h: vdpbf16ps tiles, or bf16 widened to fp32 when packed and the fp32
+// tiles; handed in by mha.ops.flash_choice), the fp32 tiles when none was handed in.
 // MHA_FLASH_BF16=avx512bf16 | avx512f | portable | amx overrides; a value this build cannot run
 // is refused at every bf16 call (check_forced). Fixed per process, so results stay deterministic.
 const std::string& default_kernel(at::ScalarType dtype) {
@@ -204,10 +204,8 @@ const std::string& default_kernel(at::ScalarType dtype) {
 #if defined(MHA_FLASH_AMX)
     if (amx_permitted()) return std::string("amx");
 #endif
-#if defined(MHA_FLASH_BF16_TILES)
-    if (mha_common::bf16_dot_is_fast()) return std::string("avx512bf16");
-#endif
-    return f32;
+    const std::string measured = mha_common::flash_bf16_measured();
+    return measured.empty() ? f32 : measured;  // the setter took only what this build runs
   }();
   return bf16;
 }
@@ -243,6 +241,18 @@ std::vector<mha_common::Choice> named_kernels() {
 // MHA_FLASH_BF16 names a kernel this build cannot run).
 std::vector<std::string> flash_attention_kernels() {
   return {default_kernel(at::kFloat), default_kernel(at::kBFloat16)};
+}
+
+// The bf16 kernel measured faster on this CPU (mha.ops.flash_choice), handed in once the
+// extension is loaded and before its first bf16 call: "avx512bf16" or "avx512f" (refused when
+// this build lacks it, or when a bf16 call already fixed another).
+void flash_set_bf16_choice(std::string kernel) {
+#if defined(MHA_FLASH_BF16_TILES)
+  constexpr bool bf16_tiles = true;
+#else
+  constexpr bool bf16_tiles = false;
+#endif
+  mha_common::set_flash_bf16_measured(kernel, bf16_tiles, mha_common::kUnitAvx512f);
 }
 
 // Why the AMX tiles compiled into this build do not run in this process (the OS refuses the
@@ -452,6 +462,7 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("flash_attention_isa() -> str", &mha_flash::flash_attention_isa);
   m.def("flash_attention_kernels() -> str[]", &mha_flash::flash_attention_kernels);
   m.def("flash_attention_amx() -> str", &mha_flash::flash_attention_amx);
+  m.def("_flash_set_bf16_choice(str kernel) -> ()", &mha_flash::flash_set_bf16_choice);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {

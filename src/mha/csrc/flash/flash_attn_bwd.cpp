@@ -76,12 +76,12 @@ bool amx_tiles_usable() {
 }
 
 // The arithmetic of the products for bf16 inputs, as the forward picks its bf16 kernel: "amx"
-// (tdpbf16ps tiles) where they are compiled in and usable; else "bf16" (vdpbf16ps) where the
-// dot-product unit is fast (AMD Zen 4/5: twice the fp32 FMA rate); else "fp32" (Intel cores
-// without AMX run vdpbf16ps at half the fp32 FMA rate). MHA_FLASH_BF16=amx | avx512bf16 forces
-// the tiles | vdpbf16ps, avx512f | portable fp32; a value this build cannot run is refused as
-// the forward refuses it (check_forced); math "amx" / "bf16" / "fp32" (the test op) overrides
-// both. Fixed per process.
+// (tdpbf16ps tiles) where they are compiled in and usable; else the forward's measured kernel
+// (common/kernel_choice.h, handed in by mha.ops.flash_choice through this extension's setter):
+// "bf16" (vdpbf16ps) for avx512bf16, "fp32" for avx512f or when none was handed in.
+// MHA_FLASH_BF16=amx | avx512bf16 forces the tiles | vdpbf16ps, avx512f | portable fp32; a value
+// this build cannot run is refused as the forward refuses it (check_forced); math "amx" /
+// "bf16" / "fp32" (the test op) overrides both. Fixed per process.
 std::string bf16_products(const std::string& math) {
 #if defined(MHA_BWD_BF16)
   constexpr bool pairs_built = true;
@@ -109,7 +109,20 @@ std::string bf16_products(const std::string& math) {
     return *env == "avx512bf16" ? "bf16" : "fp32";
   }
   if (amx_tiles_usable()) return "amx";
-  return pairs_built && mha_common::bf16_dot_is_fast() ? "bf16" : "fp32";
+  static const std::string measured =
+      mha_common::flash_bf16_measured() == "avx512bf16" ? "bf16" : "fp32";
+  return measured;  // the setter took avx512bf16 only where the bf16 pairs are compiled in
+}
+
+// The forward's measured bf16 kernel handed to the backward (mha.ops.flash_choice), as the
+// forward's setter takes it: "avx512bf16" (vdpbf16ps products) or "avx512f" (fp32 products).
+void flash_bwd_set_bf16_choice(std::string kernel) {
+#if defined(MHA_BWD_BF16)
+  constexpr bool pairs_built = true;
+#else
+  constexpr bool pairs_built = false;
+#endif
+  mha_common::set_flash_bf16_measured(kernel, pairs_built, mha_common::kUnitAvx512f);
 }
 
 // dbias: the bias gradient (B, h, Tq|1, Tk|1) in fp32 when bias_grad, else an empty tensor.
@@ -304,6 +317,8 @@ TORCH_LIBRARY_FRAGMENT(mha, m) {
         "Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? mask, "
         "bool causal, float scale, str math, int window=0) -> (Tensor, Tensor, Tensor)");
   m.def("flash_attention_bwd_bf16_math() -> str", &mha_flash_bwd::flash_attention_bwd_bf16_math);
+  m.def("_flash_bwd_set_bf16_choice(str kernel) -> ()",
+        &mha_flash_bwd::flash_bwd_set_bf16_choice);
 }
 
 TORCH_LIBRARY_IMPL(mha, CPU, m) {
