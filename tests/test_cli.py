@@ -42,6 +42,7 @@ def test_build_names_every_extension_and_the_tiles(capsys):
         assert name in out
     picked = mha.ops.flash.kernels()
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out
+    assert f"  bfloat16 choice: {mha.ops.flash.bf16_said()}\n" in out  # measured: the two rates
     from mha.cli.build import BACKWARD_WORDS
 
     math = torch.ops.mha.flash_attention_bwd_bf16_math()

@@ -148,6 +148,28 @@ def test_remeasure_replaces_the_record(cache_file, monkeypatch):
     assert flash_choice.choose(KERNEL).choice == "avx512f" and len(asked) == 1  # the file
 
 
+def test_cli_build_remeasure_prints_the_flash_choice(cache_file, monkeypatch, capsys):
+    """``mha build --remeasure``'s flash step: one line, before and after, with the rates; none
+    where nothing was measured (forced, AMX, no vdpbf16ps kernel)."""
+    import mha.cli.build as cli_build
+    from mha.ops import flash
+
+    monkeypatch.setattr(flash, "unavailable", lambda: None)
+    monkeypatch.setattr(flash, "kernel_key", lambda: KERNEL)
+    monkeypatch.setattr(flash, "bf16_choice", lambda: "forced by MHA_FLASH_BF16=avx512f")
+    assert cli_build._remeasure_flash() == 0 and capsys.readouterr().out == ""
+    inject(monkeypatch, 1.0, 2.0)
+    measured = flash_choice.choose(KERNEL)
+    monkeypatch.setattr(flash, "bf16_choice", lambda: measured)
+    inject(monkeypatch, 2e-3, 1e-3, (0.4, 0.6))
+    assert cli_build._remeasure_flash() == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"remeasured flash {flash_choice.NAME}: avx512f (was avx512bf16; "
+                           "the next process runs it): avx512f (bf16 widened to fp32): measured "
+                           "2.00x faster than avx512bf16 (avx512bf16 2 ms, avx512f 1 ms")
+    assert "avx512bf16 speedup 0.40-0.60x" in line
+
+
 _RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -224,8 +246,9 @@ _CHILD = textwrap.dedent("""
         lse64 = lse.double()
         grads = torch.ops.mha.flash_attention_bwd_fused(dout, None, q, k, v, out, lse64, None,
                                                         None, False, 64 ** -0.5)
+        named_bwd = torch.ops.mha._flash_attention_bwd_fused_math
         res["backward"] = [m for m in ("bf16", "fp32") if all(
-            torch.equal(a, b) for a, b in zip(grads[:3], torch.ops.mha._flash_attention_bwd_fused_math(
+            torch.equal(a, b) for a, b in zip(grads[:3], named_bwd(
                 dout, None, q, k, v, out, lse64, None, None, False, 64 ** -0.5, m, 0)))]
     refusals = []
     other = {"avx512bf16": "avx512f", "avx512f": "avx512bf16"}[want]

@@ -90,6 +90,25 @@ def _build(name: str, csrc: Path, defines: list[str], source: str) -> None:
         torch.ops.load_library(str(lib))
 
 
+def _hand_in(names: list[str], backward: bool) -> None:
+    """The bf16 kernel measured on this machine (``mha.ops.flash.bf16_choice``), handed to each
+    variant that takes one (trees with the setter op; older trees chose by their own rule), as
+    the package hands it to its own extensions: a variant given none widens bf16 to fp32."""
+    from mha.ops import flash, flash_choice
+
+    choice = flash.bf16_choice() if flash.unavailable() is None else None
+    if not isinstance(choice, flash_choice.Measured):
+        return
+    setter = "_flash_bwd_set_bf16_choice" if backward else "_flash_set_bf16_choice"
+    for n in names:
+        try:
+            op = getattr(getattr(torch.ops, f"mha_ab_{n}"), setter)
+        except (AttributeError, RuntimeError):  # a tree from before the measured choice
+            continue
+        op(choice.choice)
+    print(f"bf16 choice handed in: {choice.choice}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True,
@@ -122,6 +141,8 @@ def main() -> None:
         source = "flash/flash_attn_bwd.cpp" if args.backward else "flash/flash_attn.cpp"
         _build(name, Path(parts[0]).resolve(), parts[1:], source)
         names.append(name)
+    if args.dtype == "bf16":
+        _hand_in(names, args.backward)
     print(f"threads={torch.get_num_threads()} clock={args.clock} load={os.getloadavg()[0]:.2f}")
     for spec in args.shapes:
         B, h, T, d, mode = spec.split(",")

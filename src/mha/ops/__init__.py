@@ -10,6 +10,9 @@ kernels (``mha/csrc``).
   it returns None when the extension is loaded and registered, or the reason it is not.
 * :mod:`mha.ops.flash` — the flash-attention forward and fused backward (``mha_flash``,
   ``mha_flash_bwd``), their fake twins and autograd, and which tile kernel each dtype runs.
+* :mod:`mha.ops.flash_choice` — the flash kernels' bf16 tiles (``vdpbf16ps`` or widened to
+  fp32), measured once per CPU model and cached, with :mod:`mha.ops.linear_choice`'s machinery
+  (the projections' measured GEMM choice).
 * :mod:`mha.ops.decode` — the decode kernel (``mha_decode``): a few queries, a long cache.
 * :mod:`mha.ops.linear` — the module's projections on the same register tiles (``mha_linear``).
 

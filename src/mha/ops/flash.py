@@ -112,7 +112,8 @@ def bf16_choice() -> flash_choice.Measured | str:
     try:
         return build.ask(lambda: flash_choice.choose(kernel_key()))
     except (RuntimeError, build.BuildError) as e:  # the kernels run; only the timing failed
-        return f"not measured ({type(e).__name__}: {str(e).splitlines()[0]}): bf16 is widened to fp32"
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"not measured ({type(e).__name__}: {first}): bf16 is widened to fp32"
 
 
 def bf16_said() -> str:
@@ -145,9 +146,10 @@ def kernels() -> dict[str, str]:
     choice the extension made once when it was loaded (``csrc/common/kernel_choice.h``: the
     CPU's instruction sets, whether the OS grants the AMX tile state, the bf16 kernel measured
     faster on this CPU, :func:`bf16_choice`, and ``MHA_FLASH_BF16``), read here once;
-    :func:`bf16_said` says how the bf16 one was chosen (the two measured rates). Every consumer (the backend's deferral rule, ``mha build``, the bench's CPU
-    record) asks this function. Raises RuntimeError naming the variable, its choices and why
-    when ``MHA_FLASH_BF16`` names a kernel this build cannot run (as every bf16 call does)."""
+    :func:`bf16_said` says how the bf16 one was chosen (the two measured rates). Every consumer
+    (the backend's deferral rule, ``mha build``, the bench's CPU record) asks this function.
+    Raises RuntimeError naming the variable, its choices and why when ``MHA_FLASH_BF16`` names
+    a kernel this build cannot run (as every bf16 call does)."""
     _ready()
     f32, bf16 = build.ask(torch.ops.mha.flash_attention_kernels)
     return {"float32": f32, "bfloat16": bf16}
