@@ -21,7 +21,8 @@ fastest of ``linear_choice.ROUNDS`` batches of about ``BATCH_S`` each
 (``time.thread_time``): what differs between the kernels is the core's arithmetic, and a
 machine shared with other work stretches wall-clock times of a parallel call by its slowest
 thread (two threads at load 3.4 timed both kernels equal, 8.0 ms, where one thread's CPU
-clock gives 1.6x).
+clock gives 1.6x). The process's torch thread count is 1 while it runs (~0.1 s, once per
+machine and kernel build; later processes read the file) and restored after.
 ``avx512bf16`` is chosen only when at least ``MARGIN`` times faster: within the noise the
 widened kernel keeps the call (its P V products take P in fp32, not rounded to bf16). The
 fused backward follows the choice (``vdpbf16ps`` products for ``avx512bf16``, fp32 for
