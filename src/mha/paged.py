@@ -294,8 +294,9 @@ class PagedKVCache:
             if n > int(self.lengths[s]):
                 raise ValueError(f"write: sequence {s} holds {int(self.lengths[s])} tokens, "
                                  f"fewer than the {n} written (extend it first)")
-        pairs = self._encode(k, v)
         page, slot = self._slots(seqs, counts)  # (N,), (N,)
+        self._check_private(seqs, counts, page)
+        pairs = self._encode(k, v)
         for store, new in pairs:
             store[layer][page, :, slot] = new  # (N, h_kv[, d]) into (P, h_kv, p[, d])
 
@@ -519,6 +520,21 @@ class PagedKVCache:
             raise ValueError(f"cu_seqlens must be (S' + 1,) = ({n + 1},) non-decreasing offsets "
                              f"from 0, got {cu}")
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+    def _check_private(self, seqs: list[int], counts: list[int], page: torch.Tensor) -> None:
+        """The pages ``page (N,)`` written for these sequences are held by them alone: a page
+        shared after :meth:`fork` holds the other sequence's tokens too (ValueError)."""
+        shared = self.refcount[page] > 1  # (N,)
+        if not bool(shared.any()):
+            return
+        row = int(shared.nonzero()[0])
+        owner = next(i for i, end in enumerate(torch.tensor(counts).cumsum(0).tolist())
+                     if row < end)
+        raise ValueError(f"write: sequence {seqs[owner]}'s last {counts[owner]} positions lie in "
+                         f"page {int(page[row])}, shared with another sequence (fork); writing "
+                         "them would change that sequence's tokens. write stores the tokens "
+                         "just extend-ed (extend gives a sequence a private copy of a shared "
+                         "last page); the cache is unchanged")
 
     def _check_new(self, k, v, N: int) -> None:
         h_kv, d_k, d_v = self.k.shape[2], self.k.shape[4], self.v.shape[4]

@@ -1,0 +1,107 @@
+"""Hostile use of the library API: calls a careless or malicious user makes on the paged and
+dense K/V caches, the module's state dict, ``mha.linear`` and ``mha.distributed``'s layout
+helpers. Each is refused at the boundary with an error naming the argument and leaves every
+piece of state as it was, or gives the answer of the reference it mirrors.
+
+Shape legend: N packed tokens, B batch, h / h_kv query / K/V heads, Tq queries, d head dim,
+p page size, M / K / N a GEMM's rows / inner size / columns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mha
+from mha.distributed import layout
+
+H, H_KV, D = 4, 2, 8
+
+
+def _rows(n, seed, d=D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, H_KV, d, generator=g), torch.randn(n, H_KV, d, generator=g)
+
+
+def _same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
+
+
+# ------------------------------------------------------------------ PagedKVCache: fork + write
+def _forked(length, page_size, layers=1):
+    """A cache holding sequence ``a`` of ``length`` tokens and its fork ``b`` (pages shared)."""
+    c = mha.PagedKVCache(16, page_size, H_KV, D, max_seqs=4, max_len=32, num_layers=layers)
+    a = c.add_sequence()
+    with torch.no_grad():
+        c.extend([a], [length])
+        for layer in range(layers):
+            c.write(layer, [a], *_rows(length, layer), cu_seqlens=[0, length])
+    return c, a, c.fork(a)
+
+
+@pytest.mark.parametrize("length,page_size", [(3, 4), (4, 4), (6, 4), (1, 1)])
+def test_a_write_into_pages_shared_by_a_fork_is_refused_unchanged(length, page_size):
+    """write stores the last n positions of a sequence; after a fork those lie in pages the
+    other sequence holds too, and writing them would change that sequence's tokens."""
+    c, a, b = _forked(length, page_size)
+    before = c.state()
+    for writer in (a, b):
+        with torch.no_grad(), pytest.raises(ValueError, match=r"write: .*shared with"):
+            c.write(0, [writer], *_rows(1, 9))
+        _same_state(before, c.state())
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 9), page_size=st.sampled_from([1, 2, 4]),
+       grow=st.lists(st.tuples(st.booleans(), st.integers(0, 5)), min_size=1, max_size=4),
+       writes=st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, max_size=4))
+def test_a_fork_and_its_parent_never_see_each_others_writes(length, page_size, grow, writes):
+    """Any mix of extends and writes on a sequence and its fork: each keeps the tokens it was
+    given (a list model of each), whatever was refused along the way."""
+    c, a, b = _forked(length, page_size)
+    k0, v0 = _rows(length, 0)
+    model = {s: [(k0[i], v0[i]) for i in range(length)] for s in (a, b)}
+    seed = 100
+    with torch.no_grad():
+        for (on_b, n), (w_on_b, m) in zip(grow, writes, strict=False):
+            s = b if on_b else a
+            k, v = _rows(n, seed)
+            seed += 1
+            try:
+                c.extend([s], [n])
+            except mha.PagePoolExhausted:
+                continue
+            c.write(0, [s], k, v, cu_seqlens=[0, n])
+            model[s] += [(k[i], v[i]) for i in range(n)]
+            s = b if w_on_b else a
+            m = min(m, int(c.lengths[s]))
+            k, v = _rows(m, seed)
+            seed += 1
+            try:  # a rewrite of the last m tokens: refused where a page is shared
+                c.write(0, [s], k, v, cu_seqlens=[0, m])
+            except ValueError:
+                continue
+            model[s][len(model[s]) - m:] = [(k[i], v[i]) for i in range(m)]
+    for s in (a, b):
+        kg, vg = c.gather(0, s)  # (1, h_kv, n, d)
+        want_k = torch.stack([r[0] for r in model[s]], dim=1)  # n x (h_kv, d) -> (h_kv, n, d)
+        want_v = torch.stack([r[1] for r in model[s]], dim=1)
+        assert torch.equal(kg[0], want_k) and torch.equal(vg[0], want_v), s
+
+
+def test_extend_then_write_of_every_layer_after_a_fork_is_served():
+    """The documented order (extend once, then write each layer) writes private pages only."""
+    c, a, b = _forked(3, 4, layers=2)
+    with torch.no_grad():
+        c.extend([a, b], [2, 1])
+        for layer in range(2):
+            c.write(layer, [a, b], *_rows(3, 10 + layer), cu_seqlens=[0, 2, 3])
+    assert c.lengths[[a, b]].tolist() == [5, 4]
+    ka, _ = c.gather(0, a)
+    kb, _ = c.gather(0, b)
+    assert torch.equal(ka[0, :, :3], kb[0, :, :3])  # the shared prefix, as written once
