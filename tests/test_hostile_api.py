@@ -105,3 +105,55 @@ def test_extend_then_write_of_every_layer_after_a_fork_is_served():
     ka, _ = c.gather(0, a)
     kb, _ = c.gather(0, b)
     assert torch.equal(ka[0, :, :3], kb[0, :, :3])  # the shared prefix, as written once
+
+
+# ------------------------------------------------------------------ load_state_dict
+def _module_and_new_weights(seed=1):
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(16, 4, sinks=True)
+    g = torch.Generator().manual_seed(seed)
+    new = {k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()}
+    return m, new
+
+
+@pytest.mark.parametrize("how,words", [
+    ("meta", r"out_proj.bias .*meta"),
+    ("sparse", r"out_proj.bias .*dense"),
+])
+def test_a_state_dict_entry_without_data_is_refused_before_any_copy(how, words):
+    """nn.Module copies entries in order and raises at the first one it cannot copy; the
+    entries before it must not have been loaded."""
+    m, new = _module_and_new_weights()
+    new["out_proj.bias"] = (new["out_proj.bias"].to("meta") if how == "meta"
+                            else new["out_proj.bias"].to_sparse())
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=words):
+        m.load_state_dict(new)
+    _same_state(before, m.state_dict())
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"out_proj.bias": torch.float64}, r"assign=True.*one dtype.*out_proj.bias.*float64"),
+    ({"in_proj.weight": torch.bfloat16}, r"assign=True.*one dtype.*in_proj.weight.*bfloat16"),
+    ({"out_proj.weight": torch.int64}, r"out_proj.weight must be floating with assign=True"),
+])
+def test_assign_refuses_entries_that_would_leave_mixed_or_integer_weights(change, words):
+    """load_state_dict(assign=True) keeps each entry's dtype: one of another dtype than the
+    rest would make every later forward fail inside a GEMM (or, integer, inside torch's
+    assignment after the earlier entries were assigned)."""
+    m, new = _module_and_new_weights()
+    for name, dtype in change.items():
+        new[name] = new[name].to(dtype)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=words):
+        m.load_state_dict(new, assign=True)
+    _same_state(before, m.state_dict())
+    assert {v.dtype for v in m.state_dict().values()} == {torch.float32}
+
+
+def test_assign_of_one_dtype_for_every_entry_is_taken():
+    m, new = _module_and_new_weights()
+    m.load_state_dict({k: v.double() for k, v in new.items()}, assign=True)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    assert m(x).dtype == torch.float64
+    assert torch.equal(m.out_proj.weight, new["out_proj.weight"].double())

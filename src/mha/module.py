@@ -60,16 +60,22 @@ class StateDictMismatch(ValueError, RuntimeError):
     that ``nn.Module.load_state_dict`` raises, for callers that catch that)."""
 
 
-def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str) -> list[str]:
+def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str,
+                           assign: bool = False) -> list[str]:
     """The entries of ``state_dict`` under ``prefix`` that ``nn.Module.load_state_dict`` would
-    refuse for ``module``'s parameters and persistent buffers (not a tensor, another shape), and
-    those :meth:`MultiHeadAttention.load_per_head_weights` refuses too (bool or complex)."""
+    refuse for ``module``'s parameters and persistent buffers (not a tensor, another shape, no
+    data to copy: meta or not dense), and those
+    :meth:`MultiHeadAttention.load_per_head_weights` refuses too (bool or complex). With
+    ``assign`` (the entries replace the tensors, keeping their own dtype and device): integer
+    entries, and entries that would leave the module's tensors of several dtypes or devices."""
     own = dict(module.named_parameters())
     own.update((name, b) for name, b in module.named_buffers() if b is not None
                and name.rsplit(".", 1)[-1] not in _non_persistent(module, name))
     wrong = []
+    after = {}  # name -> the tensor it holds after an assign
     for name, t in own.items():
         key = prefix + name
+        after[key] = t
         if key not in state_dict:
             continue  # missing keys: nn.Module's own rule (strict or not)
         got = state_dict[key]
@@ -79,6 +85,23 @@ def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str) -> list[s
             wrong.append(f"{key} must have shape {tuple(t.shape)}, got {tuple(got.shape)}")
         elif got.dtype.is_complex or got.dtype == torch.bool:
             wrong.append(f"{key} must be a real tensor (floating or integer), got {got.dtype}")
+        elif got.layout != torch.strided:
+            wrong.append(f"{key} must be a dense (strided) tensor, got layout {got.layout}")
+        elif assign and not got.dtype.is_floating_point:
+            wrong.append(f"{key} must be floating with assign=True (which keeps the entry's "
+                         f"dtype), got {got.dtype}")
+        elif got.is_meta and not (assign or t.is_meta):
+            wrong.append(f"{key} is a meta tensor: it holds no data to copy")
+        else:
+            after[key] = got
+    if assign and not wrong:
+        for what in ("dtype", "device"):
+            kinds = {getattr(t, what) for t in after.values()}
+            if len(kinds) > 1:
+                got = ", ".join(f"{k} {getattr(t, what)}" for k, t in after.items())
+                wrong.append(f"with assign=True (which keeps each entry's {what}) the module's "
+                             f"tensors must keep one {what}, got {got}; cast the entries first "
+                             "or load without assign")
     return wrong
 
 
@@ -221,7 +244,8 @@ class MultiHeadAttention(nn.Module):
         """``load_state_dict``, all or nothing for this module: the entries of all its tensors
         (its projections' included) are checked first, so a refused load leaves every weight as
         it was. (nn.Module copies the tensors that fit, then raises for the others.)"""
-        wrong = _state_dict_mismatches(self, state_dict, prefix)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        wrong = _state_dict_mismatches(self, state_dict, prefix, assign)
         if wrong:
             raise StateDictMismatch("load_state_dict: " + "; ".join(wrong) + " (nothing was "
                                     "loaded: the module's weights are unchanged)")
