@@ -157,3 +157,54 @@ def test_assign_of_one_dtype_for_every_entry_is_taken():
     x = torch.randn(2, 3, 16, dtype=torch.float64)
     assert m(x).dtype == torch.float64
     assert torch.equal(m.out_proj.weight, new["out_proj.weight"].double())
+
+
+# ------------------------------------------------------------------ KVCache.attend
+def _kv_cache(kv_dtype=None, Tn=3):
+    c = mha.KVCache(2, H_KV, 16, D, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        c.append(torch.randn(2, H_KV, Tn, D, generator=g), torch.randn(2, H_KV, Tn, D, generator=g))
+    return c
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_kv_cache_attend_refuses_queries_of_another_dtype(kv_dtype, dtype):
+    """The int8 cache's decode kernel took bfloat16 queries for a float32 cache (and returned
+    bfloat16); the dense cache refused them only as mha.attention's 'q, k, v' mismatch."""
+    c = _kv_cache(kv_dtype)
+    with pytest.raises(TypeError, match=r"^KVCache.attend: q must be torch.float32"):
+        c.attend(torch.randn(2, H, 1, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_kv_cache_attend_refuses_more_queries_than_cached_tokens(kv_dtype):
+    """q holds the queries of the last Tq cached tokens; more than a row holds is a call
+    whose K/V were never appended (PagedKVCache.attend refuses it the same way)."""
+    c = _kv_cache(kv_dtype, Tn=3)
+    with pytest.raises(ValueError, match=r"KVCache.attend: .*Tq=4 .*\[3, 3\]"):
+        c.attend(torch.randn(2, H, 4, D))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("causal", False), ("causal", True), ("key_lengths", torch.tensor([1, 1])),
+    ("mask", torch.ones(1, dtype=torch.bool)), ("window", 2)])
+@pytest.mark.parametrize("Tq", [1, 2])
+def test_kv_cache_attend_refuses_the_masks_it_sets_itself(name, value, Tq):
+    """Passing causal with Tq > 1 raised Python's 'got multiple values for keyword argument';
+    key_lengths with Tq = 1 silently replaced the cache's own row lengths."""
+    c = _kv_cache()
+    with pytest.raises(TypeError, match=rf"KVCache.attend: {name} is set by the cache"):
+        c.attend(torch.randn(2, H, Tq, D), **{name: value})
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_kv_cache_attend_matches_the_reference(kv_dtype):
+    c = _kv_cache(kv_dtype, Tn=5)
+    q = torch.randn(2, H, 2, D, generator=torch.Generator().manual_seed(3))
+    out = c.attend(q, softcap=5.0, sinks=torch.zeros(H))
+    allowed = torch.ones(2, 5, dtype=torch.bool).tril(diagonal=3)  # (Tq, Tk) bottom right
+    ref, _ = mha.reference.attention(q, c.keys(), c.values(), allowed=allowed, upcast=True,
+                                     softcap=5.0, sinks=torch.zeros(H))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -32,6 +32,9 @@ import torch
 
 from mha.checks import check_float_dtype, check_int, check_int_tensor, check_tensor
 
+#: mha.attention keywords that attend() sets from the cache (its masks), refused as arguments
+_CACHE_SETS = ("causal", "key_lengths", "mask", "window")
+
 KV_DTYPES = ("int8",)  #: storage formats besides the compute dtype (kv_dtype=None)
 
 
@@ -181,6 +184,7 @@ class KVCache:
         from mha.functional import attention
         from mha.ops import decode
 
+        self._check_attend(q, variants)
         masks = self.masks(q.shape[2])
         if self.kv_dtype == "int8" and q.shape[2] <= decode.MAX_TQ and not decode.unavailable():
             Tk = self.max_length
@@ -335,6 +339,25 @@ class KVCache:
                              f"for rows already holding tokens, within their lengths "
                              f"{self.lengths.tolist()}; got n={n.tolist()}")
         self.starts.copy_(n)
+
+    def _check_attend(self, q, variants: dict) -> None:
+        """q ``(B, h, Tq, d_k)`` in the cache's dtype, for at most as many tokens as every row
+        holds; no keyword among the masks the cache sets itself (TypeError / ValueError)."""
+        for name in _CACHE_SETS:
+            if name in variants:
+                raise TypeError(f"KVCache.attend: {name} is set by the cache itself (each row "
+                                "attends its own keys, causally from its length), not an "
+                                "argument; pass score variants only (softcap, sinks, bias, "
+                                "alibi_slopes)")
+        check_tensor("q", q, 4, f"(B, h, Tq, d_k) = ({self.batch_size}, h, Tq, "
+                                f"{self.k.shape[3]})")
+        if q.dtype != self.dtype:
+            raise TypeError(f"KVCache.attend: q must be {self.dtype} like the cache's K/V, got "
+                            f"{q.dtype}")
+        if bool((self.lengths < q.shape[2]).any()):
+            raise ValueError(f"KVCache.attend: q holds Tq={q.shape[2]} queries per row, more "
+                             f"than the rows' lengths {self.lengths.tolist()} (q is the "
+                             "queries of the last Tq cached tokens: append their K/V first)")
 
     def _check_new(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         B, h_kv, _, d_k = self.k.shape
