@@ -208,3 +208,64 @@ def test_kv_cache_attend_matches_the_reference(kv_dtype):
     ref, _ = mha.reference.attention(q, c.keys(), c.values(), allowed=allowed, upcast=True,
                                      softcap=5.0, sinks=torch.zeros(H))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ PagedKVCache.attend_varlen
+def _prefilled(lengths=(5, 3)):
+    c = mha.PagedKVCache(16, 4, H_KV, D, max_seqs=4, max_len=32)
+    seqs = [c.add_sequence() for _ in lengths]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    with torch.no_grad():
+        c.append(seqs, *_rows(cu[-1], 0), cu_seqlens=cu)
+    return c, seqs, cu
+
+
+@pytest.mark.parametrize("q_shape,variants,err,words", [
+    ((8, 3, D), {}, ValueError, r"attend_varlen: q .*h=3 .*multiple of h_kv=2"),
+    ((8, H, 5), {}, ValueError, r"attend_varlen: q .*d_k=8"),
+    ((8, H, D), {"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(h,\) = \(4,\)"),
+    ((8, H, D), {"sinks": torch.zeros(H, dtype=torch.int64)}, TypeError, r"sinks must be"),
+    ((8, H, D), {"softcap": -1.0}, ValueError, r"softcap must"),
+    ((8, H, D), {"softcap": 0.0}, ValueError, r"softcap must be > 0"),
+    ((8, H, D), {"scale": float("nan")}, ValueError, r"scale must"),
+    ((8, H, D), {"scale": -1.0}, ValueError, r"scale must"),
+])
+def test_attend_varlen_checks_q_and_its_variants_at_the_boundary(q_shape, variants, err, words):
+    """The paged flash forward's C++ guards were the only check (RuntimeError 'flash_attention_
+    paged: ...'); a NaN or negative scale was attended where mha.attention refuses it."""
+    c, seqs, cu = _prefilled()
+    before = c.state()
+    with torch.no_grad(), pytest.raises(err, match=words):
+        c.attend_varlen(0, torch.randn(q_shape), seqs, cu, **variants)
+    _same_state(before, c.state())
+
+
+def test_attend_varlen_takes_sinks_as_mha_attention_does():
+    """bfloat16 or strided sinks (mha.attention takes them) were refused by the kernel as not
+    'a contiguous float32 (h,)'."""
+    c, seqs, cu = _prefilled()
+    q = torch.randn(8, H, D, generator=torch.Generator().manual_seed(5))  # (N, h, d_k)
+    sinks = torch.randn(2 * H, generator=torch.Generator().manual_seed(6))[::2]  # (h,) strided
+    with torch.no_grad():
+        out = c.attend_varlen(0, q, seqs, cu, sinks=sinks, softcap=4.0)
+        out_bf16 = c.attend_varlen(0, q, seqs, cu, sinks=sinks.bfloat16())
+    for i, s in enumerate(seqs):
+        k, v = c.gather(0, s)  # (1, h_kv, n, d)
+        qs = q[cu[i]:cu[i + 1]].transpose(0, 1).unsqueeze(0)  # (n, h, d) -> (1, h, n, d)
+        ref, _ = mha.reference.attention(qs, k, v, allowed=torch.ones(qs.shape[2], k.shape[2],
+                                         dtype=torch.bool).tril(k.shape[2] - qs.shape[2]),
+                                         upcast=True, sinks=sinks, softcap=4.0)
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref[0].transpose(0, 1),
+                                   atol=1e-5, rtol=1e-5)
+    ref_bf16 = c.attend_varlen(0, q, seqs, cu, sinks=sinks.bfloat16().float())
+    torch.testing.assert_close(out_bf16, ref_bf16)
+
+
+@pytest.mark.parametrize("q_shape,words", [((2, 3, 1, D), r"h=3 .*multiple of h_kv=2"),
+                                           ((2, H, 1, 5), r"d_k=8")])
+def test_paged_attend_names_q_when_its_heads_do_not_fit_the_pages(q_shape, words):
+    c, seqs, _ = _prefilled()
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"^attend: q .*{words}"):
+        c.attend(0, torch.randn(q_shape), seqs)

@@ -38,7 +38,14 @@ import warnings
 
 import torch
 
-from mha.checks import check_float_dtype, check_int, check_tensor
+from mha.checks import (
+    check_float_dtype,
+    check_int,
+    check_scalar,
+    check_sinks,
+    check_softcap,
+    check_tensor,
+)
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -350,6 +357,7 @@ class PagedKVCache:
                              f"{len(seqs)}, got {tuple(q.shape)}")
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} like the cache's K/V, got {q.dtype}")
+        self._check_heads("attend", q)
         if q.shape[2] > decode.MAX_TQ:
             raise ValueError(f"attend serves Tq <= {decode.MAX_TQ} queries per sequence (decode "
                              f"rows), got Tq={q.shape[2]}; use attend_varlen for prefill chunks")
@@ -397,6 +405,8 @@ class PagedKVCache:
                              f"{tuple(q.shape)}")
         if q.dtype != self.dtype:
             raise TypeError(f"q must be {self.dtype} like the cache's K/V, got {q.dtype}")
+        self._check_heads("attend_varlen", q)
+        variants = self._check_native_variants(q, variants)
         held = [int(self.lengths[s]) for s in seqs]
         short = [(s, n, m) for s, n, m in zip(seqs, counts, held, strict=True) if n > m]
         if short:
@@ -535,6 +545,29 @@ class PagedKVCache:
                          "them would change that sequence's tokens. write stores the tokens "
                          "just extend-ed (extend gives a sequence a private copy of a shared "
                          "last page); the cache is unchanged")
+
+    def _check_heads(self, method: str, q: torch.Tensor) -> None:
+        """q ``(S', h, Tq, d_k)`` or ``(N, h, d_k)``: d_k as the pages', h a multiple of h_kv
+        (ValueError naming q)."""
+        h, h_kv, d_k = q.shape[1], self.k.shape[2], self.k.shape[4]
+        if q.shape[-1] != d_k or h % h_kv:
+            raise ValueError(f"{method}: q {tuple(q.shape)} must have d_k={d_k} (the pages' head "
+                             f"dim) and h={h} a multiple of h_kv={h_kv} (grouped-query "
+                             "attention)")
+
+    @staticmethod
+    def _check_native_variants(q: torch.Tensor, variants: dict) -> dict:
+        """``scale``, ``softcap`` and ``sinks`` checked as :func:`mha.attention` checks them
+        (they reach the paged forward, whose C++ guards are not the boundary); the others are
+        checked by :func:`mha.attention` on the gathered path."""
+        out = dict(variants)
+        if out.get("scale") is not None:
+            out["scale"] = check_scalar("scale", out["scale"], low=0.0)
+        if out.get("softcap") is not None:
+            out["softcap"] = check_softcap(out["softcap"])
+        if out.get("sinks") is not None:
+            out["sinks"] = check_sinks(out["sinks"], q.shape[1], q.device)  # q (N, h, d_k)
+        return out
 
     def _check_new(self, k, v, N: int) -> None:
         h_kv, d_k, d_v = self.k.shape[2], self.k.shape[4], self.v.shape[4]
