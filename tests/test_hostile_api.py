@@ -269,3 +269,36 @@ def test_paged_attend_names_q_when_its_heads_do_not_fit_the_pages(q_shape, words
     c, seqs, _ = _prefilled()
     with torch.no_grad(), pytest.raises(ValueError, match=rf"^attend: q .*{words}"):
         c.attend(0, torch.randn(q_shape), seqs)
+
+
+# ------------------------------------------------------------------ mha.linear.linear
+@pytest.mark.parametrize("side", ["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias_shape", [(1, 256), (), (1,), (64, 256)])
+def test_linear_takes_every_bias_f_linear_takes_on_either_gemm(monkeypatch, side, dtype,
+                                                                bias_shape):
+    """linear is F.linear on whichever GEMM was measured faster: a broadcastable bias that
+    F.linear adds was refused by the native tiles alone (RuntimeError 'mha linear: bias must
+    be (N,)'), so whether a call ran depended on the measured choice."""
+    from mha.linear import linear
+    from mha.ops import linear_choice
+
+    monkeypatch.setenv(linear_choice.ENV, side)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g).to(dtype)  # (M, K)
+    w = torch.randn(256, 512, generator=g).to(dtype)  # (N, K)
+    b = torch.randn(bias_shape, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())  # (M, N)
+    tol = 1e-4 if dtype == torch.float32 else 0.5
+    torch.testing.assert_close(linear(x, w, b).double(), want, atol=tol, rtol=tol / 10)
+
+
+@pytest.mark.parametrize("side", ["native", "torch"])
+def test_linear_refuses_a_bias_f_linear_refuses_on_either_gemm(monkeypatch, side):
+    from mha.linear import linear
+    from mha.ops import linear_choice
+
+    monkeypatch.setenv(linear_choice.ENV, side)
+    x, w = torch.randn(64, 512), torch.randn(256, 512)  # (M, K), (N, K)
+    with pytest.raises(RuntimeError, match="size of tensor a .* must match|expanded size"):
+        linear(x, w, torch.randn(255))

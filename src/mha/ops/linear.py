@@ -149,6 +149,8 @@ def why_not_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 16 or \
             x.shape[-1] != weight.shape[1]:
         return "weight (N, K) with N % 16 == 0, K % 16 == 0 and x (..., K)"
+    if not _bias_of_n(bias, weight):
+        return _BIAS_REASON
     if _small(x, weight.shape[0]):
         return f"fewer than {SMALL} multiply-adds (the call's fixed cost would dominate)"
     if torch.compiler.is_exporting():
@@ -198,6 +200,16 @@ def bf16_tiles() -> bool:
     return load() is None and bool(build.ask(torch.ops.mha.linear_bf16_tiles))
 
 
+_BIAS_REASON = ("torch's GEMM: the native tiles add a bias of shape (N,) only (F.linear "
+                "broadcasts any other)")
+
+
+def _bias_of_n(bias, weight) -> bool:
+    """No bias, or one of shape ``(N,)``: what the native tiles add (F.linear broadcasts any
+    bias to ``(..., N)``, e.g. ``(1, N)`` or a scalar, or refuses it)."""
+    return bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0])
+
+
 def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
     """``(side, why)`` for a bfloat16 CPU projection big enough to measure, side ``"tiles"``
     (the native bf16 tiles), ``"upcast"`` (fp32 on upcast inputs, then the fp32 choice) or
@@ -209,7 +221,7 @@ def _bf16_side(x, weight, bias) -> tuple[str, str] | None:
     tensors = [t for t in (x, weight, bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors) or \
             weight.dim() != 2 or x.shape[-1] != weight.shape[1] or \
-            _small(x, weight.shape[0]):
+            not _bias_of_n(bias, weight) or _small(x, weight.shape[0]):
         return None
     if torch.compiler.is_exporting():
         return _exported_bf16_side(*weight.shape)
