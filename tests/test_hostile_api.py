@@ -302,3 +302,33 @@ def test_linear_refuses_a_bias_f_linear_refuses_on_either_gemm(monkeypatch, side
     x, w = torch.randn(64, 512), torch.randn(256, 512)  # (M, K), (N, K)
     with pytest.raises(RuntimeError, match="size of tensor a .* must match|expanded size"):
         linear(x, w, torch.randn(255))
+
+
+# ------------------------------------------------------------------ mha.distributed layouts
+X = torch.arange(2 * 8.0).view(1, 2, 8, 1)  # (B, h, T, d)
+
+
+@pytest.mark.parametrize("call,err,words", [
+    (lambda: layout.shard(X, 0, 0), ValueError, r"world must be a positive int, got 0"),
+    (lambda: layout.shard(X, True, 0), TypeError, r"world must be a positive int, got bool"),
+    (lambda: layout.shard(X, 2, 2), ValueError, r"rank must lie in \[0, 2\) \(world=2\), got 2"),
+    (lambda: layout.shard(X, 2, -1), ValueError, r"rank must lie in \[0, 2\)"),
+    (lambda: layout.shard(X, 2, 0, dim=4), ValueError, r"dim must lie in \[-4, 4\) .*got 4"),
+    (lambda: layout.shard([1, 2], 2, 0), TypeError, r"x must be a torch.Tensor"),
+    (lambda: layout.positions(-4, 2, 0), ValueError, r"T must be a non-negative int, got -4"),
+    (lambda: layout.positions(8.0, 2, 0), TypeError, r"T must be a non-negative int"),
+    (lambda: layout.visible_pairs(8, 8, 0), ValueError, r"world must be a positive int, got 0"),
+])
+def test_layout_helpers_name_the_bad_argument(call, err, words):
+    """shard(world=0) raised ZeroDivisionError, rank >= world torch's narrow error, a dim past
+    x's IndexError from inside mha, T < 0 the 'multiple of' message of a valid length."""
+    with pytest.raises(err, match=words):
+        call()
+
+
+@pytest.mark.parametrize("lay", ["contiguous", "zigzag"])
+def test_layout_shards_are_a_partition_of_the_rows(lay):
+    W = 2
+    parts = [layout.shard(X, W, r, layout=lay, dim=-2) for r in range(W)]
+    got = layout.from_rank_order(torch.cat(parts, dim=2), W, layout=lay)
+    assert torch.equal(got, X)

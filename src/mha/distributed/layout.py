@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mha.checks import check_int
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -29,10 +31,21 @@ def check_layout(layout) -> str:
     return layout
 
 
+def _check_world_rank(world, rank) -> tuple[int, int]:
+    """``world`` a positive int, ``rank`` in ``[0, world)`` (errors naming them)."""
+    world = check_int("world", world, low=1, what="a positive int")
+    rank = check_int("rank", rank, what="an int")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must lie in [0, {world}) (world={world}), got {rank}")
+    return world, rank
+
+
 def positions(T: int, world: int, rank: int, layout: str = "contiguous") -> torch.Tensor:
     """``(T / world,)`` int64: the global indices of rank ``rank``'s rows, in the order the
     shard holds them."""
     check_layout(layout)
+    T = check_int("T", T, low=0, what="a non-negative int")
+    world, rank = _check_world_rank(world, rank)
     parts = world if layout == "contiguous" else 2 * world
     if T % parts:
         raise ValueError(f"a sequence of length {T} cannot be split in the {layout} layout over "
@@ -49,6 +62,12 @@ def shard(x: torch.Tensor, world: int, rank: int, *, layout: str = "contiguous",
           dim: int = 2) -> torch.Tensor:
     """Rank ``rank``'s rows of the full tensor ``x`` along ``dim`` (a copy for zigzag, a view
     for contiguous)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = check_int("dim", dim, what="an int")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim}")
     pos = positions(x.shape[dim], world, rank, layout)
     if layout == "contiguous":
         return x.narrow(dim, int(pos[0]), pos.numel())
@@ -93,6 +112,7 @@ def visible(pos_q: torch.Tensor, pos_k: torch.Tensor, Tq: int, Tk: int, causal: 
 def visible_pairs(Tq: int, Tk: int, world: int, *, layout: str = "contiguous",
                   causal: bool = True, window: int | None = None) -> list[int]:
     """The number of (query, key) pairs each rank's queries may attend: its share of the work."""
+    world = check_int("world", world, low=1, what="a positive int")
     counts = []
     for r in range(world):
         pq = positions(Tq, world, r, layout)
