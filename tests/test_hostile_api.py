@@ -332,3 +332,18 @@ def test_layout_shards_are_a_partition_of_the_rows(lay):
     parts = [layout.shard(X, W, r, layout=lay, dim=-2) for r in range(W)]
     got = layout.from_rank_order(torch.cat(parts, dim=2), W, layout=lay)
     assert torch.equal(got, X)
+
+
+# ------------------------------------------------------------------ mha.trace
+@pytest.mark.parametrize("kwargs,err,words", [
+    ({"need_weights": False}, TypeError, r"^trace: need_weights is set by trace"),
+    ({"cu_seqlens": torch.tensor([0, 3, 6])}, ValueError,
+     r"^trace: .*packed sequences \(cu_seqlens\) return none"),
+])
+def test_trace_names_the_keyword_it_cannot_take(kwargs, err, words):
+    """need_weights raised Python's 'got multiple values for keyword argument' with the whole
+    module's repr as the function name; cu_seqlens the module's 'need_weights is not supported
+    for packed sequences', a keyword the caller never passed."""
+    m = mha.MultiHeadAttention(16, 4)
+    with pytest.raises(err, match=words):
+        mha.trace(m, torch.randn(1, 6, 16), **kwargs)

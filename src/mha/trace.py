@@ -114,6 +114,12 @@ def trace(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None
     if not callable(module):
         raise TypeError(f"module must be an mha module to run (e.g. mha.MultiHeadAttention), got "
                         f"{type(module).__name__}")
+    if "need_weights" in kwargs:
+        raise TypeError("trace: need_weights is set by trace (it records the attention weights), "
+                        "not an argument")
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("trace: the steps include the attention weights, and packed sequences "
+                         "(cu_seqlens) return none; trace one sequence at a time")
     with torch.no_grad(), recording() as tr:
         module(query, key, value, need_weights=True, **kwargs)
     return tr
