@@ -347,3 +347,17 @@ def test_trace_names_the_keyword_it_cannot_take(kwargs, err, words):
     m = mha.MultiHeadAttention(16, 4)
     with pytest.raises(err, match=words):
         mha.trace(m, torch.randn(1, 6, 16), **kwargs)
+
+
+# ------------------------------------------------------------------ mha.io
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_io_round_trip_keeps_the_module_dtype(tmp_path, dtype):
+    """load(path) without dtype built the module in torch's default dtype: a saved bfloat16
+    module came back float32 (twice the memory, other numbers) without a word."""
+    m = mha.MultiHeadAttention(16, 4, sinks=True).to(dtype)
+    path = tmp_path / "m.safetensors"
+    mha.io.save(m, path)
+    back = mha.io.load(path)
+    assert {t.dtype for t in back.state_dict().values()} == {dtype}
+    _same_state(m.state_dict(), back.state_dict())
+    assert mha.io.load(path, dtype=torch.float32).out_proj.weight.dtype == torch.float32

@@ -57,7 +57,8 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
 
 
 def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
-    """Rebuild the module saved by :func:`save`.
+    """Rebuild the module saved by :func:`save`, in ``dtype`` on ``device``; ``dtype=None``
+    keeps the file's (that of its tensors when they share one, else torch's default dtype).
 
     Raises ValueError naming the file and the field or tensor at fault when the file is not a
     safetensors file (or is truncated), holds no mha configuration, or its configuration and
@@ -78,6 +79,9 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
             state = {name: f.get_tensor(name) for name in header}
     except SafetensorError as e:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    if dtype is None:
+        saved = {code for _, code in header.values()}
+        dtype = _FILE_DTYPES[saved.pop()] if len(saved) == 1 else None
     m = MultiHeadAttention(**cfg, device=device, dtype=dtype)
     m.load_state_dict(state)
     return m
