@@ -361,3 +361,21 @@ def test_io_round_trip_keeps_the_module_dtype(tmp_path, dtype):
     assert {t.dtype for t in back.state_dict().values()} == {dtype}
     _same_state(m.state_dict(), back.state_dict())
     assert mha.io.load(path, dtype=torch.float32).out_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("seq_ids", [torch.tensor(0), 0, None, {0}, (s for s in [0])],
+                         ids=["0-d tensor", "int", "None", "set", "generator"])
+@pytest.mark.parametrize("method", ["extend", "append", "attend", "attend_varlen"])
+def test_paged_seq_ids_of_the_wrong_kind_are_named(seq_ids, method):
+    """A bare id or a 0-d tensor raised Python's "object of type 'int' has no len()" / "len()
+    of a 0-d tensor"; a generator was taken by extend and refused by append; a set (no order
+    to pair with counts or q's rows) was taken."""
+    c, seqs, cu = _prefilled()
+    before = c.state()
+    calls = {"extend": lambda: c.extend(seq_ids, [1]),
+             "append": lambda: c.append(seq_ids, *_rows(1, 3)),
+             "attend": lambda: c.attend(0, torch.randn(1, H, 1, D), seq_ids),
+             "attend_varlen": lambda: c.attend_varlen(0, torch.randn(1, H, D), seq_ids, [0, 1])}
+    with torch.no_grad(), pytest.raises(TypeError, match=r"^seq_ids must be a list .* got"):
+        calls[method]()
+    _same_state(before, c.state())

@@ -75,6 +75,19 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+def _id_list(seq_ids) -> list:
+    """``seq_ids`` as a list: a list, tuple or range of ids, or a 1-D integer tensor (TypeError
+    naming it otherwise; the ids themselves are checked by the cache)."""
+    if isinstance(seq_ids, torch.Tensor) and seq_ids.dim() == 1:
+        return seq_ids.tolist()
+    if isinstance(seq_ids, (list, tuple, range)):
+        return list(seq_ids)
+    got = (f"a {seq_ids.dim()}-d tensor" if isinstance(seq_ids, torch.Tensor)
+           else type(seq_ids).__name__)
+    raise TypeError(f"seq_ids must be a list (or tuple) of sequence ids or a 1-D integer tensor, "
+                    f"one per sequence in order, got {got}")
+
+
 class PagePoolExhausted(RuntimeError):
     """Not enough free pages for a call; the cache is unchanged. ``needed`` / ``free``: pages."""
 
@@ -507,9 +520,7 @@ class PagedKVCache:
         return layer
 
     def _check_ids(self, seq_ids) -> list[int]:
-        if isinstance(seq_ids, torch.Tensor):
-            seq_ids = seq_ids.tolist()
-        seqs = [self._check_seq("seq_ids", s) for s in seq_ids]
+        seqs = [self._check_seq("seq_ids", s) for s in _id_list(seq_ids)]
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"seq_ids must not repeat a sequence, got {seqs}")
         return seqs
@@ -522,7 +533,7 @@ class PagedKVCache:
         return seqs, counts
 
     def _counts(self, seq_ids, cu_seqlens) -> list[int]:
-        n = len(seq_ids)
+        n = len(_id_list(seq_ids))
         if cu_seqlens is None:
             return [1] * n
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
