@@ -379,3 +379,14 @@ def test_paged_seq_ids_of_the_wrong_kind_are_named(seq_ids, method):
     with torch.no_grad(), pytest.raises(TypeError, match=r"^seq_ids must be a list .* got"):
         calls[method]()
     _same_state(before, c.state())
+
+
+# ------------------------------------------------------------------ MultiHeadAttention
+@pytest.mark.parametrize("cu", [torch.tensor([0, 4, 2, 6]), torch.tensor([1, 6]),
+                                torch.tensor([0, 5]), torch.tensor([0, 2**32 + 3, 6])])
+def test_module_names_cu_seqlens_as_the_caller_passed_it(cu):
+    """The module's refusal named varlen_attention's cu_seqlens_q, an argument the caller of
+    module(x, cu_seqlens=...) never saw."""
+    m = mha.MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match=r"^cu_seqlens must start at 0"):
+        m(torch.randn(1, 6, 16), cu_seqlens=cu)

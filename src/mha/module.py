@@ -746,7 +746,8 @@ def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, 
     if cache is not None:
         _check_cache_call(cache, key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
-        _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window)
+        _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window,
+                           cu_seqlens)
         if mask_mod is not None or score_mod is not None:
             raise ValueError("cu_seqlens: mask_mod and score_mod are not supported for packed "
                              "sequences (the offsets define the masking); call without "
@@ -835,7 +836,7 @@ def _at_cache_positions(variants: dict, masks: dict, Tn: int, Tk: int) -> dict:
 
 
 def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache,
-                       window) -> None:
+                       window, cu_seqlens) -> None:
     """With ``cu_seqlens``: one packed row of self-attention, the offsets define the masking."""
     if key is not None or value is not None:
         raise ValueError("cu_seqlens: packed sequences serve self-attention only "
@@ -848,6 +849,8 @@ def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache
     if isinstance(query, torch.Tensor) and query.dim() == 3 and query.shape[0] != 1:
         raise ValueError(f"cu_seqlens: query must be one packed row (1, N, d_model), "
                          f"got {tuple(query.shape)}")
+    if isinstance(query, torch.Tensor) and query.dim() == 3:  # named as the caller passed it
+        check_cu_seqlens("cu_seqlens", cu_seqlens, query.shape[1], query.device)
     if window is not None:
         raise ValueError("window: sliding windows over packed sequences are not "
                          "supported; call without cu_seqlens=")
