@@ -390,3 +390,46 @@ def test_module_names_cu_seqlens_as_the_caller_passed_it(cu):
     m = mha.MultiHeadAttention(16, 4)
     with pytest.raises(ValueError, match=r"^cu_seqlens must start at 0"):
         m(torch.randn(1, 6, 16), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_an_int8_cache_of_a_dtype_the_decode_kernel_lacks_is_attended(dtype):
+    """KVCache(kv_dtype="int8", dtype=float16 / float64) was built, then every attend (and
+    every cached module call) raised the decode kernel's 'q, k, v must be float32 or
+    bfloat16': the dequantized K/V serve those dtypes."""
+    g = torch.Generator().manual_seed(0)
+    c = mha.KVCache(2, H_KV, 8, D, dtype=dtype, kv_dtype="int8")
+    c.append(torch.randn(2, H_KV, 3, D, generator=g).to(dtype),
+             torch.randn(2, H_KV, 3, D, generator=g).to(dtype))
+    q = torch.randn(2, H, 1, D, generator=g).to(dtype)  # (B, h, Tq, d_k)
+    out = c.attend(q)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, mha.attention(q, c.keys(), c.values()))
+    m = mha.MultiHeadAttention(16, 4).to(dtype).eval()
+    x = torch.randn(2, 4, 16, generator=g).to(dtype)  # (B, T, d_model)
+    cache = m.new_cache(2, 8, kv_dtype="int8")
+    with torch.no_grad():
+        steps = torch.cat([m(x[:, :3], cache=cache), m(x[:, 3:], cache=cache)], dim=1)
+        full = m(x, causal=True)
+    torch.testing.assert_close(steps, full, atol=2e-2, rtol=2e-2)
+
+
+def test_a_float16_model_generates_with_an_int8_mha_cache():
+    """transformers' generate with MhaCache(kv_dtype="int8") on a float16 model raised the
+    decode kernel's 'q, k, v must be float32 or bfloat16' at the first decode step."""
+    pytest.importorskip("transformers", reason="transformers not installed")
+    import copy
+
+    import mha.integrations.hf_cache as hc
+    from tiny_llama import PROMPTS, eager_and_mha
+
+    model = copy.deepcopy(eager_and_mha()["mha"]).to(torch.float16)
+    ids, _ = PROMPTS["plain"]
+    runs = {}
+    for kv_dtype in (None, "int8"):
+        cache = hc.MhaCache(model.config, max_cache_len=ids.shape[1] + 4, kv_dtype=kv_dtype)
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=cache, use_cache=True)  # prefill
+            step = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        runs[kv_dtype] = step.logits.float()  # (B, 1, V)
+    torch.testing.assert_close(runs["int8"], runs[None], atol=5e-2, rtol=5e-2)

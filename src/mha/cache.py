@@ -186,12 +186,21 @@ class KVCache:
 
         self._check_attend(q, variants)
         masks = self.masks(q.shape[2])
-        if self.kv_dtype == "int8" and q.shape[2] <= decode.MAX_TQ and not decode.unavailable():
+        if self.reads_int8_in_place(q.shape[2]):
             Tk = self.max_length
             return decode.flash_decode(q, self.k[:, :, :Tk], self.v[:, :, :Tk],
                                        k_scale=self.k_scale[:, :, :Tk],
                                        v_scale=self.v_scale[:, :, :Tk], **masks, **variants)
         return attention(q, self.keys(), self.values(), **masks, **variants)
+
+    def reads_int8_in_place(self, Tq: int) -> bool:
+        """Whether :meth:`attend` of ``Tq`` queries runs the decode kernel on the int8 rows in
+        place: int8 storage, Tq <= 16, a float32 / bfloat16 cache (the kernel's dtypes; a
+        float16 / float64 one attends its dequantized K/V) and the kernel built."""
+        from mha.ops import decode
+
+        return (self.kv_dtype == "int8" and Tq <= decode.MAX_TQ
+                and self.dtype in (torch.float32, torch.bfloat16) and not decode.unavailable())
 
     def positions(self, Tn: int) -> torch.Tensor:
         """``(B, Tn)`` int64: the positions (counted from each row's start) that the next

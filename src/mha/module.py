@@ -801,9 +801,8 @@ def _shifted(q_idx: torch.Tensor, b: torch.Tensor, shifts: tuple[int, ...]) -> t
 def _int8_in_place(cache, Tn: int, dropout_p, want_weights, backend, variants) -> bool:
     """True when an int8 :class:`KVCache` serves this call with its decode kernel: a few
     queries, no weights, dropout, forced backend or index-function variant."""
-    from mha.ops.decode import MAX_TQ
-
-    return (getattr(cache, "kv_dtype", None) == "int8" and Tn <= MAX_TQ and not want_weights
+    reads = getattr(cache, "reads_int8_in_place", None)
+    return (reads is not None and reads(Tn) and not want_weights
             and not dropout_p and backend is None and variants.get("mask_mod") is None
             and variants.get("score_mod") is None)
 

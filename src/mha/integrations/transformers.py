@@ -234,15 +234,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     want_weights = _wants_weights(kwargs)
     out_dtype = query.dtype
     kv = _int8_cache(key, value)
-    if kv is not None and Tq <= _decode().MAX_TQ and not want_weights and not dropout \
-            and _decode().unavailable() is None:
+    if kv is not None and kv.reads_int8_in_place(Tq) and not want_weights and not dropout:
         out = _decode().flash_decode(query, key, value, k_scale=kv.k_scale[:, :, :Tk],
                                      v_scale=kv.v_scale[:, :, :Tk], mask=spec.mask,
                                      causal=spec.causal, key_lengths=spec.key_lengths,
                                      scale=scaling, **variants)  # (B, h, Tq, d_v)
         res = (out, None) if want_weights else out
     else:
-        if kv is not None:  # a prompt (Tq > 16): dequantize the Tk positions it attends
+        if kv is not None:  # a prompt (Tq > 16), or a float16 / float64 cache: dequantize
             key, value = kv.keys()[:, :, :Tk], kv.values()[:, :, :Tk]  # (B, h_kv, Tk, d)
         elif key.dtype != query.dtype and key.dtype.is_floating_point:
             query = query.to(key.dtype)  # K/V stored in their own dtype (bf16 K/V, fp32 model)
