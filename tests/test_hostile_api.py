@@ -433,3 +433,33 @@ def test_a_float16_model_generates_with_an_int8_mha_cache():
             step = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
         runs[kv_dtype] = step.logits.float()  # (B, 1, V)
     torch.testing.assert_close(runs["int8"], runs[None], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_paged_cache_the_kernels_cannot_read_is_refused_when_built(dtype):
+    """PagedKVCache(dtype=float16 / float64) stored its pages in that dtype (kv_dtype=None),
+    then attend raised the decode kernel's 'q, k, v must be float32 or bfloat16' and
+    attend_varlen the paged forward's C++ guard, after the K/V had been written."""
+    with pytest.raises(ValueError, match=rf"kv_dtype=None stores K/V in dtype={dtype}.*"
+                                         r"'float32', 'bfloat16' or 'int8'"):
+        mha.PagedKVCache(8, 4, H_KV, D, max_seqs=2, max_len=16, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_paged_float16_and_float64_queries_read_pages_they_can(dtype, kv_dtype):
+    """int8 pages with float16 / float64 queries raised in attend (the decode kernel takes
+    float32 / bfloat16 queries; it computes in float32 either way)."""
+    c = mha.PagedKVCache(8, 4, H_KV, D, max_seqs=2, max_len=16, dtype=dtype, kv_dtype=kv_dtype)
+    s = c.add_sequence()
+    k, v = _rows(5, 0)
+    with torch.no_grad():
+        c.append([s], k.to(dtype), v.to(dtype), cu_seqlens=[0, 5])
+        q = torch.randn(1, H, 1, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+        out = c.attend(0, q, [s])  # (1, h, 1, d_v)
+        rows = c.attend_varlen(0, q[0].transpose(0, 1), [s], [0, 1])  # (1, h, d_v)
+    kg, vg = c.gather(0, s)  # (1, h_kv, 5, d), dequantized, in dtype
+    ref = mha.attention(q.float(), kg.float(), vg.float())
+    assert out.dtype == dtype and rows.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(rows.float(), ref[:, :, 0], atol=1e-2, rtol=1e-2)

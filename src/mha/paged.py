@@ -99,8 +99,12 @@ class PagePoolExhausted(RuntimeError):
 
 def _check_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
     """None (K/V stored in ``dtype``), "float32"/"fp32", "bfloat16"/"bf16", "int8", or the
-    torch dtype -> the storage dtype."""
+    torch dtype -> the storage dtype (one the paged kernels read)."""
     if kv_dtype is None:
+        if dtype not in STORAGE.values():
+            raise ValueError(f"kv_dtype=None stores K/V in dtype={dtype}, which the paged "
+                             "kernels do not read; pass kv_dtype='float32', 'bfloat16' or "
+                             "'int8' (queries and K/V written stay in dtype)")
         return dtype
     name = _ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else None
     if name in STORAGE:
@@ -383,7 +387,10 @@ class PagedKVCache:
             return torch.cat([self._attend_gathered(layer, q[i:i + 1], s, variants)
                               for i, s in enumerate(seqs)])  # (S', h, Tq, d_v)
         int8 = self.kv_dtype == torch.int8
-        qk = q if int8 or self.kv_dtype == q.dtype else q.to(self.kv_dtype)
+        if int8:  # the kernel computes in float32 and takes float32 / bfloat16 queries
+            qk = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
+        else:
+            qk = q if self.kv_dtype == q.dtype else q.to(self.kv_dtype)
         out = decode.flash_decode(
             qk, self.k[layer], self.v[layer], block_table=self.block_table[idx],
             key_lengths=lengths, causal=q.shape[2] > 1, portable=portable,
