@@ -463,3 +463,43 @@ def test_paged_float16_and_float64_queries_read_pages_they_can(dtype, kv_dtype):
     assert out.dtype == dtype and rows.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(rows.float(), ref[:, :, 0], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("variants", [
+    {"bias": "rows"}, {"bias": "keys"}, {"alibi_slopes": "rows"}, {"alibi_slopes": "heads"},
+    {"sinks": "heads", "softcap": 3.0}], ids=["bias (S', h, 1, M p)", "bias (M p,)",
+                                             "alibi (S', h)", "alibi (h,)", "sinks+softcap"])
+def test_paged_attend_without_the_kernel_takes_the_kernels_variants(monkeypatch, variants):
+    """Where the decode kernel cannot be built, attend runs each sequence on its gathered K/V;
+    a bias broadcast to (S', h, Tq, M * p) or (S', h) ALiBi slopes (what the kernel takes)
+    were handed whole to each sequence's call and refused there."""
+    from mha.ops import decode
+
+    c, seqs, _ = _prefilled((5, 3))
+    S, Mp = len(seqs), c.max_len
+    g = torch.Generator().manual_seed(2)
+    make = {"bias": {"rows": torch.randn(S, H, 1, Mp, generator=g),
+                     "keys": torch.randn(Mp, generator=g)},
+            "alibi_slopes": {"rows": torch.rand(S, H, generator=g),
+                             "heads": torch.rand(H, generator=g)},
+            "sinks": {"heads": torch.randn(H, generator=g)}}
+    kw = {n: make[n][v] if n in make else v for n, v in variants.items()}
+    q = torch.randn(S, H, 1, D, generator=g)  # (S', h, 1, d_k)
+    with torch.no_grad():
+        native = c.attend(0, q, seqs, **kw) if decode.unavailable() is None else None
+        monkeypatch.setattr(decode, "unavailable", lambda: "no compiler (test)")
+        with mha.use_backend("math"):
+            got = c.attend(0, q, seqs, **kw)  # (S', h, 1, d_v)
+    for i, s in enumerate(seqs):
+        k, v = c.gather(0, s)  # (1, h_kv, n, d)
+        n = k.shape[2]
+        row = dict(kw)
+        if "bias" in row:
+            b = row["bias"]
+            row["bias"] = b[i:i + 1, ..., :n] if b.dim() == 4 else b[:n]
+        if "alibi_slopes" in row and row["alibi_slopes"].dim() == 2:
+            row["alibi_slopes"] = row["alibi_slopes"][i]
+        want, _ = mha.reference.attention(q[i:i + 1], k, v, upcast=True, **row)
+        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
+    if native is not None:
+        torch.testing.assert_close(got, native, atol=1e-5, rtol=1e-5)

@@ -88,6 +88,22 @@ def _id_list(seq_ids) -> list:
                     f"one per sequence in order, got {got}")
 
 
+def _row_variants(variants: dict, i: int, n: int) -> dict:
+    """The decode kernel's variants of row ``i`` (a sequence of ``n`` tokens) for a call on
+    that row alone: a bias broadcastable to ``(S', h, Tq, M * p)`` cut to ``(1|., h|1, Tq|1,
+    n|1)``, ``(S', h)`` ALiBi slopes to ``(1, h)``; the others as they are."""
+    out = dict(variants)
+    bias = out.get("bias")
+    if isinstance(bias, torch.Tensor) and 1 <= bias.dim() <= 4:
+        b = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # (S'|1, h|1, Tq|1, Mp|1)
+        b = b[i:i + 1] if b.shape[0] > 1 else b
+        out["bias"] = b[..., :n] if b.shape[-1] > 1 else b  # (1, h|1, Tq|1, n|1)
+    slopes = out.get("alibi_slopes")
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 and slopes.shape[0] > 1:
+        out["alibi_slopes"] = slopes[i:i + 1]  # (S', h) -> (1, h)
+    return out
+
+
 class PagePoolExhausted(RuntimeError):
     """Not enough free pages for a call; the cache is unchanged. ``needed`` / ``free``: pages."""
 
@@ -384,7 +400,8 @@ class PagedKVCache:
             raise ValueError(f"attend: sequences {seqs} hold {lengths.tolist()} tokens, fewer "
                              f"than the Tq={q.shape[2]} queries (write their K/V first)")
         if decode.unavailable():  # no native kernel (its build failed, warned once): gathered
-            return torch.cat([self._attend_gathered(layer, q[i:i + 1], s, variants)
+            return torch.cat([self._attend_gathered(layer, q[i:i + 1], s,
+                                                    _row_variants(variants, i, int(lengths[i])))
                               for i, s in enumerate(seqs)])  # (S', h, Tq, d_v)
         int8 = self.kv_dtype == torch.int8
         if int8:  # the kernel computes in float32 and takes float32 / bfloat16 queries
