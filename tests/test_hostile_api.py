@@ -503,3 +503,19 @@ def test_paged_attend_without_the_kernel_takes_the_kernels_variants(monkeypatch,
         torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
     if native is not None:
         torch.testing.assert_close(got, native, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cu,err", [([0, 2.5], TypeError), (torch.tensor([0.0, 2.0]), TypeError),
+                                    (2, TypeError), ([0, True], TypeError),
+                                    (torch.tensor([[0, 2]]), TypeError)])
+@pytest.mark.parametrize("method", ["write", "attend_varlen"])
+def test_paged_cu_seqlens_of_the_wrong_kind_is_named(cu, err, method):
+    """Float offsets were refused as 'counts must be a non-negative int' (an argument of
+    extend, not of these calls), a bare int as Python's "'int' object is not iterable"."""
+    c, seqs, _ = _prefilled((5, 3))
+    before = c.state()
+    calls = {"write": lambda: c.write(0, seqs[:1], *_rows(2, 4), cu),
+             "attend_varlen": lambda: c.attend_varlen(0, torch.randn(2, H, D), seqs[:1], cu)}
+    with torch.no_grad(), pytest.raises(err, match=r"^cu_seqlens must be"):
+        calls[method]()
+    _same_state(before, c.state())

@@ -560,7 +560,16 @@ class PagedKVCache:
         n = len(_id_list(seq_ids))
         if cu_seqlens is None:
             return [1] * n
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() <= 1:
+            cu = cu_seqlens.reshape(-1).tolist()
+        elif isinstance(cu_seqlens, (list, tuple, range)):
+            cu = list(cu_seqlens)
+        else:
+            got = (f"a {cu_seqlens.dim()}-d tensor" if isinstance(cu_seqlens, torch.Tensor)
+                   else type(cu_seqlens).__name__)
+            raise TypeError(f"cu_seqlens must be (S' + 1,) = ({n + 1},) integer offsets (a list "
+                            f"or a 1-D integer tensor) or None, got {got}")
+        cu = [check_int("cu_seqlens", c, what="(S' + 1,) integer offsets") for c in cu]
         if len(cu) != n + 1 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
             raise ValueError(f"cu_seqlens must be (S' + 1,) = ({n + 1},) non-decreasing offsets "
                              f"from 0, got {cu}")
