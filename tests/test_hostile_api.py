@@ -1,7 +1,8 @@
 """Hostile use of the library API: calls a careless or malicious user makes on the paged and
-dense K/V caches, the module's state dict, ``mha.linear`` and ``mha.distributed``'s layout
-helpers. Each is refused at the boundary with an error naming the argument and leaves every
-piece of state as it was, or gives the answer of the reference it mirrors.
+dense K/V caches (and transformers' cache over them), the module's state dict and packed
+mode, ``mha.linear``, ``mha.distributed``'s layout helpers, ``mha.trace`` and ``mha.io``. Each
+is refused at the boundary with an error naming the argument and leaves every piece of state
+as it was, or gives the answer of the reference it mirrors.
 
 Shape legend: N packed tokens, B batch, h / h_kv query / K/V heads, Tq queries, d head dim,
 p page size, M / K / N a GEMM's rows / inner size / columns.
