@@ -24,6 +24,7 @@ from mha.cli import UsageError, main
 # Placeholders in the table, filled per test from the `places` fixture.
 FILE, DIR, NOJSON, BINARY = "{file}", "{dir}", "{nojson}", "{binary}"
 LIST_JSON, BAD_ROW, BAD_RESULTS, NEW = "{list_json}", "{bad_row}", "{bad_results}", "{new}"
+DANGLING = "{dangling}"  # a symbolic link to a path that does not exist
 
 HUGE = str(10**7)  # B = T = 10^7: (B, h, T, T) weights far beyond any machine's memory
 
@@ -80,6 +81,9 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--markdown", BINARY], 2, ["--markdown must be a UTF-8 text file"]),
     (["bench", "--quick", "--suite", "attention", "--filter", "no-such-case", "--out", ""], 2,
      ["--filter 'no-such-case' matches no case"]),
+    # suites that measure by themselves (were: peaks measured, nothing run, exit 0)
+    (["bench", "--suite", "variants", "--suite", "decode", "--filter", "no-such-case", "--out",
+      ""], 2, ["--filter 'no-such-case' matches no case"]),
     # encode (checked before transformers loads anything)
     (["encode", "--batch-size", "0", "hi"], 2, ["mha encode: --batch-size must be a positive int"]),
     (["encode", "--model", NEW, "hi"], 2, ["--model must be a local model directory"]),
@@ -98,6 +102,18 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),
     (["viz", "hi", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
     (["viz", "hi", "--out", NEW, "--max-tokens", "2"], 2, ["--max-tokens must be at least 3"]),
+    # past the model's positions (were: a traceback from the embeddings or the tokenizer)
+    (["viz", "hi", "--out", NEW, "--max-tokens", "513"], 2,
+     ["mha viz: --max-tokens must be at most 512 (the model's max_position_embeddings)"]),
+    (["viz", "hi", "--out", NEW, "--max-tokens", str(10**20)], 2, ["--max-tokens must be at most"]),
+    # a symbolic link to nothing (was: exit 1 'File exists' after loading the model)
+    (["viz", "hi", "--out", DANGLING], 2, ["--out must be a writable directory",
+                                           "a broken symbolic link to"]),
+    (["viz", "hi", "--out", DANGLING + "/sub"], 2, ["--out must be a writable directory",
+                                                    "is a broken symbolic link"]),
+    (["bench", "--markdown", DANGLING, "--list"], 2, ["--markdown must be a file that can be "
+                                                      "written", "a broken symbolic link"]),
+    (["experiment", "heads", "--tiny", "--out", DANGLING], 2, ["a broken symbolic link"]),
     (["viz", "hi", "--out", NEW, "--max-tokens", "many"], 2, ["--max-tokens must be at least 3"]),
     (["viz", "hi", "--out", NEW, "--trace-layer", "-1"], 2, ["--trace-layer must be an int >= 0"]),
     (["viz", "hi", "--out", NEW, "--trace-layer", "99"], 2, ["--trace-layer must be below"]),
@@ -140,6 +156,15 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
      ["--markdown must be a UTF-8 text file"]),
     (["experiment", "heads", "--d-model", "100000", "--heads", "1", "--out", NEW], 1,
      ["mha experiment heads: out of memory", "d_model=100000"]),
+    # a sweep that would never end (was: trained for ever, one seed after the other)
+    (["experiment", "heads", "--tiny", "--seeds", str(10**9), "--out", NEW], 2,
+     ["mha experiment heads: the sweep would train 240,000,000,000 steps",
+      "2 tasks x 2 head counts x 1000000000 seeds x 60 steps", "at most 1,000,000",
+      "lower --seeds"]),
+    (["experiment", "heads", "--steps", str(10**12), "--heads", "1", "--tasks", "lags",
+      "--seeds", "1", "--out", NEW], 2, ["would train 1,000,000,000,000 steps", "--steps"]),
+    (["experiment", "heads", "--tiny", "--heads", "4", "4", "--out", NEW], 2,
+     ["--heads lists 4 more than once"]),
 ]
 
 
@@ -178,7 +203,9 @@ def places(tmp_path):
     results = tiny_results()
     results["runs"][0]["num_heads"] = "four"
     (tmp_path / "bad_results.json").write_text(json.dumps(results))
-    return {FILE: tmp_path / "file.md", DIR: tmp_path / "dir", NOJSON: tmp_path / "nojson.json",
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    return {DANGLING: tmp_path / "dangling",
+            FILE: tmp_path / "file.md", DIR: tmp_path / "dir", NOJSON: tmp_path / "nojson.json",
             BINARY: tmp_path / "binary.json", LIST_JSON: tmp_path / "list.json",
             BAD_ROW: tmp_path / "bad_row.json", BAD_RESULTS: tmp_path / "bad_results.json",
             NEW: tmp_path / "new"}
@@ -303,6 +330,32 @@ def test_bench_unknown_suite_refused_before_peaks(monkeypatch, capsys):
                          "--out", ""], capsys)
     assert got == 2
     assert_one_line(err, out, ["unknown suite 'nope'; known suites: attention, decode, hf"])
+
+
+def test_bench_in_process_restores_the_thread_count(capsys):
+    """``mha bench --threads 1`` run in-process (``mha.cli.main``) leaves torch's thread count
+    as it found it, also when the run stops on a refusal after setting it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, _, _ = run(["bench", "--threads", "1", "--suite", "variants", "--list"], capsys)
+        assert got == 0 and torch.get_num_threads() == 2
+        got, _, err = run(["bench", "--threads", "1", "--suite", "variants", "--filter",
+                           "no-such-case", "--out", ""], capsys)
+        assert got == 2 and "matches no case" in err and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_experiment_library_refuses_an_endless_sweep():
+    from mha.experiments import heads
+
+    with pytest.raises(ValueError, match=r"would train 120,000,000,000 steps .* at most"):
+        heads.preset("tiny", seeds=10**9, heads=(1,)).validate()
+    with pytest.raises(ValueError, match="heads lists 1 more than once"):
+        heads.preset("tiny", heads=(1, 4, 1)).validate()
 
 
 def test_output_file_left_unchanged_by_a_refusal(tmp_path, capsys, no_work):

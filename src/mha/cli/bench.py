@@ -12,6 +12,7 @@ redoes the outputs from a saved run without measuring.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from mha.cli.options import (
     UsageError,
@@ -170,11 +171,23 @@ def check_forcing() -> None:
             decode.bf16_qk()
 
 
-def _check_filter(args: argparse.Namespace, plan) -> None:
+def _check_filter(args: argparse.Namespace, plan, ctx) -> None:
     """``--filter`` that selects no case at all is a typo, not a run of nothing (only decidable
-    when every suite lists its cases)."""
-    listed = [cs for _, mod, _, cs in plan if mod is not None]
-    if args.filter and listed and all(cs is not None and not cs for cs in listed):
+    when every suite lists its cases: ``cases(ctx)``, or ``all_cases(ctx)`` for a suite that
+    measures by itself; both build cases without measuring)."""
+    if not args.filter:
+        return
+    listed = []
+    for _, mod, _, cs in plan:
+        if mod is None:
+            continue
+        if cs is None and hasattr(mod, "all_cases"):
+            try:
+                cs = [c for c in mod.all_cases(ctx) if ctx.selected(c.name)]
+            except Exception:  # noqa: BLE001 - the suite's run reports it; undecidable here
+                cs = None
+        listed.append(cs)
+    if listed and all(cs is not None and not cs for cs in listed):
         raise UsageError(f"--filter {' '.join(map(repr, args.filter))} matches no case of the "
                          f"chosen suites (mha bench --list shows them)")
 
@@ -192,9 +205,14 @@ def run(args: argparse.Namespace) -> int:
     if saved is not None:
         return _report_saved(saved, args, console)
     check_forcing()  # a forcing that cannot run: refused before any measuring
+    with _threads(args.threads):  # run in-process (mha.cli.main), the caller's count comes back
+        return _run(args, names, console)
+
+
+def _run(args: argparse.Namespace, names: list[str], console) -> int:
     ctx = _context(args)
     plan = _collect(ctx, names, console)
-    _check_filter(args, plan)
+    _check_filter(args, plan, ctx)
     if args.list:
         _print_plan(plan, console)
         return 0
@@ -216,13 +234,23 @@ def _report_saved(run_data: dict, args: argparse.Namespace, console) -> int:
     return 0
 
 
-def _context(args: argparse.Namespace):
-    """The suites' settings from the options (``--quick`` changes the defaults)."""
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch on ``n`` threads inside the block; the thread count before it, after it."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _context(args: argparse.Namespace):
+    """The suites' settings from the options (``--quick`` changes the defaults)."""
     from mha.bench.core import Context
 
-    torch.set_num_threads(args.threads)
     q = args.quick
     return Context(quick=q, filter=tuple(args.filter), impl_filter=tuple(args.impl),
                    repeat=args.repeat or (3 if q else 5),

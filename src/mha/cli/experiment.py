@@ -92,7 +92,14 @@ def check(args: argparse.Namespace):
         where = "--d-model" if args.d_model else f"the {name} preset's d_model"
         raise UsageError(f"--heads must divide {where} ({cfg.d_model}), got "
                          f"{', '.join(map(str, bad))}")
-    cfg.validate()
+    if cfg.total_steps() > heads.MAX_TOTAL_STEPS:  # --seeds 1000000000 would never end
+        raise UsageError(f"the sweep would train {cfg.total_steps():,} steps "
+                         f"({cfg.size_text()}), at most {heads.MAX_TOTAL_STEPS:,}: lower "
+                         f"--seeds, --steps, --heads or --tasks")
+    try:
+        cfg.validate()
+    except ValueError as e:  # what is left: repeated --heads or --tasks
+        raise UsageError(f"--{e}") from None
     # Lower bound: each block's attention projections (4 d_model^2 weights), held with their
     # gradient and AdamW's two moments, in fp32.
     check_fits(4 * 4 * cfg.n_layers * 4 * cfg.d_model ** 2,

@@ -200,21 +200,34 @@ def _writable_dir(path: Path) -> str | None:
 
 
 def _nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists (as anything: file or directory)."""
+    """``path`` or its nearest ancestor that exists (as anything: file, directory, or a
+    symbolic link, also one pointing nowhere)."""
     p = path.absolute()
-    while not p.exists() and p != p.parent:
+    while not p.exists() and not p.is_symlink() and p != p.parent:
         p = p.parent
     return p
 
 
+def _broken_link(path: Path) -> str | None:
+    """What a symbolic link that points nowhere points to (None: ``path`` is not one). Writing
+    through it would fail only after the work, or create its target somewhere else."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken symbolic link to {os.readlink(path)!r}"
+    return None
+
+
 def _dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot be (or become) a directory to write into."""
+    if _broken_link(path):
+        return _broken_link(path)
     if path.exists():
         if not path.is_dir():
             return "a file, not a directory"
         why = _writable_dir(path)
         return None if why is None else f"not writable: {why}"
     base = _nearest_existing(path)
+    if _broken_link(base):
+        return f"{str(base)!r} is {_broken_link(base)}"
     if not base.is_dir():
         return f"{str(base)!r} is a file, not a directory"
     why = _writable_dir(base)
@@ -237,6 +250,9 @@ def output_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"must be a file to write, got {text!r} (a directory)")
+    if _broken_link(path):
+        raise argparse.ArgumentTypeError(f"must be a file that can be written, got {text!r} "
+                                         f"({_broken_link(path)})")
     if path.exists():
         try:
             with open(path, "ab"):  # append mode: opened for writing, nothing changed

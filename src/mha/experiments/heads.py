@@ -24,6 +24,9 @@ from mha.experiments.model import ModelConfig, TinyTransformer, served_by
 from mha.experiments.tasks import IGNORE, make_task
 
 EVAL_SEED = 987_654  # the held-out set is the same for every run
+#: The most training steps one sweep may take (tasks x head counts x seeds x steps): about 26
+#: times the full preset's 37,800, a day or more of CPU time; more is a typo, not a plan.
+MAX_TOTAL_STEPS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,33 @@ class HeadsConfig:
             return tuple(self.heads)
         return tuple(h for h in range(1, self.d_model + 1) if self.d_model % h == 0)
 
+    def total_steps(self) -> int:
+        """Training steps of the whole sweep: every task, head count and seed."""
+        return len(self.tasks) * len(self.head_counts()) * self.seeds * self.steps
+
+    def size_text(self) -> str:
+        """How :meth:`total_steps` is made up, e.g. ``2 tasks x 2 head counts x 1 seeds x 60
+        steps``."""
+        return (f"{len(self.tasks)} tasks x {len(self.head_counts())} head counts x "
+                f"{self.seeds} seeds x {self.steps} steps")
+
     def validate(self) -> HeadsConfig:
         bad = [h for h in self.head_counts() if h <= 0 or self.d_model % h]
         if bad:
             raise ValueError(f"heads must divide d_model={self.d_model} (d_k = d_model / h), "
                              f"got {bad}")
+        repeated = sorted({h for h in self.head_counts() if self.head_counts().count(h) > 1})
+        if repeated:
+            raise ValueError(f"heads lists {', '.join(map(str, repeated))} more than once")
         for name in ("d_model", "n_layers", "seeds", "steps", "batch", "eval_size", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for t in self.tasks:
             make_task(t)  # raises for an unknown name
+        if self.total_steps() > MAX_TOTAL_STEPS:
+            raise ValueError(f"the sweep would train {self.total_steps():,} steps "
+                             f"({self.size_text()}), at most {MAX_TOTAL_STEPS:,}: lower seeds, "
+                             f"steps, heads or tasks")
         return self
 
 

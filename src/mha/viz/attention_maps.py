@@ -69,6 +69,10 @@ def load(model_dir: str | Path | None = None, *, attn_implementation: str = "mha
 def run(tokenizer, model, text: str, *, max_tokens: int = 64, name: str = "") -> AttentionMaps:
     """Run ``model`` on ``text`` and keep every layer's attention weights as returned."""
     _check_text(text)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and max_tokens > positions:
+        raise ValueError(f"max_tokens must be at most {positions} (the model's "
+                         f"max_position_embeddings), got {max_tokens}")
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
     impl = model.config._attn_implementation
     out, weights, backend = _run_with_weights(model, impl, **enc, output_hidden_states=True)
