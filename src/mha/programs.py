@@ -15,7 +15,10 @@ loaded, so :func:`load` loads mha's native ops first.
 refuses, tensors or objects stored as pickles), so a crafted file could run code. :func:`load`
 reads the archive into memory, refuses every entry it does not know to be inert (JSON, raw
 tensor bytes, sample inputs that ``torch.load(weights_only=True)`` reads), and only then hands
-the checked bytes to ``torch.export.load``.
+the checked bytes to ``torch.export.load``. The zip's directory is checked first: a name
+present twice (zipfile reads the last copy, torch's reader the first, ignoring case) or sizes
+it cannot honestly hold (compressed bytes past the file's end, an entry inflating more than
+:data:`MAX_RATIO` times: a zip bomb) refuse the file before any entry is inflated.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import re
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -38,6 +42,15 @@ _OP_LOADERS = {"flash_attention_": ("mha.ops.flash", "unavailable"),
                "linear": ("mha.ops.linear", "load")}
 _OP_NAME = re.compile(r'"torch\.ops\.mha\.([A-Za-z0-9_]+)\.[A-Za-z0-9_]+"')
 _INERT_TOP = ("archive_format", "archive_version", "byteorder", ".data/")
+#: the most an entry may inflate (declared size / compressed size) once above 1 MiB;
+#: torch.export.save stores entries uncompressed (ratio 1), JSON deflates ~5-20x
+MAX_RATIO = 100
+_SMALL = 1 << 20
+#: what a damaged zip raises while an entry is read (a bad CRC, a cut deflate stream, ...)
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
+#: what torch.export.load raises on an archive that passed the checks but cannot be read
+_LOAD_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError,
+                EOFError, zipfile.BadZipFile)
 
 
 def save(program: torch.export.ExportedProgram, path) -> Path:
@@ -65,8 +78,9 @@ def save(program: torch.export.ExportedProgram, path) -> Path:
 
 def load(path) -> torch.export.ExportedProgram:
     """The program saved at ``path`` (by :func:`save` or ``torch.export.save``), with mha's
-    native ops loaded first. Raises ValueError naming the entry for an archive that would make
-    ``torch.export.load`` unpickle anything (nothing of the file is run or unpickled then), and
+    native ops loaded first. Raises ValueError naming the file and the entry for an archive
+    that would make ``torch.export.load`` unpickle anything (nothing of the file is run or
+    unpickled then), whose zip directory is crafted or damaged, or that torch cannot read, and
     RuntimeError when an mha op the program holds cannot be loaded here (its build failed)."""
     path = check_path("path", path)
     if not path.is_file():
@@ -77,9 +91,42 @@ def load(path) -> torch.export.ExportedProgram:
     except zipfile.BadZipFile:
         raise ValueError(f"path: {path} is not a torch.export archive (not a zip file)") from None
     with archive:
-        ops = _check_archive(path, archive)
+        _check_directory(path, archive, len(data))
+        try:
+            ops = _check_archive(path, archive)
+        except _ZIP_ERRORS as e:
+            raise ValueError(f"path: {path} is a damaged zip archive ({e})") from None
     _load_ops(ops)
-    return torch.export.load(io.BytesIO(data))
+    try:
+        return torch.export.load(io.BytesIO(data))
+    except _LOAD_ERRORS as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"path: {path}: torch.export.load cannot read it "
+                         f"({type(e).__name__}: {why})") from e
+
+
+def _check_directory(path: Path, archive: zipfile.ZipFile, size: int) -> None:
+    """The zip's directory, before any entry is inflated: each name once (ignoring case, as
+    torch's reader looks names up), compressed sizes within the file, no entry inflating more
+    than :data:`MAX_RATIO` times."""
+    seen: dict[str, str] = {}
+    compressed = 0
+    for info in archive.infolist():
+        key = info.filename.lower()
+        if key in seen:
+            raise ValueError(f"path: {path} holds {info.filename} more than once (as "
+                             f"{seen[key]}): the checks would read one copy and "
+                             f"torch.export.load another: not loaded")
+        seen[key] = info.filename
+        compressed += info.compress_size
+        if info.file_size > max(_SMALL, MAX_RATIO * info.compress_size):
+            raise ValueError(f"path: {path}: entry {info.filename} declares "
+                             f"{info.file_size:,} bytes from {info.compress_size:,} compressed "
+                             f"(more than {MAX_RATIO}x: a zip bomb?): not loaded")
+    if compressed > size:
+        raise ValueError(f"path: {path}: its entries declare {compressed:,} compressed bytes, "
+                         f"more than the file's {size:,} (a damaged or crafted zip directory): "
+                         f"not loaded")
 
 
 def _check_archive(path: Path, archive: zipfile.ZipFile) -> set[str]:

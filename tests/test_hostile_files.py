@@ -1,0 +1,157 @@
+"""Crafted files against the loaders: ``mha.programs.load`` (torch.export archives).
+
+Each crafted archive is a small exported program rewritten by a zip writer: nothing of it may
+be unpickled or run, nothing may be read past what the zip's directory honestly declares, and
+the refusal is a ValueError naming the file and the entry or field at fault.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import mha
+from mha import programs
+
+_UNPICKLED: list[bool] = []
+
+
+def _mark():
+    _UNPICKLED.append(True)
+    return ((), {})
+
+
+class _Payload:
+    def __reduce__(self):
+        return (_mark, ())
+
+
+EVIL = pickle.dumps(_Payload(), protocol=2)
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = mha.MultiHeadAttention(32, 4)
+
+    def forward(self, x):
+        return self.attn(x)  # (B, T, d_model)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    ep = torch.export.export(_SelfAttention().eval(), (torch.randn(2, 8, 32),))
+    return programs.save(ep, tmp_path_factory.mktemp("program") / "sa.pt2")
+
+
+def _rewrite(src: Path, out: Path, *, first=(), change=None, last=(),
+             compression=zipfile.ZIP_STORED) -> Path:
+    """Copy the archive ``src`` to ``out``: entries ``first`` (relative name, bytes) before
+    its own, each own entry through ``change(rel, data) -> data or None (dropped)``, then
+    ``last``."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(out, "w", compression=compression) as w:
+        root = z.namelist()[0].split("/", 1)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Duplicate name": what the tests build
+            for rel, data in first:
+                w.writestr(f"{root}/{rel}", data)
+            for info in z.infolist():
+                rel = info.filename.split("/", 1)[1]
+                data = z.read(info.filename)
+                data = change(rel, data) if change else data
+                if data is not None:
+                    w.writestr(f"{root}/{rel}", data)
+            for rel, data in last:
+                w.writestr(f"{root}/{rel}", data)
+    return out
+
+
+def _refused(path: Path, *match: str) -> None:
+    _UNPICKLED.clear()
+    with pytest.raises(ValueError) as e:
+        programs.load(path)
+    text = str(e.value)
+    assert str(path) in text, text
+    for m in match:
+        assert m in text, f"{m!r} not in {text!r}"
+    assert _UNPICKLED == [], "a pickle of the file was run"
+
+
+def test_the_untouched_archive_loads(saved, tmp_path):
+    ep = programs.load(_rewrite(saved, tmp_path / "copy.pt2"))
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(ep.module()(x), programs.load(saved).module()(x))
+
+
+@pytest.mark.parametrize("name", ["data/sample_inputs/model.pt", "data/sample_inputs/MODEL.pt"])
+def test_a_second_copy_of_an_entry_is_refused(saved, tmp_path, name):
+    """Was: the checks read the last copy of a name (zipfile) and torch.export.load the first
+    (miniz, case-insensitive), which it unpickled in full: the payload ran."""
+    path = _rewrite(saved, tmp_path / "dup.pt2", first=[(name, EVIL)])
+    _refused(path, "more than once", "sample_inputs/model.pt")
+
+
+def test_a_zip_bomb_is_refused_before_it_is_inflated(saved, tmp_path):
+    """64 MiB of JSON text deflated to ~64 KiB (was: read in full, then torch's error)."""
+    bomb = b'{"a": "' + b" " * (64 << 20) + b'"}'
+    path = _rewrite(saved, tmp_path / "bomb.pt2", last=[("models/other.json", bomb)],
+                    compression=zipfile.ZIP_DEFLATED)
+    del bomb
+    _refused(path, "models/other.json", "declares 67,108,873 bytes", "zip bomb")
+
+
+def _patch_central(path: Path, out: Path, rel: str, *, field: int, value: int) -> Path:
+    """``path`` with the 4-byte ``field`` offset of ``rel``'s central-directory record set
+    to ``value`` (20: compressed size, 24: uncompressed size)."""
+    data = bytearray(path.read_bytes())
+    at = 0
+    while True:
+        at = data.index(b"PK\x01\x02", at)
+        n = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46:at + 46 + n].decode().endswith(rel):
+            struct.pack_into("<I", data, at + field, value)
+            break
+        at += 4
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_declared_sizes_past_the_file_are_refused(saved, tmp_path):
+    path = _patch_central(saved, tmp_path / "big.pt2", "models/model.json", field=24,
+                          value=2**32 - 1)
+    _refused(path, "models/model.json", "declares 4,294,967,295 bytes")
+    path = _patch_central(saved, tmp_path / "long.pt2", "data/weights/weight_0", field=20,
+                          value=2**32 - 1)
+    _refused(path, "compressed bytes", "more than the file's")
+
+
+def test_damaged_entries_name_the_file(saved, tmp_path):
+    data = bytearray(saved.read_bytes())
+    at = data.index(b'"graph_module"')
+    data[at + 2] ^= 0x20  # one byte of models/model.json: its CRC no longer matches
+    (tmp_path / "crc.pt2").write_bytes(bytes(data))
+    _refused(tmp_path / "crc.pt2", "models/model.json", "damaged")
+    path = _rewrite(saved, tmp_path / "json.pt2",
+                    change=lambda rel, d: b"{not json" if rel == "models/model.json" else d)
+    _refused(path, "torch.export.load cannot read it")
+    path = _rewrite(saved, tmp_path / "none.pt2",
+                    change=lambda rel, d: None if rel == "models/model.json" else d)
+    _refused(path, "torch.export.load cannot read it")
+    (tmp_path / "half.pt2").write_bytes(saved.read_bytes()[:saved.stat().st_size // 2])
+    _refused(tmp_path / "half.pt2", "not a zip file")
+
+
+def test_names_that_climb_out_are_read_in_memory_only(saved, tmp_path):
+    """Held: torch.export.load reads entries by name from memory and extracts nothing, so an
+    ``extra/../../`` name writes no file (it is kept as an extra file's name)."""
+    target = tmp_path / "escaped"
+    rel = "extra/" + "../" * 12 + str(target).lstrip("/")
+    programs.load(_rewrite(saved, tmp_path / "climb.pt2", last=[(rel, b"x")]))
+    assert not target.exists()
