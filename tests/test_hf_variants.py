@@ -315,3 +315,24 @@ def test_float_mask_row_with_no_pair_above_half_finfo_min_follows_eager():
     add[0, 0, 1, :] = float("-inf")  # nothing finite: the row attends nothing
     out, w = hf.attention_forward(_Layer(), q, k, v, add, output_attentions=True)
     assert out[0, 1].abs().max() == 0 and w[0, :, 1].abs().max() == 0
+
+
+def test_nan_in_a_float_mask_propagates_like_sdpa():
+    """A NaN in an additive mask makes its row NaN in eager and SDPA (the NaN is added to a
+    score). It was read as a masked pair (NaN > finfo.min / 2 is False) and dropped: a finite
+    row where transformers' own paths give NaN."""
+    q, k, v = _qkv(d=16)
+    add = torch.zeros(2, 1, 5, 6)
+    add[1, 0, 3, 2] = float("nan")
+    want, _ = _eager(q, k, v, add)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=add,
+                                                            enable_gqa=True)
+    assert want[1, 3].isnan().all() and sdpa[1, :, 3].isnan().all()  # (B, Tq, h, d), (B, h, Tq, d)
+    for backend in (None, "flash_cpu", "sdpa", "math"):
+        if backend is None:
+            out, _ = hf.attention_forward(_Layer(), q, k, v, add)
+        else:
+            with mha.use_backend(backend):
+                out, _ = hf.attention_forward(_Layer(), q, k, v, add)
+        assert out[1, 3].isnan().all(), backend
+        torch.testing.assert_close(out[~want.isnan()], want[~want.isnan()])

@@ -401,15 +401,16 @@ def split_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     Bool masks are all keep. A float mask is additive: -inf, or a value at most half of the
     dtype's most negative one (``finfo.min``, what transformers writes, plus any bias),
     masks the pair; 0 keeps it; any other value is a bias added to the score (the bias at
-    masked pairs is never read). A row that keeps no pair but holds finite values is the
-    softmax of the mask alone in eager and SDPA (:func:`attention_forward` gives it that).
+    masked pairs is never read), NaN included, so a NaN in the mask makes its row NaN, as in
+    eager and SDPA. A row that keeps no pair but holds finite values is the softmax of the
+    mask alone in eager and SDPA (:func:`attention_forward` gives it that).
     """
     if mask.dtype == torch.bool:
         return mask, None
     if not mask.is_floating_point():
         raise TypeError(f"attention_mask must be bool (True = may attend) or an additive float "
                         f"mask, got {mask.dtype}")
-    keep = mask > torch.finfo(mask.dtype).min / 2  # -inf and ~finfo.min: masked
+    keep = ~(mask <= torch.finfo(mask.dtype).min / 2)  # -inf and ~finfo.min: masked; NaN kept
     if bool((mask[keep] == 0).all()):
         return keep, None
     return keep, mask
