@@ -155,3 +155,35 @@ def test_names_that_climb_out_are_read_in_memory_only(saved, tmp_path):
     rel = "extra/" + "../" * 12 + str(target).lstrip("/")
     programs.load(_rewrite(saved, tmp_path / "climb.pt2", last=[(rel, b"x")]))
     assert not target.exists()
+
+
+# ----------------------------------------------------------------------------- mha.export.onnx
+@pytest.mark.parametrize("kwargs, err, match", [
+    # were: a file written at opset 23 after onnx's converter printed a traceback (0, -1,
+    # 10^9, True, 1.5), or a bare TypeError from a comparison ("23")
+    (dict(opset=0), ValueError, r"opset must lie in \[23, \d+\] .*got 0"),
+    (dict(opset=-1), ValueError, r"opset must lie in \[23, "),
+    (dict(opset=10**9), ValueError, r"opset must lie in \[23, \d+\].*got 1000000000"),
+    (dict(opset=17), ValueError, r"opset must lie in \[23, .*the Attention operator"),
+    (dict(opset=True), TypeError, "opset must be an int, got bool"),
+    (dict(opset=1.5), TypeError, "opset must be an int, got float"),
+    (dict(opset="23"), TypeError, "opset must be an int, got str"),
+    # were: accepted, the string split into one-letter names or extra names dropped
+    (dict(input_names="x"), TypeError, "input_names must be a list of str, got str"),
+    (dict(input_names=["a", "b", "c"]), ValueError, "input_names: 3 names for 1 input"),
+    (dict(output_names=["y", 2]), TypeError, r"output_names\[1\] must be a non-empty str"),
+    (dict(output_names=["y", "y"]), ValueError, "output_names: 'y' is given twice"),
+    # was: IndexError from inside the exporter
+    (dict(dynamic_shapes=({5: "B"},)), ValueError,
+     r"dynamic_shapes\[0\] names dimension 5 of an input with 3 dimensions"),
+    (dict(dynamic_shapes=({0: "B"}, {0: "B"})), ValueError,
+     "dynamic_shapes: 2 entries for 1 input"),
+])
+def test_onnx_options_are_checked_before_exporting(tmp_path, kwargs, err, match):
+    pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install 'mha[onnx]')")
+    from mha import export
+
+    m = mha.MultiHeadAttention(16, 2).eval()
+    with pytest.raises(err, match=match):
+        export.onnx(m, (torch.randn(1, 3, 16),), tmp_path / "a.onnx", **kwargs)
+    assert list(tmp_path.iterdir()) == []

@@ -117,6 +117,7 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     path = check_path("path", path)
+    _check_options(args, input_names, output_names, dynamic_shapes, opset)
     _check_exportable(model)
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; give the name of the file to write")
@@ -143,6 +144,49 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _max_opset() -> int:
+    import onnx
+
+    return int(onnx.defs.onnx_opset_version())
+
+
+def _check_options(args: tuple, input_names, output_names, dynamic_shapes, opset) -> None:
+    """The exporter's options, checked before tracing: the exporter accepts an opset it then
+    fails to convert to (writing another), splits a str into one-letter names, drops extra
+    names, and fails deep inside on a dimension an input does not have."""
+    if type(opset) is not int:
+        raise TypeError(f"opset must be an int, got {type(opset).__name__}")
+    top = _max_opset()
+    if not OPSET <= opset <= top:
+        raise ValueError(f"opset must lie in [{OPSET}, {top}] (the Attention operator needs "
+                         f"{OPSET}; this onnx knows up to {top}), got {opset}")
+    inputs = len(torch.utils._pytree.tree_leaves(args))
+    for what, names in (("input_names", input_names), ("output_names", output_names)):
+        if names is None:
+            continue
+        if not isinstance(names, (list, tuple)):
+            raise TypeError(f"{what} must be a list of str, got {type(names).__name__}")
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{what}[{i}] must be a non-empty str, got {name!r}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{what}: {twice[0]!r} is given twice")
+        if what == "input_names" and len(names) > inputs:
+            raise ValueError(f"input_names: {len(names)} names for {inputs} input"
+                             f"{'s' if inputs != 1 else ''} (the tensors of args)")
+    if isinstance(dynamic_shapes, (list, tuple)):  # one entry per argument, as in torch.export
+        if len(dynamic_shapes) != len(args):
+            raise ValueError(f"dynamic_shapes: {len(dynamic_shapes)} entries for {len(args)} "
+                             f"input{'s' if len(args) != 1 else ''} (one per element of args)")
+        for i, (spec, arg) in enumerate(zip(dynamic_shapes, args, strict=True)):
+            if isinstance(spec, dict) and isinstance(arg, torch.Tensor):
+                for dim in spec:
+                    if not isinstance(dim, int) or not 0 <= dim < arg.dim():
+                        raise ValueError(f"dynamic_shapes[{i}] names dimension {dim!r} of an "
+                                         f"input with {arg.dim()} dimensions")
 
 
 def _mha_error(e: BaseException) -> Exception | None:
