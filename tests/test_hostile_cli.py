@@ -97,6 +97,9 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["viz", "\udcc3(", "--out", NEW], 2, ["mha viz: text must be UTF-8 text", "byte 0xc3"]),
     (["generate", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text", "byte 0xff"]),
     (["generate", "--raw", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text"]),
+    # was: the model answered an empty chat turn (viz and chat refuse empty text)
+    (["generate", ""], 2, ["mha generate: prompt must be a non-empty string, got ''"]),
+    (["generate", " \n "], 2, ["mha generate: prompt must be a non-empty string"]),
     # viz
     (["viz", "hi"], 2, ["the following arguments are required: --out"]),
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),
@@ -177,6 +180,8 @@ def no_work(monkeypatch):
     """Measuring, training, loading a model or running the demo's module fail the test."""
     import mha.bench.core
     import mha.bench.peaks
+    import mha.cli.chat
+    import mha.cli.generate
     import mha.experiments.heads
     import mha.integrations.minilm
     import mha.viz.attention_maps
@@ -185,6 +190,7 @@ def no_work(monkeypatch):
                          (mha.experiments.heads, "run_sweep"),
                          (mha.experiments.heads, "train_one"),
                          (mha.integrations.minilm, "load_minilm"),
+                         (mha.cli.generate, "load_or_hint"), (mha.cli.chat, "load_or_hint"),
                          (mha.viz.attention_maps, "extract"), (mha.cli.shapes, "record")):
         monkeypatch.setattr(module, name, _work_started)
 
@@ -330,6 +336,19 @@ def test_bench_unknown_suite_refused_before_peaks(monkeypatch, capsys):
                          "--out", ""], capsys)
     assert got == 2
     assert_one_line(err, out, ["unknown suite 'nope'; known suites: attention, decode, hf"])
+
+
+@pytest.mark.parametrize("stdin", [None, "closed"])
+def test_chat_with_stdin_closed_is_one_line(monkeypatch, capsys, no_work, stdin):
+    """``mha chat <&-`` (Python's sys.stdin is None) was an AttributeError traceback after the
+    model had loaded."""
+    if stdin == "closed":
+        stdin = open(os.devnull)
+        stdin.close()
+    monkeypatch.setattr(sys, "stdin", stdin)
+    got, out, err = run(["chat", "--max-new-tokens", "1"], capsys)
+    assert got == 2
+    assert_one_line(err, out, ["mha chat: stdin is closed: mha chat reads one message per line"])
 
 
 def test_bench_in_process_restores_the_thread_count(capsys):

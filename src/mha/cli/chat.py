@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from mha.llm.generation import Chat, check_kv
 
+    if sys.stdin is None or sys.stdin.closed:  # `mha chat <&-`: nothing to read, ever
+        raise UsageError("stdin is closed: mha chat reads one message per line from it "
+                         "(mha generate \"...\" answers a single prompt)")
     try:
         check_kv(args.kv, args.attn)
     except ValueError as e:

@@ -63,6 +63,9 @@ def status(res) -> None:
 def run(args: argparse.Namespace) -> int:
     from mha.llm.generation import chat_ids, check_kv, run_ids
 
+    if not args.raw and not args.prompt.strip():  # as mha chat: an empty turn is no message
+        raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
+                         f"continues any text that has tokens)")
     try:
         check_kv(args.kv, args.attn)
     except ValueError as e:
