@@ -25,6 +25,7 @@ from mha.cli import UsageError, main
 FILE, DIR, NOJSON, BINARY = "{file}", "{dir}", "{nojson}", "{binary}"
 LIST_JSON, BAD_ROW, BAD_RESULTS, NEW = "{list_json}", "{bad_row}", "{bad_results}", "{new}"
 DANGLING = "{dangling}"  # a symbolic link to a path that does not exist
+BUSY = "{busy}"  # an output directory where directories stand at the names commands write
 
 HUGE = str(10**7)  # B = T = 10^7: (B, h, T, T) weights far beyond any machine's memory
 
@@ -117,6 +118,12 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--markdown", DANGLING, "--list"], 2, ["--markdown must be a file that can be "
                                                       "written", "a broken symbolic link"]),
     (["experiment", "heads", "--tiny", "--out", DANGLING], 2, ["a broken symbolic link"]),
+    # a directory where an output file goes (was: exit 1 after the work, the files written
+    # before it replaced)
+    (["viz", "hi", "--out", BUSY], 2, ["mha viz: --out '{busy}': the command writes "
+                                       "attention.html there, which must be a file to write",
+                                       "(a directory)"]),
+    (["experiment", "heads", "--tiny", "--out", BUSY], 2, ["writes curves.png there"]),
     (["viz", "hi", "--out", NEW, "--max-tokens", "many"], 2, ["--max-tokens must be at least 3"]),
     (["viz", "hi", "--out", NEW, "--trace-layer", "-1"], 2, ["--trace-layer must be an int >= 0"]),
     (["viz", "hi", "--out", NEW, "--trace-layer", "99"], 2, ["--trace-layer must be below"]),
@@ -210,7 +217,11 @@ def places(tmp_path):
     results["runs"][0]["num_heads"] = "four"
     (tmp_path / "bad_results.json").write_text(json.dumps(results))
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
-    return {DANGLING: tmp_path / "dangling",
+    for name in ("attention.html", "curves.png"):
+        (tmp_path / "busy" / name).mkdir(parents=True)
+    for name in ("attention_grid.png", "results.json", "table.md"):
+        (tmp_path / "busy" / name).write_text("kept\n")
+    return {DANGLING: tmp_path / "dangling", BUSY: tmp_path / "busy",
             FILE: tmp_path / "file.md", DIR: tmp_path / "dir", NOJSON: tmp_path / "nojson.json",
             BINARY: tmp_path / "binary.json", LIST_JSON: tmp_path / "list.json",
             BAD_ROW: tmp_path / "bad_row.json", BAD_RESULTS: tmp_path / "bad_results.json",

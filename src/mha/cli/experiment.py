@@ -12,6 +12,7 @@ import argparse
 from mha.cli.options import (
     UsageError,
     check_editable_text,
+    check_outputs,
     check_fits,
     json_problem,
     output_dir,
@@ -61,6 +62,7 @@ def check(args: argparse.Namespace):
     from mha.experiments.tasks import TASKS
 
     check_editable_text("--markdown", args.markdown)
+    check_outputs("--out", args.out, ("results.json", "table.md", "heads.png", "curves.png"))
     if args.section is not None and args.markdown is None:
         raise UsageError("--section needs --markdown FILE (the file holding its markers)")
     if args.section is not None:

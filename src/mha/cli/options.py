@@ -5,6 +5,7 @@
   while parsing, with a message naming the option (``--repeat must be a positive int, got 0``).
   They only look (an output path is test-written with a temporary file that is removed): a
   refused command leaves no directory or file behind.
+- :func:`check_outputs`: the files a command writes into its ``--out``, checked up front.
 - :class:`UsageError`: what a subcommand raises for a cross-option check (``--heads must
   divide --d-model``); ``mha.cli.main`` prints it as one line and exits 2, as argparse does.
 - :func:`require`: import an optional dependency up front, or fail with the install hint.
@@ -266,6 +267,18 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"must be a file that can be written, got {text!r} "
                                          f"(its directory: {why})")
     return path
+
+
+def check_outputs(option: str, directory: Path, names) -> None:
+    """The files a command writes into ``directory`` (its ``--out``), each checked like
+    :func:`output_file` before any work: a directory or a broken link standing at one of
+    their names would fail the command after the work, with some files already replaced."""
+    for name in names:
+        try:
+            output_file(str(Path(directory) / name))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"{option} {str(directory)!r}: the command writes {name} there, "
+                             f"which {e}") from None
 
 
 def check_option(option: str, parse, text: str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mha.cli.options import (
     UsageError,
+    check_outputs,
     int_at_least,
     model_dir,
     nonnegative_int,
@@ -55,9 +56,13 @@ def _model(text: str):
     return LLM if text.lower() == LLM else model_dir(text)
 
 
+OUTPUTS = ("attention_grid.png", "head_stats.png", "attention.html")
+
+
 def run(args) -> int:
     if args.text is not None and not args.text.strip():
         raise UsageError(f"text must be a non-empty string, got {args.text!r}")
+    check_outputs("--out", args.out, OUTPUTS)
     if args.model == LLM:
         return _run_llm(args)
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
