@@ -39,7 +39,9 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # demo
     (["demo", "--heads", "7"], 2, ["mha demo: --heads must divide --d-model (512), got 7"]),
     (["demo", "--heads", "0"], 2, ["--heads must be a positive int, got 0"]),
-    (["demo", "--repeat", "0"], 2, ["--repeat must be a positive int, got 0"]),
+    (["demo", "--repeat", "0"], 2, ["--repeat must be an int from 1 to 10,000, got 0"]),
+    (["demo", "--repeat", str(10**9)], 2, [  # was: timed calls for ever
+        "mha demo: --repeat must be an int from 1 to 10,000, got 1000000000"]),
     (["demo", "--batch", "0"], 2, ["--batch must be a positive int, got 0"]),
     (["demo", "--seq", "-1"], 2, ["--seq must be a positive int, got -1"]),
     (["demo", "-B", "abc"], 2, ["--batch must be a positive int, got 'abc'"]),
@@ -168,11 +170,13 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
      ["mha experiment heads: out of memory", "d_model=100000"]),
     # a sweep that would never end (was: trained for ever, one seed after the other)
     (["experiment", "heads", "--tiny", "--seeds", str(10**9), "--out", NEW], 2,
-     ["mha experiment heads: the sweep would train 240,000,000,000 steps",
-      "2 tasks x 2 head counts x 1000000000 seeds x 60 steps", "at most 1,000,000",
+     ["mha experiment heads: the sweep would train 480,000,000,000 layer-steps",
+      "2 tasks x 2 head counts x 1000000000 seeds x 60 steps x 2 layers", "at most 2,000,000",
       "lower --seeds"]),
     (["experiment", "heads", "--steps", str(10**12), "--heads", "1", "--tasks", "lags",
-      "--seeds", "1", "--out", NEW], 2, ["would train 1,000,000,000,000 steps", "--steps"]),
+      "--seeds", "1", "--out", NEW], 2, ["would train 2,000,000,000,000 layer-steps", "--steps"]),
+    (["experiment", "heads", "--tiny", "--layers", "100000", "--out", NEW], 2,
+     ["would train 24,000,000 layer-steps", "x 100000 layers", "--layers"]),
     (["experiment", "heads", "--tiny", "--heads", "4", "4", "--out", NEW], 2,
      ["--heads lists 4 more than once"]),
 ]
@@ -382,7 +386,7 @@ def test_bench_in_process_restores_the_thread_count(capsys):
 def test_experiment_library_refuses_an_endless_sweep():
     from mha.experiments import heads
 
-    with pytest.raises(ValueError, match=r"would train 120,000,000,000 steps .* at most"):
+    with pytest.raises(ValueError, match=r"would train 240,000,000,000 layer-steps .* at most"):
         heads.preset("tiny", seeds=10**9, heads=(1,)).validate()
     with pytest.raises(ValueError, match="heads lists 1 more than once"):
         heads.preset("tiny", heads=(1, 4, 1)).validate()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from mha.cli.options import UsageError, check_fits, positive_int
+from mha.cli.options import UsageError, check_fits, int_between, positive_int
+
+MAX_REPEAT = 10_000  #: timed calls per backend at most (10^9 ran for ever)
 
 
 def add_parser(sub) -> None:
@@ -18,7 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--d-model", type=positive_int, default=512, help="d_model (default 512)")
     p.add_argument("--heads", type=positive_int, default=8,
                    help="h, must divide d_model (default 8)")
-    p.add_argument("--repeat", type=positive_int, default=20, help="timed calls per backend")
+    p.add_argument("--repeat", type=int_between(1, MAX_REPEAT), default=20,
+                   help=f"timed calls per backend (default 20, at most {MAX_REPEAT:,})")
     p.set_defaults(func=run)
 
 

@@ -94,10 +94,10 @@ def check(args: argparse.Namespace):
         where = "--d-model" if args.d_model else f"the {name} preset's d_model"
         raise UsageError(f"--heads must divide {where} ({cfg.d_model}), got "
                          f"{', '.join(map(str, bad))}")
-    if cfg.total_steps() > heads.MAX_TOTAL_STEPS:  # --seeds 1000000000 would never end
-        raise UsageError(f"the sweep would train {cfg.total_steps():,} steps "
-                         f"({cfg.size_text()}), at most {heads.MAX_TOTAL_STEPS:,}: lower "
-                         f"--seeds, --steps, --heads or --tasks")
+    if cfg.layer_steps() > heads.MAX_LAYER_STEPS:  # --seeds 1000000000 would never end
+        raise UsageError(f"the sweep would train {cfg.layer_steps():,} layer-steps "
+                         f"({cfg.size_text()}), at most {heads.MAX_LAYER_STEPS:,}: lower "
+                         f"--seeds, --steps, --layers, --heads or --tasks")
     try:
         cfg.validate()
     except ValueError as e:  # what is left: repeated --heads or --tasks

@@ -96,6 +96,22 @@ def int_at_least(low: int, what: str | None = None):
     return parse
 
 
+def int_between(low: int, high: int):
+    """A ``type=`` for integers from ``low`` to ``high`` (a count that would otherwise run for
+    ever)."""
+    what = f"an int from {low} to {high:,}"
+    at_least = int_at_least(low, what)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    parse.__name__ = f"int_between_{low}_{high}"
+    return parse
+
+
 positive_int = int_at_least(1, "a positive int")
 nonnegative_int = int_at_least(0, "an int >= 0")
 

@@ -24,9 +24,10 @@ from mha.experiments.model import ModelConfig, TinyTransformer, served_by
 from mha.experiments.tasks import IGNORE, make_task
 
 EVAL_SEED = 987_654  # the held-out set is the same for every run
-#: The most training steps one sweep may take (tasks x head counts x seeds x steps): about 26
-#: times the full preset's 37,800, a day or more of CPU time; more is a typo, not a plan.
-MAX_TOTAL_STEPS = 1_000_000
+#: The most work one sweep may take, in layer-steps (tasks x head counts x seeds x steps x
+#: layers): about 26 times the full preset's 75,600, a day or more of CPU time; more is a typo
+#: (--seeds 1000000000, --layers 100000), not a plan.
+MAX_LAYER_STEPS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,17 @@ class HeadsConfig:
             return tuple(self.heads)
         return tuple(h for h in range(1, self.d_model + 1) if self.d_model % h == 0)
 
-    def total_steps(self) -> int:
-        """Training steps of the whole sweep: every task, head count and seed."""
-        return len(self.tasks) * len(self.head_counts()) * self.seeds * self.steps
+    def layer_steps(self) -> int:
+        """The sweep's work: training steps of every task, head count and seed, times the
+        layers each step runs through."""
+        return (len(self.tasks) * len(self.head_counts()) * self.seeds * self.steps
+                * self.n_layers)
 
     def size_text(self) -> str:
-        """How :meth:`total_steps` is made up, e.g. ``2 tasks x 2 head counts x 1 seeds x 60
-        steps``."""
+        """How :meth:`layer_steps` is made up, e.g. ``2 tasks x 2 head counts x 1 seeds x 60
+        steps x 2 layers``."""
         return (f"{len(self.tasks)} tasks x {len(self.head_counts())} head counts x "
-                f"{self.seeds} seeds x {self.steps} steps")
+                f"{self.seeds} seeds x {self.steps} steps x {self.n_layers} layers")
 
     def validate(self) -> HeadsConfig:
         bad = [h for h in self.head_counts() if h <= 0 or self.d_model % h]
@@ -76,10 +79,10 @@ class HeadsConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for t in self.tasks:
             make_task(t)  # raises for an unknown name
-        if self.total_steps() > MAX_TOTAL_STEPS:
-            raise ValueError(f"the sweep would train {self.total_steps():,} steps "
-                             f"({self.size_text()}), at most {MAX_TOTAL_STEPS:,}: lower seeds, "
-                             f"steps, heads or tasks")
+        if self.layer_steps() > MAX_LAYER_STEPS:
+            raise ValueError(f"the sweep would train {self.layer_steps():,} layer-steps "
+                             f"({self.size_text()}), at most {MAX_LAYER_STEPS:,}: lower seeds, "
+                             f"steps, n_layers, heads or tasks")
         return self
 
 
