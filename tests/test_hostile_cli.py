@@ -77,6 +77,10 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--from-json", BINARY], 2, ["--from-json", "not UTF-8"]),
     (["bench", "--from-json", LIST_JSON], 2, ["--from-json", "top level must be an object"]),
     (["bench", "--from-json", BAD_ROW], 2, ["--from-json", "rows[0].seconds"]),
+    # a saved time of 0 was a ZeroDivisionError traceback; NaN / negative were printed as is
+    (["bench", "--from-json", "{row_seconds_0}"], 2, ["rows[0].seconds must be > 0"]),
+    (["bench", "--from-json", "{row_seconds_-1}"], 2, ["rows[0].seconds must be > 0"]),
+    (["bench", "--from-json", "{row_seconds_nan}"], 2, ["rows[0].seconds must be a finite"]),
     (["bench", "--out", FILE], 2, ["--out must be a writable directory", "a file"]),
     (["bench", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
     (["bench", "--markdown", DIR], 2, ["--markdown must be a file to write", "a directory"]),
@@ -217,6 +221,12 @@ def places(tmp_path):
     (tmp_path / "bad_row.json").write_text(json.dumps(
         {"meta": {}, "peaks": {}, "rows": [{"suite": "s", "case": "c", "impl": "i",
                                             "seconds": "fast"}]}))
+    extra = {}
+    for value in ("0", "-1", "nan"):
+        row = {"suite": "s", "case": "c", "impl": "i", "flops": 1e9, "seconds": float(value)}
+        (tmp_path / f"seconds_{value}.json").write_text(json.dumps(
+            {"meta": {}, "peaks": {}, "rows": [row]}))
+        extra[f"{{row_seconds_{value}}}"] = tmp_path / f"seconds_{value}.json"
     results = tiny_results()
     results["runs"][0]["num_heads"] = "four"
     (tmp_path / "bad_results.json").write_text(json.dumps(results))
@@ -225,7 +235,7 @@ def places(tmp_path):
         (tmp_path / "busy" / name).mkdir(parents=True)
     for name in ("attention_grid.png", "results.json", "table.md"):
         (tmp_path / "busy" / name).write_text("kept\n")
-    return {DANGLING: tmp_path / "dangling", BUSY: tmp_path / "busy",
+    return {**extra, DANGLING: tmp_path / "dangling", BUSY: tmp_path / "busy",
             FILE: tmp_path / "file.md", DIR: tmp_path / "dir", NOJSON: tmp_path / "nojson.json",
             BINARY: tmp_path / "binary.json", LIST_JSON: tmp_path / "list.json",
             BAD_ROW: tmp_path / "bad_row.json", BAD_RESULTS: tmp_path / "bad_results.json",

@@ -11,6 +11,7 @@ markdown sections that keep the latest figures of each kind of machine apart.
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from pathlib import Path
 
@@ -135,8 +136,9 @@ def check_run(run) -> None:
         if not cond:
             raise ValueError(f"not a saved mha bench run: {what}, got {_short(repr(got), 40)}")
 
-    def number(x) -> bool:
-        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+    def number(x) -> bool:  # NaN and infinities are no measurement (json reads them)
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)
+                             and math.isfinite(x))
 
     need(isinstance(run, dict), "the top level must be an object", type(run).__name__)
     for key, kind, name in (("meta", dict, "object"), ("peaks", dict, "object"),
@@ -153,7 +155,7 @@ def check_run(run) -> None:
         need(isinstance(p, dict) and set(p) <= {"key", "label", "value", "unit", "how"}
              and {"key", "label", "value"} <= set(p), f"peaks[{key!r}] must be an object with "
              "key, label, value (unit, how)", p)
-        need(number(p["value"]), f"peaks[{key!r}].value must be a number or null", p["value"])
+        need(number(p["value"]), f"peaks[{key!r}].value must be a finite number or null", p["value"])
         need(all(isinstance(p.get(k, ""), str) for k in ("label", "unit", "how")),
              f"peaks[{key!r}]: label, unit and how must be strings", p)
     for i, r in enumerate(run["rows"]):
@@ -165,7 +167,9 @@ def check_run(run) -> None:
         need(r.get("status", "ok") in ("ok", "skipped", "error"),
              f"rows[{i}].status must be ok, skipped or error", r.get("status"))
         for k in _NUMBER_FIELDS:
-            need(number(r.get(k)), f"rows[{i}].{k} must be a number or null", r.get(k))
+            need(number(r.get(k)), f"rows[{i}].{k} must be a finite number or null", r.get(k))
+        need(r.get("seconds") is None or r["seconds"] > 0, f"rows[{i}].seconds must be > 0 "
+             "(a time per call) or null", r.get("seconds"))
         for k in ("reason", "item_unit", "note", "check"):
             need(isinstance(r.get(k, ""), str), f"rows[{i}].{k} must be a string", r.get(k))
         for k in ("baseline", "peak"):
