@@ -376,6 +376,22 @@ def test_chat_with_stdin_closed_is_one_line(monkeypatch, capsys, no_work, stdin)
     assert_one_line(err, out, ["mha chat: stdin is closed: mha chat reads one message per line"])
 
 
+def test_experiment_results_with_a_diverged_run_render(tmp_path, capsys):
+    """A run whose loss is NaN (training diverged) or infinite: the table shows nan where the
+    mean includes it (was: AttributeError from statistics.stdev, after a whole sweep or on
+    --from-results)."""
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'mha[viz]')")
+    results = json.loads((Path(__file__).parents[1] / "docs" / "experiments" /
+                          "results.json").read_text())
+    results["runs"][0]["metrics"]["final_loss"] = float("nan")
+    results["runs"][1]["metrics"]["final_acc"] = float("inf")
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    got, out, err = run(["experiment", "heads", "--from-results", str(tmp_path / "r.json"),
+                         "--out", str(tmp_path / "o")], capsys)
+    assert got == 0, err
+    assert "nan" in (tmp_path / "o" / "table.md").read_text()
+
+
 def test_bench_in_process_restores_the_thread_count(capsys):
     """``mha bench --threads 1`` run in-process (``mha.cli.main``) leaves torch's thread count
     as it found it, also when the run stops on a refusal after setting it."""

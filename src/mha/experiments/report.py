@@ -7,6 +7,7 @@ Shape legend: h heads, d_k = d_model / h head dim.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -111,6 +112,8 @@ def save(results: dict, path: str | Path) -> None:
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
+    if not all(math.isfinite(x) for x in xs):  # a diverged run (NaN loss): shown as nan
+        return sum(xs) / len(xs), (math.nan if len(xs) > 1 else 0.0)  # (statistics raises)
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
