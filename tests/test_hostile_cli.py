@@ -71,6 +71,8 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--suite", "core"], 2, ["--suite", "unknown suite 'core'"]),
     (["bench", "--suite", "../attention"], 2, ["--suite", "unknown suite"]),
     (["bench", "--suite", "attention", "--suite", "nope"], 2, ["unknown suite 'nope'"]),
+    (["bench", "--suite", "decode", "--suite", "decode", "--out", ""], 2,  # was: run twice
+     ["mha bench: --suite 'decode' is given more than once"]),
     (["bench", "--from-json", NEW], 2, ["--from-json must be an existing file"]),
     (["bench", "--from-json", DIR], 2, ["--from-json must be a file", "a directory"]),
     (["bench", "--from-json", NOJSON], 2, ["--from-json", "not valid JSON"]),

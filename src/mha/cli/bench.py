@@ -131,6 +131,9 @@ def check(args: argparse.Namespace) -> tuple[list[str], dict | None]:
             check_suite(name)
         except ValueError as e:
             raise UsageError(f"--suite: {e}") from None
+    twice = sorted({n for n in args.suite or () if args.suite.count(n) > 1})
+    if twice:  # it would run (and record) the suite twice
+        raise UsageError(f"--suite {twice[0]!r} is given more than once")
     if args.out and not args.list:
         check_option("--out", output_dir, args.out)
     check_editable_text("--markdown", args.markdown)
