@@ -130,6 +130,7 @@ void run_forward(const Problem<T>& P) {
     Worker<K, T, Parts> w(P, scratch);
     for (int64_t idx = next.fetch_add(1); idx < int64_t(items.size()); idx = next.fetch_add(1))
       w.run_item(items[idx]);
+    trace_flush(at::get_thread_num());  // benchmark builds only (flash/trace.h)
     scratch.trim();
 #if defined(MHA_FLASH_AMX)
     if constexpr (K::kAmx) K::release();

@@ -2,6 +2,7 @@
 // the online softmax, O = alpha O + P V, the exact pass for hostile inputs, and the output rows.
 #pragma once
 
+#include "flash/trace.h"
 #include "flash/worker.h"
 
 namespace mha_flash {
@@ -53,6 +54,7 @@ void Worker<K, T, Parts>::run_item(const Item& it) {
     if (v_in_place) vp = const_cast<packed_t*>(P.v_row(it.b, it.kh, kbeg));
   if (!vp) vp = sc.v.get(nkeys * dvp);
   if (!P.plan.on()) {
+    const TraceSpan span(it.b * P.hkv + it.kh, -1);  // benchmark builds only (flash/trace.h)
     pack_kv(it.b, it.kh, kbeg, kend, kt, vp);
   } else {  // only the key blocks some query block of the item visits (EMPTY ones: never read)
     for (int64_t jb = kbeg; jb < kend; jb += Nb) {
@@ -67,8 +69,10 @@ void Worker<K, T, Parts>::run_item(const Item& it) {
     }
   }
   for (int64_t hq = h0; hq < h0 + g; ++hq)
-    for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock)
+    for (int64_t i0 = it.i0; i0 < it.i1; i0 += kRowsPerBlock) {
+      const TraceSpan span(it.b * P.h + hq, i0);
       query_block(it.b, hq, i0, std::min(it.i1, i0 + kRowsPerBlock), kbeg, kt, vp);
+    }
 }
 
 template <class K, typename T, class Parts>
