@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import mha
 from mha.distributed import layout
+from mha.models import TinyDecoder
 
 H, H_KV, D = 4, 2, 8
 
@@ -520,3 +521,21 @@ def test_paged_cu_seqlens_of_the_wrong_kind_is_named(cu, err, method):
     with torch.no_grad(), pytest.raises(err, match=r"^cu_seqlens must be"):
         calls[method]()
     _same_state(before, c.state())
+
+
+# A device this torch cannot use: named at the boundary (torch's own error for "cuda:7" on a
+# CPU build is an AssertionError from deep inside the first allocation).
+_NO_SUCH_DEVICES = ["banana"] + ([] if torch.cuda.device_count() > 7 else ["cuda:7"])
+
+
+@pytest.mark.parametrize("device", _NO_SUCH_DEVICES)
+def test_a_device_torch_cannot_use_is_named(tmp_path, device):
+    with pytest.raises(ValueError, match=r"^device: .* is not a device this torch can use"):
+        mha.MultiHeadAttention(16, 4, device=device)
+    with pytest.raises(ValueError, match=r"^device: .* is not a device this torch can use"):
+        TinyDecoder(32, 16, 1, 4, device=device)
+    path = tmp_path / "m.safetensors"
+    mha.io.save(mha.MultiHeadAttention(16, 4), path)
+    with pytest.raises(ValueError, match=r"^device: .* is not a device this torch can use"):
+        mha.io.load(path, device=device)
+    assert mha.io.load(path, device="cpu").out_proj.weight.device.type == "cpu"

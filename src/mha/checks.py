@@ -270,6 +270,21 @@ def check_scalar(name: str, value, *, low: float, high: float | None = None,
     return value
 
 
+def check_device(name: str, device) -> torch.device | None:
+    """None (the default device) or a device this build of torch can place tensors on (the
+    meta device included); refused naming the argument, before any state is built."""
+    if device is None:
+        return None
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        # e.g. "cuda:7" on a CPU build: torch raises AssertionError("Torch not compiled with
+        # CUDA enabled") from deep inside the first allocation
+        raise ValueError(f"{name}: {device!r} is not a device this torch can use "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         ) from None
+
+
 def check_float_dtype(name: str, dtype) -> torch.dtype | None:
     """None (the default dtype) or one of the floating dtypes attention computes in."""
     if dtype is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mha.checks import check_float_dtype, check_path
+from mha.checks import check_device, check_float_dtype, check_path
 from mha.module import MultiHeadAttention
 
 _CONFIG_KEY = "mha.MultiHeadAttention"
@@ -67,6 +67,7 @@ def load(path: str | Path, *, device=None, dtype=None) -> MultiHeadAttention:
     from safetensors import SafetensorError, safe_open
 
     dtype = check_float_dtype("dtype", dtype)
+    device = check_device("device", device)
     path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"{path}: is a directory, not a safetensors file")

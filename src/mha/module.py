@@ -34,6 +34,7 @@ from mha.checks import (
     check_bias,
     check_bool,
     check_cu_seqlens,
+    check_device,
     check_float_dtype,
     check_int,
     check_same,
@@ -177,6 +178,7 @@ class MultiHeadAttention(nn.Module):
         sinks, alibi = check_bool("sinks", sinks), check_bool("alibi", alibi)
         rope = as_rotary(rope, head_dim)
         dtype = check_float_dtype("dtype", dtype)
+        device = check_device("device", device)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim, self.v_head_dim, self.kdim, self.vdim = head_dim, v_head_dim, kdim, vdim
         self.dropout = dropout

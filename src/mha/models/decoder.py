@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mha.cache import ConcatKVCache, KVCache
+from mha.checks import check_device, check_float_dtype
 from mha.module import MultiHeadAttention
 
 CACHE_KINDS = ("mha", "concat", None)
@@ -59,7 +60,8 @@ class TinyDecoder(nn.Module):
                           ("max_len", max_len), ("mlp_ratio", mlp_ratio)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(device=check_device("device", device),
+                  dtype=check_float_dtype("dtype", dtype))
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
