@@ -12,8 +12,8 @@ import argparse
 from mha.cli.options import (
     UsageError,
     check_editable_text,
-    check_outputs,
     check_fits,
+    check_outputs,
     json_problem,
     output_dir,
     output_file,
