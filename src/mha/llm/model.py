@@ -171,10 +171,14 @@ class Loaded:
     dtype: torch.dtype
     attn: str
     weights: str = "fp32"  #: the projections' weights: fp32 (as loaded) or packed bf16 / int8
+    #: "transformers" (its LlamaForCausalLM, attention ``attn``) or "mha" (mha.models.Llama)
+    impl: str = "transformers"
 
     @property
     def context(self) -> int:
         """The model's context length (``max_position_embeddings``)."""
+        if self.impl == "mha":
+            return int(self.model.settings.max_position_embeddings)
         return int(self.model.config.max_position_embeddings)
 
 

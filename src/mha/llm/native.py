@@ -1,0 +1,89 @@
+"""SmolLM2-135M-Instruct on mha's own modules: :class:`mha.models.Llama` (RMSNorm, SwiGLU,
+:class:`mha.MultiHeadAttention` with :class:`mha.rope.Rotary`, one :class:`mha.KVCache` per
+layer) reads the converted directory of :func:`mha.llm.model.convert` (safetensors +
+config.json); transformers only provides the tokenizer. ``mha generate --impl mha``.
+
+Shape legend: P prompt tokens, N new tokens.
+
+:func:`load_native` keeps the loaded model per process and dtype; :func:`run_native` decodes
+greedily and times the prefill (up to the first new token) and the decode (the rest), as
+:func:`mha.llm.generation.run_ids` does for the transformers path, so the two print the same
+status line.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from mha.checks import check_int
+from mha.llm.generation import Result, _streamer, check_fits
+from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
+
+KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
+
+
+def load_native(dtype="fp32") -> Loaded:
+    """SmolLM2-135M-Instruct as :class:`mha.models.Llama` in ``dtype`` (fp32 or bf16), eval
+    mode, kept for the rest of the process (``Loaded.impl == "mha"``)."""
+    require_extra()
+    return _load_native(check_dtype(dtype))
+
+
+@functools.cache
+def _load_native(dtype: torch.dtype) -> Loaded:
+    from mha.models.llama import Llama
+
+    path = convert()
+    model = Llama.from_pretrained(path, dtype=dtype)
+    return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn="mha",
+                  impl="mha")
+
+
+def check_native_kv(kv, dtype: torch.dtype) -> str | None:
+    """``kv`` for the native model: None / the model's own dtype, or ``"int8"``."""
+    own = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    if kv is None or kv == own:
+        return None
+    if kv not in KV:
+        raise ValueError(f"kv={kv!r} is not served by impl='mha' in {own}: its caches store "
+                         f"K/V in the model's dtype ({own}) or int8")
+    return kv
+
+
+def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
+               on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
+               kv: str | None = None) -> Result:
+    """Greedy-decode up to ``max_new_tokens`` after ``ids (1, P)`` with the native model (its
+    caches of capacity ``P + N``), stopping at the tokenizer's end-of-turn token unless
+    ``stop_at_eos=False``."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+    kv = check_native_kv(kv, loaded.dtype)
+    P = ids.shape[1]
+    check_fits(P, max_new_tokens, loaded.context)
+    tok = loaded.tokenizer
+    marks: list[float] = []
+    streamer = _streamer(tok, on_text, marks)
+    streamer.put(ids)  # the prompt first (skipped), as transformers' generate does
+
+    def step(token: torch.Tensor) -> None:  # (1,)
+        streamer.put(token)
+
+    eos = tok.eos_token_id if stop_at_eos else None
+    t0 = time.perf_counter()
+    out = loaded.model.generate(ids, max_new_tokens, eos_token_id=eos, kv_dtype=kv,
+                                on_token=step)  # (1, P + N)
+    t1 = time.perf_counter()
+    streamer.end()
+    new = out[0, P:].tolist()
+    first = marks[1] if len(marks) > 1 else t1  # marks[0]: the prompt handed to the streamer
+    return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
+                  new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
+                  attn="mha", dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
+                  kv=kv, impl="mha")
+
+
+__all__ = ["KV", "check_native_kv", "load_native", "run_native"]
