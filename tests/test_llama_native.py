@@ -56,6 +56,8 @@ def test_logits_equal_transformers(rope, tie):
     assert got.shape == (3, 11, V)
     assert (got - want).abs().max().item() <= 1e-4
     assert (m.lm_head.weight is m.embed_tokens.weight) == tie
+    with torch.no_grad():
+        assert torch.allclose(m(ids, last=True), got[:, -1:], atol=1e-6)  # (B, 1, V)
 
 
 def test_llama3_scaling_is_applied():

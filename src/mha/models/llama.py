@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha.cache import KVCache
-from mha.checks import check_int
+from mha.checks import check_bool, check_int
 from mha.module import MultiHeadAttention
 from mha.rope import Rotary
 
@@ -301,10 +301,13 @@ class Llama(nn.Module):
         return [layer.self_attn.new_cache(batch_size, max_len, kv_dtype)
                 for layer in self.layers]
 
-    def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        """``ids (B, T)`` -> logits ``(B, T, V)``. Without ``caches``: one causal pass over
-        positions ``0 .. T-1``. With ``caches`` (:meth:`new_caches`): the tokens are appended
-        after what each layer's cache holds (in place) and take their RoPE positions from it
+    def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None, *,
+                last: bool = False) -> torch.Tensor:
+        """``ids (B, T)`` -> logits ``(B, T, V)`` (``last=True``: only the last position's,
+        ``(B, 1, V)``, sparing the LM head's ``T - 1`` other rows, as transformers'
+        ``logits_to_keep=1``). Without ``caches``: one causal pass over positions
+        ``0 .. T-1``. With ``caches`` (:meth:`new_caches`): the tokens are appended after what
+        each layer's cache holds (in place) and take their RoPE positions from it
         (:meth:`mha.KVCache.positions`: left padding declared with ``mark_left_padding`` is
         not counted)."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (
@@ -315,10 +318,13 @@ class Llama(nn.Module):
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got "
                              f"{len(caches)}")
+        last = check_bool("last", last)
         x = self.embed_tokens(ids)  # (B, T) -> (B, T, d_model)
         for i, layer in enumerate(self.layers):
             x = layer(x, None if caches is None else caches[i])  # (B, T, d_model)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        if last:
+            x = x[:, -1:]  # (B, T, d_model) -> (B, 1, d_model)
+        return self.lm_head(self.norm(x))  # (B, T | 1, V)
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *,
@@ -347,7 +353,7 @@ class Llama(nn.Module):
                 cache.mark_left_padding(pads.to(cache.device))
         pad = eos_token_id if pad_token_id is None else pad_token_id
         done = torch.zeros(B, dtype=torch.bool, device=ids.device)  # (B,)
-        logits = self(ids, caches)[:, -1]  # (B, P, V) -> (B, V)
+        logits = self(ids, caches, last=True)[:, -1]  # (B, 1, V) -> (B, V)
         new = []
         for step in range(max_new_tokens):
             token = logits.argmax(-1)  # (B,)
@@ -359,7 +365,7 @@ class Llama(nn.Module):
                 on_token(token)
             if step + 1 == max_new_tokens or bool(done.all()):
                 break
-            logits = self(token[:, None], caches)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+            logits = self(token[:, None], caches, last=True)[:, -1]  # (B, 1) -> (B, V)
         return torch.cat([ids, torch.stack(new, dim=1)], dim=1)  # (B, P) + (B, N) -> (B, P + N)
 
 

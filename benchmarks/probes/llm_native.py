@@ -1,0 +1,111 @@
+"""Developer probe: SmolLM2-135M on mha's own model (``mha.models.Llama``, ``--impl mha``)
+against transformers' LlamaForCausalLM with mha's attention (``attn mha``, MhaCache), fp32,
+projections' weights fp32 in both (as loaded), in one process.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src \\
+        python benchmarks/probes/llm_native.py [--prompt 128] [--new 32] [--rounds 7] \\
+        [--threads 1 2] [--rope-cost]
+
+Per thread count, each round runs both models (their order alternating) on the same prompt:
+a prefill of ``--prompt`` random tokens into a fresh cache (last position's logits only), then
+``--new`` greedy one-token steps. Prints the medians over rounds of prefill tok/s and decode
+tok/s, and their ratios (mha / transformers). With 1 thread the clock is the thread's CPU time
+(``time.thread_time``: a busy machine's descheduling stays out); with more, wall time.
+``--rope-cost`` adds a third run: the native model with every layer's ``rope`` set to None
+(wrong logits, the same work otherwise), whose difference is what RoPE costs inside
+``MultiHeadAttention`` (positions from the cache, angles and the rotation, once per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from mha.integrations.hf_cache import MhaCache
+from mha.llm.model import load
+from mha.llm.native import load_native
+
+
+def _hf(model, ids, new: int, clock):
+    P = ids.shape[1]
+    cache = MhaCache(model.config, max_cache_len=P + new)
+    t0 = clock()
+    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    t1 = clock()
+    for _ in range(new):
+        token = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits  # (1, 1, V)
+    return t1 - t0, clock() - t1
+
+
+def _native(model, ids, new: int, clock, rope: bool = True):
+    ropes = [layer.self_attn.rope for layer in model.layers]
+    if not rope:
+        for layer in model.layers:
+            layer.self_attn.rope = None
+    try:
+        return _native_run(model, ids, new, clock)
+    finally:
+        for layer, r in zip(model.layers, ropes, strict=True):
+            layer.self_attn.rope = r
+
+
+def _native_run(model, ids, new: int, clock):
+    caches = model.new_caches(1, ids.shape[1] + new)
+    t0 = clock()
+    logits = model(ids, caches, last=True)  # (1, 1, V)
+    t1 = clock()
+    for _ in range(new):
+        token = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        logits = model(token, caches, last=True)  # (1, 1, V)
+    return t1 - t0, clock() - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rope-cost", action="store_true",
+                    help="also time the native model without RoPE (its cost; wrong logits)")
+    args = ap.parse_args()
+    hf = load("fp32", "mha").model
+    native = load_native("fp32").model
+    ids = torch.randint(100, 49152, (1, args.prompt),
+                        generator=torch.Generator().manual_seed(0))  # (1, P)
+    runs = {"transformers (attn mha)": lambda c: _hf(hf, ids, args.new, c),
+            "mha.models.Llama": lambda c: _native(native, ids, args.new, c)}
+    if args.rope_cost:
+        runs["mha.models.Llama, no rope"] = lambda c: _native(native, ids, args.new, c, False)
+    print(f"SmolLM2-135M fp32, prompt {args.prompt}, {args.new} new tokens, {args.rounds} "
+          f"rounds, load average {os.getloadavg()[0]:.1f} at start")
+    with torch.inference_mode():
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            clock = time.thread_time if threads == 1 else time.perf_counter
+            for fn in runs.values():
+                fn(clock)  # warm-up
+            times = {name: ([], []) for name in runs}
+            for r in range(args.rounds):
+                order = list(runs) if r % 2 == 0 else list(reversed(runs))
+                for name in order:
+                    pre, dec = runs[name](clock)
+                    times[name][0].append(pre)
+                    times[name][1].append(dec)
+            rates = {name: (args.prompt / statistics.median(p), args.new / statistics.median(d))
+                     for name, (p, d) in times.items()}
+            print(f"\n{threads} thread(s), {'thread CPU time' if threads == 1 else 'wall time'}"
+                  f" (load average {os.getloadavg()[0]:.1f})")
+            for name, (pre, dec) in rates.items():
+                print(f"  {name:26s} prefill {pre:8.1f} tok/s   decode {dec:6.1f} tok/s")
+            (hp, hd), (mp, md) = list(rates.values())[:2]
+            print(f"  {'mha / transformers':26s} prefill {mp / hp:8.2f}x      decode {md / hd:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
