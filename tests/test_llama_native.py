@@ -155,6 +155,19 @@ def test_config_fields_mha_cannot_serve_are_refused_by_name(change, match):
         llama_settings(config)
 
 
+def test_config_spellings_agree():
+    """transformers v5's ``rope_parameters`` and v4's ``rope_theta`` + ``rope_scaling`` (as in
+    older config.json files) give the same settings; a config object and its dict too."""
+    config = _config(LLAMA3)
+    v4 = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    v4.update(rope_theta=500.0, rope_scaling=dict(LLAMA3))
+    s = llama_settings(config)
+    assert llama_settings(v4) == s == llama_settings(config.to_dict())
+    assert s.rope_theta == 500.0 and s.rope_scaling["rope_type"] == "llama3"
+    assert (s.num_heads, s.num_kv_heads, s.head_dim) == (4, 2, 16)
+    assert Llama.from_config(v4).layers[0].self_attn.rope == s.rotary()
+
+
 def test_from_pretrained_reads_safetensors(tmp_path):
     hf, _ = _pair(LLAMA3, tie=True)
     hf.save_pretrained(tmp_path)  # config.json + model.safetensors (tied lm_head not saved)
