@@ -139,6 +139,13 @@ def test_bad_state_dict_is_refused_and_nothing_changes():
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\].*q_proj.bias.*up_proj"):
         m.load_hf_state_dict(sd)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    sd = dict(hf.state_dict())
+    del sd["model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['layers.1.self_attn.in_proj.weight'\], "
+                       r"unexpected \['layers.1.self_attn.k_proj.weight', "
+                       r"'layers.1.self_attn.q_proj.weight'\]"):
+        m.load_hf_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 
 @pytest.mark.parametrize("change, match", [

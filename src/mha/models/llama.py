@@ -271,8 +271,13 @@ class Llama(nn.Module):
         ours = {}
         for i in range(self.settings.num_layers):
             a = f"layers.{i}.self_attn."
-            parts = [state.pop(a + f"{n}_proj.weight", None) for n in "qkv"]
-            if all(p is not None for p in parts):
+            names = [a + f"{n}_proj.weight" for n in "qkv"]
+            if all(n in state for n in names):  # else left as they are: reported below
+                parts = [state.pop(n) for n in names]  # (h d_k | h_kv d_k, d_model) each
+                if len({p.shape[1:] for p in parts}) > 1:
+                    raise ValueError(f"state: {', '.join(names)} must share their input width "
+                                     f"(d_model), got {[tuple(p.shape) for p in parts]} "
+                                     f"(nothing was loaded)")
                 ours[a + "in_proj.weight"] = torch.cat(parts)  # (h d_k + 2 h_kv d_k, d_model)
             if a + "o_proj.weight" in state:
                 ours[a + "out_proj.weight"] = state.pop(a + "o_proj.weight")
