@@ -97,9 +97,6 @@ def _load_native(dtype: str):
     from mha.llm.model import ModelNotInstalled
     from mha.llm.native import load_native
 
-    if not args.raw and not args.prompt.strip():  # as mha chat: an empty turn is no message
-        raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
-                         f"continues any text that has tokens)")
     try:
         return load_native(dtype)
     except ModelNotInstalled as e:
@@ -110,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from mha.llm.generation import chat_ids, check_kv, run_ids
     from mha.llm.native import run_native
 
+    if not args.raw and not args.prompt.strip():  # as mha chat: an empty turn is no message
+        raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
+                         f"continues any text that has tokens)")
     native = args.impl == "mha"
     if native:
         _check_native(args)
