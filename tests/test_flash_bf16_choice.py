@@ -13,6 +13,7 @@ subprocess each, with a private cache file of the choice (the built kernels are 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -127,14 +128,33 @@ def test_missing_or_corrupt_file_is_measured_again(cache_file, monkeypatch, cont
     {"choice": "avx512f", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": [1, 8, 512, 64]},
     {"choice": "avx512bf16", "avx512bf16_s": 0.0, "avx512f_s": 2.0, "shape": [1, 8, 512, 64]},
     {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": [1, 8]},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0,
+     "shape": [math.inf, 8, 512, 64]},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0,
+     "shape": [math.nan, 8, 512, 64]},
 ])
 def test_an_insane_record_is_measured_again(cache_file, monkeypatch, record):
     """A record whose choice contradicts its times (hand-edited), or whose times or shape are
-    not sane, is measured again and replaced."""
+    not sane (an infinite or NaN size included), is measured again and replaced."""
     cache_file.write_text(json.dumps({"format": 1, "machines": {
         linear_choice.machine_key(KERNEL): {flash_choice.NAME: record}}}))
     asked = inject(monkeypatch, 3.0, 1.0)
     assert flash_choice.choose(KERNEL).choice == "avx512f" and len(asked) == 1
+
+
+@pytest.mark.parametrize("conditions", [{"load": 1.0, "cpus": math.inf},
+                                        {"load": 1.0, "cpus": math.nan},
+                                        {"load": 1.0, "cpus": "two"}])
+def test_insane_conditions_keep_the_records_choice(cache_file, monkeypatch, conditions):
+    """A record with sane times but conditions that are not (an infinite CPU count): its choice
+    is read, without the conditions; nothing is measured."""
+    record = {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0,
+              "shape": list(flash_choice.SHAPE), **conditions}
+    cache_file.write_text(json.dumps({"format": 1, "machines": {
+        linear_choice.machine_key(KERNEL): {flash_choice.NAME: record}}}))
+    asked = inject(monkeypatch, 3.0, 1.0)
+    got = flash_choice.choose(KERNEL)
+    assert (got.choice, got.conditions, asked) == ("avx512bf16", None, [])
 
 
 def test_remeasure_replaces_the_record(cache_file, monkeypatch):
@@ -241,7 +261,10 @@ _CHILD = textwrap.dedent("""
              for kn in ("avx512bf16", "avx512f")}
     res["forward"] = [kn for kn, o in named.items() if torch.equal(o, out)]
     res["explain"] = str(mha.explain(q, k, v))
-    if flash.load_backward() is None:
+    missing = flash.load_backward()
+    if missing is not None:
+        res["backward_missing"] = missing
+    else:
         res["backward_math"] = torch.ops.mha.flash_attention_bwd_bf16_math()
         lse64 = lse.double()
         grads = torch.ops.mha.flash_attention_bwd_fused(dout, None, q, k, v, out, lse64, None,
@@ -288,9 +311,9 @@ def test_the_process_runs_the_measured_kernel(tmp_path, want):
     res = _run_child(tmp_path, want)
     assert res["kernels"]["bfloat16"] == want
     assert res["forward"] == [want]  # bitwise the measured kernel's result, not the other's
-    if "backward" in res:
-        math = {"avx512bf16": "bf16", "avx512f": "fp32"}[want]
-        assert res["backward_math"] == math and res["backward"] == [math]
+    assert "backward" in res, f"the fused backward did not load: {res['backward_missing']}"
+    products = {"avx512bf16": "bf16", "avx512f": "fp32"}[want]
+    assert res["backward_math"] == products and res["backward"] == [products]
     rates = ("avx512bf16 1 ms, avx512f 1.6 ms" if want == "avx512bf16"
              else "avx512bf16 2 ms, avx512f 1 ms")
     first = ("avx512bf16 (vdpbf16ps): measured 1.60x faster than avx512f"
@@ -312,6 +335,56 @@ def test_mha_flash_bf16_still_overrides(tmp_path):
     res = _run_child(tmp_path, "avx512bf16", {"MHA_FLASH_BF16": "avx512f"})
     assert res["kernels"]["bfloat16"] == "avx512f" and res["forward"] == ["avx512f"]
     assert res["said"] == "avx512f: forced by MHA_FLASH_BF16=avx512f"
-    if "backward" in res:
-        assert res["backward_math"] == "fp32" and res["backward"] == ["fp32"]
+    assert "backward" in res, f"the fused backward did not load: {res['backward_missing']}"
+    assert res["backward_math"] == "fp32" and res["backward"] == ["fp32"]
     assert "measured" not in res["explain"]
+
+
+# ----------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("error", [RuntimeError("the op failed"), OverflowError("int(inf)"),
+                                   ValueError("bad record")])
+def test_a_failed_measurement_widens_and_says_why(tmp_path, monkeypatch, error):
+    """A measurement (or a cache record) that raises does not reach the caller: the choice says
+    "not measured" with the error's type and first line, and bf16 is widened to fp32."""
+    from mha.ops import flash
+
+    reason = flash.unavailable()  # loaded (and handed its choice) before anything is replaced
+    if reason is not None:
+        pytest.skip(f"the flash kernel is not available: {reason}")
+    flags = cpu_flags()
+    if not {"avx512f", "avx512_bf16"} <= flags or {"amx_tile", "amx_bf16"} <= flags:
+        pytest.skip("nothing is measured on this CPU (no avx512_bf16, or AMX)")
+    monkeypatch.delenv("MHA_FLASH_BF16", raising=False)
+    monkeypatch.setattr(flash_choice, "path", lambda: tmp_path / flash_choice.FILE)
+    monkeypatch.setattr(flash_choice, "_memo", {})
+
+    def failing(shape):
+        raise error
+
+    monkeypatch.setattr(flash_choice, "measure", failing)
+    flash.bf16_choice.cache_clear()
+    try:
+        said = flash.bf16_choice()
+    finally:
+        flash.bf16_choice.cache_clear()  # the next caller reads the real choice
+    assert said == (f"not measured ({type(error).__name__}: {error}): bf16 is widened to "
+                    "fp32")
+
+
+def test_measure_restores_the_thread_count_when_the_op_raises(monkeypatch):
+    """The measurement runs on one thread; an op that raises leaves the caller's count as it
+    was."""
+    import torch
+
+    def failing(*args):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(torch.ops.mha, "_flash_attention_fwd_kernel", failing, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="the kernel failed"):
+            flash_choice.measure((1, 1, 8, 8))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -186,7 +186,7 @@ def _entry(data: dict, machine: str) -> Measured | None:
     try:
         bf16_s, f32_s = float(e["avx512bf16_s"]), float(e["avx512f_s"])
         shape = tuple(int(n) for n in e["shape"])
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
         return None
     if not (0 < bf16_s < math.inf and 0 < f32_s < math.inf) or len(shape) != 4 \
             or e.get("choice") != Measured.of(bf16_s, f32_s, shape, "").choice:

@@ -214,7 +214,7 @@ class Conditions:
             load, cpus = float(e["load"]), int(e["cpus"])
             sp = e.get("speedups")
             speedups = None if sp is None else (float(sp[0]), float(sp[1]))
-        except (TypeError, KeyError, ValueError, IndexError):
+        except (TypeError, KeyError, ValueError, IndexError, OverflowError):  # int(inf)
             return None
         if speedups is not None and not (0 < speedups[0] <= speedups[1] < math.inf):
             speedups = None
@@ -429,7 +429,7 @@ def _entry(data: dict, machine: str, name: str, bf16: bool, tiles: bool) -> Meas
     try:
         native_s, torch_s = float(e["native_s"]), float(e["torch_s"])
         shape = tuple(int(n) for n in e["shape"])
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
         return None
     if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or len(shape) != 3 \
             or e.get("choice") != Measured.of(native_s, torch_s, shape, "").choice:
