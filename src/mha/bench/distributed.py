@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from mha.threads import num_threads
+
 STRATEGIES = ("context", "ring", "ulysses")
 LINKS = {"25 GB/s": (5e-6, 25e9), "100 GB/s": (5e-6, 100e9)}  # (α seconds, β bytes/s)
 PRED_RANKS = (8, 32, 128, 512, 1024)
@@ -247,9 +249,7 @@ def _kernel_rate(quick: bool) -> dict:
     import mha
 
     T = 256 if quick else 2048
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with num_threads(1):
         q, k, v = (torch.randn(1, H, T, HD, requires_grad=True) for _ in range(3))
         rates = {}
         for backward in (False, True):
@@ -262,8 +262,6 @@ def _kernel_rate(quick: bool) -> dict:
                 times.append(time.perf_counter() - t0)
             rates["fwd+bwd" if backward else "fwd"] = attention_flops(T, backward=backward) / min(times)
         return rates
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run(ranks=(2,), quick: bool = False) -> dict:

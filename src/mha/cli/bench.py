@@ -12,7 +12,6 @@ redoes the outputs from a saved run without measuring.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 from mha.cli.options import (
     UsageError,
@@ -202,13 +201,15 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from mha.threads import num_threads
+
     names, saved = check(args)
     # Piped output (make bench | tee, CI logs): wide enough for the tables.
     console = Console() if sys.stdout.isatty() else Console(width=170)
     if saved is not None:
         return _report_saved(saved, args, console)
     check_forcing()  # a forcing that cannot run: refused before any measuring
-    with _threads(args.threads):  # run in-process (mha.cli.main), the caller's count comes back
+    with num_threads(args.threads):  # run in-process (mha.cli.main), the caller's count comes back
         return _run(args, names, console)
 
 
@@ -235,19 +236,6 @@ def _report_saved(run_data: dict, args: argparse.Namespace, console) -> int:
     report.print_tables(report.rows_from_run(run_data), peaks, console)
     _write_outputs(run_data, args, console, save=False)
     return 0
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """torch on ``n`` threads inside the block; the thread count before it, after it."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _context(args: argparse.Namespace):

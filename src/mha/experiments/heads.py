@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from mha.experiments.model import ModelConfig, TinyTransformer, served_by
 from mha.experiments.tasks import IGNORE, make_task
+from mha.threads import num_threads
 
 EVAL_SEED = 987_654  # the held-out set is the same for every run
 #: The most work one sweep may take, in layer-steps (tasks x head counts x seeds x steps x
@@ -196,12 +197,8 @@ def run_sweep(cfg: HeadsConfig, *, progress=None, log=None) -> dict:
     results)`` is called after each run with the results so far (e.g. to save them). The runs use
     ``cfg.threads`` torch threads; the caller's thread count is restored afterwards."""
     cfg.validate()
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with num_threads(cfg.threads):
         return _sweep(cfg, progress, log)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _sweep(cfg: HeadsConfig, progress, log) -> dict:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from mha.ops import build, linear_choice
+from mha.threads import num_threads
 
 FILE = "mha_flash-choice.json"
 SHAPE = (1, 8, 512, 64)  # (B, h, T, d) timed: ~2 ms a call on one Zen 5 core
@@ -120,14 +121,10 @@ def measure(shape: tuple[int, int, int, int]) -> tuple:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, h, T, d, generator=g).bfloat16() for _ in range(3))  # (B, h, T, d)
     op = torch.ops.mha._flash_attention_fwd_kernel
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core's rate, on this thread's CPU clock (see the docstring)
-    try:
+    with num_threads(1):  # one core's rate, on this thread's CPU clock (see the docstring)
         return linear_choice._fastest(
             tuple((lambda kn=kn: op(q, k, v, None, None, False, d ** -0.5, kn))
                   for kn in KERNELS), clock=time.thread_time, batch_s=BATCH_S)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def path():

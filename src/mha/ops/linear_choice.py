@@ -78,7 +78,6 @@ from mha.ops import build, forcing
 
 FORMAT = 1
 FILE = "mha_linear-choice.json"
-LOCK = "mha_linear-choice.lock"
 BUDGET = 1 << 30  # multiply-adds of one measured call, at most (M lowered to fit) ...
 MIN_ROWS = 512  # ... but never below 512 rows (M = 64 misjudged M = 4096 by 2x: packing W)
 ROUNDS = 5  # batches of each GEMM, alternating; the fastest counts
