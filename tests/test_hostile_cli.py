@@ -603,3 +603,28 @@ def test_minilm_stays_offline_without_changing_the_environment():
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split("\n")[-2] == "[] False 0", res.stdout
+
+
+def test_experiment_config_errors_name_the_option(monkeypatch, tmp_path):
+    """Each refusal of HeadsConfig.validate reaches the CLI naming the option that sets the
+    field at fault (--layers for n_layers, --d-model for d_model), whatever the message's
+    wording."""
+    import argparse
+
+    from mha.cli import experiment
+    from mha.cli.options import UsageError
+    from mha.experiments import heads
+
+    args = argparse.Namespace(out=tmp_path / "out", from_results=None, section=None,
+                              markdown=None, tasks=None,
+                              tiny=True, quick=False, seeds=None, steps=None, d_model=None,
+                              layers=None, heads=None)
+    for field, option in [("n_layers", "--layers"), ("d_model", "--d-model"),
+                          ("heads", "--heads"), ("seeds", "--seeds")]:
+        def refuse(self, field=field):
+            raise heads.ConfigError(field, "is refused for the test")
+
+        monkeypatch.setattr(heads.HeadsConfig, "validate", refuse)
+        with pytest.raises(UsageError) as e:
+            experiment.check(args)
+        assert str(e.value) == f"{option} is refused for the test"

@@ -24,6 +24,9 @@ from mha.cli.options import (
 
 # The options that shape a training run (refused with --from-results, which trains nothing).
 TRAINING = ("quick", "tiny", "seeds", "steps", "d_model", "layers", "heads", "tasks")
+# HeadsConfig's fields -> the options that set them (the other fields come from the preset)
+_OPTIONS = {"seeds": "--seeds", "steps": "--steps", "d_model": "--d-model", "n_layers": "--layers",
+            "heads": "--heads", "tasks": "--tasks"}
 
 
 def add_parser(sub) -> None:
@@ -94,14 +97,15 @@ def check(args: argparse.Namespace):
         where = "--d-model" if args.d_model else f"the {name} preset's d_model"
         raise UsageError(f"--heads must divide {where} ({cfg.d_model}), got "
                          f"{', '.join(map(str, bad))}")
-    if cfg.layer_steps() > heads.MAX_LAYER_STEPS:  # --seeds 1000000000 would never end
-        raise UsageError(f"the sweep would train {cfg.layer_steps():,} layer-steps "
-                         f"({cfg.size_text()}), at most {heads.MAX_LAYER_STEPS:,}: lower "
-                         f"--seeds, --steps, --layers, --heads or --tasks")
     try:
         cfg.validate()
-    except ValueError as e:  # what is left: repeated --heads or --tasks
-        raise UsageError(f"--{e}") from None
+    except heads.ConfigError as e:
+        if e.field == "layer_steps":  # --seeds 1000000000 would never end
+            raise UsageError(f"the sweep would train {cfg.layer_steps():,} layer-steps "
+                             f"({cfg.size_text()}), at most {heads.MAX_LAYER_STEPS:,}: lower "
+                             f"--seeds, --steps, --layers, --heads or --tasks") from None
+        option = _OPTIONS.get(e.field)
+        raise UsageError(f"{option} {e.rest}" if option else f"the {name} preset's {e}") from None
     # Lower bound: each block's attention projections (4 d_model^2 weights), held with their
     # gradient and AdamW's two moments, in fp32.
     check_fits(4 * 4 * cfg.n_layers * 4 * cfg.d_model ** 2,

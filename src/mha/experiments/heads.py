@@ -26,9 +26,20 @@ from mha.threads import num_threads
 
 EVAL_SEED = 987_654  # the held-out set is the same for every run
 #: The most work one sweep may take, in layer-steps (tasks x head counts x seeds x steps x
-#: layers): about 26 times the full preset's 75,600, a day or more of CPU time; more is a typo
-#: (--seeds 1000000000, --layers 100000), not a plan.
+#: layers): about 26 times the full preset's 75,600 (3 tasks x 7 head counts x 3 seeds x 600
+#: steps x 2 layers); more is a typo (--seeds 1000000000, --layers 100000), not a plan.
 MAX_LAYER_STEPS = 2_000_000
+
+
+class ConfigError(ValueError):
+    """A :class:`HeadsConfig` refused by :meth:`HeadsConfig.validate`: ``field`` names the
+    setting at fault (``"layer_steps"`` when the sweep as a whole is too large) and the message
+    is ``f"{subject} {rest}"`` (``subject`` the field unless given), so a caller can name the
+    setting in its own spelling (an option) before ``rest``."""
+
+    def __init__(self, field: str, rest: str, subject: str | None = None):
+        super().__init__(f"{subject or field} {rest}")
+        self.field, self.rest = field, rest
 
 
 @dataclass(frozen=True)
@@ -68,22 +79,26 @@ class HeadsConfig:
                 f"{self.seeds} seeds x {self.steps} steps x {self.n_layers} layers")
 
     def validate(self) -> HeadsConfig:
+        """Raises :class:`ConfigError` naming the field at fault; returns ``self``."""
         bad = [h for h in self.head_counts() if h <= 0 or self.d_model % h]
         if bad:
-            raise ValueError(f"heads must divide d_model={self.d_model} (d_k = d_model / h), "
-                             f"got {bad}")
+            raise ConfigError("heads", f"must divide d_model={self.d_model} (d_k = d_model / h), "
+                                       f"got {bad}")
         repeated = sorted({h for h in self.head_counts() if self.head_counts().count(h) > 1})
         if repeated:
-            raise ValueError(f"heads lists {', '.join(map(str, repeated))} more than once")
+            raise ConfigError("heads", f"lists {', '.join(map(str, repeated))} more than once")
         for name in ("d_model", "n_layers", "seeds", "steps", "batch", "eval_size", "threads"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
         for t in self.tasks:
-            make_task(t)  # raises for an unknown name
+            try:
+                make_task(t)
+            except ValueError as e:
+                raise ConfigError("tasks", f"names an unknown task: {e}") from None
         if self.layer_steps() > MAX_LAYER_STEPS:
-            raise ValueError(f"the sweep would train {self.layer_steps():,} layer-steps "
-                             f"({self.size_text()}), at most {MAX_LAYER_STEPS:,}: lower seeds, "
-                             f"steps, n_layers, heads or tasks")
+            raise ConfigError("layer_steps", f"would train {self.layer_steps():,} layer-steps "
+                              f"({self.size_text()}), at most {MAX_LAYER_STEPS:,}: lower seeds, "
+                              "steps, n_layers, heads or tasks", subject="the sweep")
         return self
 
 
