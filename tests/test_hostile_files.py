@@ -107,6 +107,16 @@ def test_a_zip_bomb_is_refused_before_it_is_inflated(saved, tmp_path):
     _refused(path, "models/other.json", "declares 67,108,873 bytes", "zip bomb")
 
 
+def test_many_entries_inflating_too_much_in_all_are_refused(saved, tmp_path):
+    """64 entries of 1 MiB each (each within the per-entry bound) deflated to ~1 KiB: the
+    archive's declared total against its own size refuses it before any entry is inflated."""
+    filler = b" " * (1 << 20)
+    path = _rewrite(saved, tmp_path / "bombs.pt2", compression=zipfile.ZIP_DEFLATED,
+                    last=[(f"extra/filler_{i}", filler) for i in range(64)])
+    assert path.stat().st_size * programs.MAX_RATIO < 64 << 20
+    _refused(path, "declare", "bytes in all", "zip bomb")
+
+
 def _patch_central(path: Path, out: Path, rel: str, *, field: int, value: int) -> Path:
     """``path`` with the 4-byte ``field`` offset of ``rel``'s central-directory record set
     to ``value`` (20: compressed size, 24: uncompressed size)."""

@@ -17,8 +17,9 @@ reads the archive into memory, refuses every entry it does not know to be inert 
 tensor bytes, sample inputs that ``torch.load(weights_only=True)`` reads), and only then hands
 the checked bytes to ``torch.export.load``. The zip's directory is checked first: a name
 present twice (zipfile reads the last copy, torch's reader the first, ignoring case) or sizes
-it cannot honestly hold (compressed bytes past the file's end, an entry inflating more than
-:data:`MAX_RATIO` times: a zip bomb) refuse the file before any entry is inflated.
+it cannot honestly hold (compressed bytes past the file's end, an entry or all entries
+together inflating more than :data:`MAX_RATIO` times the file: a zip bomb) refuse the file
+before any entry is inflated.
 """
 
 from __future__ import annotations
@@ -107,10 +108,10 @@ def load(path) -> torch.export.ExportedProgram:
 
 def _check_directory(path: Path, archive: zipfile.ZipFile, size: int) -> None:
     """The zip's directory, before any entry is inflated: each name once (ignoring case, as
-    torch's reader looks names up), compressed sizes within the file, no entry inflating more
-    than :data:`MAX_RATIO` times."""
+    torch's reader looks names up), compressed sizes within the file, no entry and not the
+    entries together inflating more than :data:`MAX_RATIO` times."""
     seen: dict[str, str] = {}
-    compressed = 0
+    compressed = inflated = 0
     for info in archive.infolist():
         key = info.filename.lower()
         if key in seen:
@@ -119,6 +120,7 @@ def _check_directory(path: Path, archive: zipfile.ZipFile, size: int) -> None:
                              f"torch.export.load another: not loaded")
         seen[key] = info.filename
         compressed += info.compress_size
+        inflated += info.file_size
         if info.file_size > max(_SMALL, MAX_RATIO * info.compress_size):
             raise ValueError(f"path: {path}: entry {info.filename} declares "
                              f"{info.file_size:,} bytes from {info.compress_size:,} compressed "
@@ -127,6 +129,10 @@ def _check_directory(path: Path, archive: zipfile.ZipFile, size: int) -> None:
         raise ValueError(f"path: {path}: its entries declare {compressed:,} compressed bytes, "
                          f"more than the file's {size:,} (a damaged or crafted zip directory): "
                          f"not loaded")
+    if inflated > max(_SMALL, MAX_RATIO * size):  # many entries, each within its own bound
+        raise ValueError(f"path: {path}: its entries declare {inflated:,} bytes in all from "
+                         f"the file's {size:,} (more than {MAX_RATIO}x: a zip bomb?): not "
+                         f"loaded")
 
 
 def _check_archive(path: Path, archive: zipfile.ZipFile) -> set[str]:
