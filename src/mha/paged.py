@@ -561,7 +561,7 @@ class PagedKVCache:
         if cu_seqlens is None:
             return [1] * n
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() <= 1:
-            cu = cu_seqlens.reshape(-1).tolist()
+            cu = cu_seqlens.reshape(-1).tolist()  # (S'+1,) or () -> (S'+1,) or (1,)
         elif isinstance(cu_seqlens, (list, tuple, range)):
             cu = list(cu_seqlens)
         else:
