@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -42,7 +43,15 @@ def test_build_names_every_extension_and_the_tiles(capsys):
         assert name in out
     picked = mha.ops.flash.kernels()
     assert f"float32 -> {picked['float32']}, bfloat16 -> {picked['bfloat16']}" in out
-    assert f"  bfloat16 choice: {mha.ops.flash.bf16_said()}\n" in out  # measured: the two rates
+    assert f"  bfloat16 choice: {mha.ops.flash.bf16_said()}\n" in out
+    (said,) = [ln.removeprefix("  bfloat16 choice: ") for ln in out.splitlines()
+               if ln.startswith("  bfloat16 choice: ")]
+    how = re.search(r"forced by MHA_FLASH_BF16=\S|not measured \(\w+|nothing to measure"
+                    r"|: measured \d|measured only \d", said)
+    assert how, said  # measured, forced, not measured (and why), or nothing to choose
+    if "measured" in how.group() and "not measured" not in how.group():  # the two rates
+        assert re.search(r"avx512bf16 \S+ ms, avx512f \S+ ms a forward of "
+                         r"\(B=\d+, h=\d+, T=\d+, d=\d+\) on ", said), said
     from mha.cli.build import BACKWARD_WORDS
 
     math = torch.ops.mha.flash_attention_bwd_bf16_math()
