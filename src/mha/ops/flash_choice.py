@@ -4,9 +4,10 @@ tiles), decided by a measurement made once per CPU model and cached beside the b
 
 Shape legend: B batch, h heads, T length (Tq = Tk), d head dim.
 
-No rule names a vendor: ``vdpbf16ps`` runs at twice the fp32 FMA rate on the AMD EPYC (Zen 5)
-and at half the fp32 FMA FLOP rate on Intel cores without AMX, and other CPUs may differ again.
-So the first load of the flash kernel on a machine times both kernels and keeps the faster.
+No rule names a vendor: which kernel is faster depends on the CPU's ``vdpbf16ps`` rate against
+its fp32 FMA rate (on ``epyc-avx512``, AMD Zen 5, twice the FLOPs: the peaks ``mha bench``
+measures, docs/kernel.md), and other CPUs differ. So the first load of the flash kernel on a
+machine times both kernels and keeps the faster.
 Nothing is measured where there is nothing to choose (:func:`mha.ops.flash.bf16_choice` says
 why): AMX tiles run first where the build has them and the OS grants the tile state; a build
 without the ``vdpbf16ps`` kernel (a CPU without AVX512_BF16) widens to fp32; and
@@ -20,9 +21,12 @@ fastest of ``linear_choice.ROUNDS`` batches of about ``BATCH_S`` each
 (:func:`mha.ops.linear_choice._fastest`). On one thread and its CPU clock
 (``time.thread_time``): what differs between the kernels is the core's arithmetic, and a
 machine shared with other work stretches wall-clock times of a parallel call by its slowest
-thread (two threads at load 3.4 timed both kernels equal, 8.0 ms, where one thread's CPU
-clock gives 1.6x). The process's torch thread count is 1 while it runs (~0.1 s, once per
-machine and kernel build; later processes read the file) and restored after.
+thread. On ``epyc-avx512`` at load 2.9, ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
+python benchmarks/probes/bf16_choice.py --cases 1,8,512,64,dense --rounds 7`` with
+``--threads 2`` (wall clock) timed both kernels equal (12.0 ms, 1.00x, twice), where
+``--threads 1`` (that thread's CPU clock) gives 1.88x (1.50 / 2.82 ms). The process's torch
+thread count is 1 while it runs (~0.1 s, once per machine and kernel build; later processes
+read the file) and restored after (:func:`mha.threads.num_threads`).
 ``avx512bf16`` is chosen only when at least ``MARGIN`` times faster: within the noise the
 widened kernel keeps the call (its P V products take P in fp32, not rounded to bf16). The
 fused backward follows the choice (``vdpbf16ps`` products for ``avx512bf16``, fp32 for
