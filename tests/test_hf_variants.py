@@ -319,8 +319,8 @@ def test_float_mask_row_with_no_pair_above_half_finfo_min_follows_eager():
 
 def test_nan_in_a_float_mask_propagates_like_sdpa():
     """A NaN in an additive mask makes its row NaN in eager and SDPA (the NaN is added to a
-    score). It was read as a masked pair (NaN > finfo.min / 2 is False) and dropped: a finite
-    row where transformers' own paths give NaN."""
+    score), and in mha's path too: the NaN is not taken for a masked pair (NaN > finfo.min / 2
+    is False), which would drop it and give a finite row."""
     q, k, v = _qkv(d=16)
     add = torch.zeros(2, 1, 5, 6)
     add[1, 0, 3, 2] = float("nan")

@@ -195,8 +195,8 @@ def test_kv_cache_attend_refuses_more_queries_than_cached_tokens(kv_dtype):
     ("mask", torch.ones(1, dtype=torch.bool)), ("window", 2)])
 @pytest.mark.parametrize("Tq", [1, 2])
 def test_kv_cache_attend_refuses_the_masks_it_sets_itself(name, value, Tq):
-    """Passing causal with Tq > 1 raised Python's 'got multiple values for keyword argument';
-    key_lengths with Tq = 1 silently replaced the cache's own row lengths."""
+    """causal, key_lengths, mask and window are the cache's own: passing one is a TypeError
+    naming it, for any Tq (key_lengths with Tq = 1 would replace the cache's row lengths)."""
     c = _kv_cache()
     with pytest.raises(TypeError, match=rf"KVCache.attend: {name} is set by the cache"):
         c.attend(torch.randn(2, H, Tq, D), **{name: value})
@@ -236,8 +236,8 @@ def _prefilled(lengths=(5, 3)):
     ((8, H, D), {"scale": -1.0}, ValueError, r"scale must"),
 ])
 def test_attend_varlen_checks_q_and_its_variants_at_the_boundary(q_shape, variants, err, words):
-    """The paged flash forward's C++ guards were the only check (RuntimeError 'flash_attention_
-    paged: ...'); a NaN or negative scale was attended where mha.attention refuses it."""
+    """attend_varlen checks q and its variants itself, as mha.attention does (errors naming
+    the argument, the cache unchanged): a NaN or negative scale is refused, not attended."""
     c, seqs, cu = _prefilled()
     before = c.state()
     with torch.no_grad(), pytest.raises(err, match=words):
@@ -246,8 +246,7 @@ def test_attend_varlen_checks_q_and_its_variants_at_the_boundary(q_shape, varian
 
 
 def test_attend_varlen_takes_sinks_as_mha_attention_does():
-    """bfloat16 or strided sinks (mha.attention takes them) were refused by the kernel as not
-    'a contiguous float32 (h,)'."""
+    """bfloat16 or strided sinks, which mha.attention takes, are taken here too."""
     c, seqs, cu = _prefilled()
     q = torch.randn(8, H, D, generator=torch.Generator().manual_seed(5))  # (N, h, d_k)
     sinks = torch.randn(2 * H, generator=torch.Generator().manual_seed(6))[::2]  # (h,) strided
@@ -280,9 +279,9 @@ def test_paged_attend_names_q_when_its_heads_do_not_fit_the_pages(q_shape, words
 @pytest.mark.parametrize("bias_shape", [(1, 256), (), (1,), (64, 256)])
 def test_linear_takes_every_bias_f_linear_takes_on_either_gemm(monkeypatch, side, dtype,
                                                                 bias_shape):
-    """linear is F.linear on whichever GEMM was measured faster: a broadcastable bias that
-    F.linear adds was refused by the native tiles alone (RuntimeError 'mha linear: bias must
-    be (N,)'), so whether a call ran depended on the measured choice."""
+    """linear is F.linear on whichever GEMM was measured faster: every bias F.linear adds
+    (broadcastable to the output) is taken on either side, so whether a call runs does not
+    depend on the measured choice."""
     from mha.linear import linear
     from mha.ops import linear_choice
 
@@ -323,8 +322,8 @@ X = torch.arange(2 * 8.0).view(1, 2, 8, 1)  # (B, h, T, d)
     (lambda: layout.visible_pairs(8, 8, 0), ValueError, r"world must be a positive int, got 0"),
 ])
 def test_layout_helpers_name_the_bad_argument(call, err, words):
-    """shard(world=0) raised ZeroDivisionError, rank >= world torch's narrow error, a dim past
-    x's IndexError from inside mha, T < 0 the 'multiple of' message of a valid length."""
+    """Each helper names the bad argument: world = 0, rank >= world, a dim x lacks, T < 0 or
+    not an int."""
     with pytest.raises(err, match=words):
         call()
 
@@ -344,9 +343,8 @@ def test_layout_shards_are_a_partition_of_the_rows(lay):
      r"^trace: .*packed sequences \(cu_seqlens\) return none"),
 ])
 def test_trace_names_the_keyword_it_cannot_take(kwargs, err, words):
-    """need_weights raised Python's 'got multiple values for keyword argument' with the whole
-    module's repr as the function name; cu_seqlens the module's 'need_weights is not supported
-    for packed sequences', a keyword the caller never passed."""
+    """trace refuses the keywords it cannot take, naming them as the caller passed them:
+    need_weights (trace sets it) and cu_seqlens (packed sequences return no weights)."""
     m = mha.MultiHeadAttention(16, 4)
     with pytest.raises(err, match=words):
         mha.trace(m, torch.randn(1, 6, 16), **kwargs)
@@ -370,9 +368,9 @@ def test_io_round_trip_keeps_the_module_dtype(tmp_path, dtype):
                          ids=["0-d tensor", "int", "None", "set", "generator"])
 @pytest.mark.parametrize("method", ["extend", "append", "attend", "attend_varlen"])
 def test_paged_seq_ids_of_the_wrong_kind_are_named(seq_ids, method):
-    """A bare id or a 0-d tensor raised Python's "object of type 'int' has no len()" / "len()
-    of a 0-d tensor"; a generator was taken by extend and refused by append; a set (no order
-    to pair with counts or q's rows) was taken."""
+    """seq_ids must be a list (or tuple, 1-D tensor) of ids: a bare id, a 0-d tensor, None, a
+    set (no order to pair with counts or q's rows) and a generator are refused by every call
+    with a TypeError naming seq_ids, the cache unchanged."""
     c, seqs, cu = _prefilled()
     before = c.state()
     calls = {"extend": lambda: c.extend(seq_ids, [1]),
@@ -388,8 +386,8 @@ def test_paged_seq_ids_of_the_wrong_kind_are_named(seq_ids, method):
 @pytest.mark.parametrize("cu", [torch.tensor([0, 4, 2, 6]), torch.tensor([1, 6]),
                                 torch.tensor([0, 5]), torch.tensor([0, 2**32 + 3, 6])])
 def test_module_names_cu_seqlens_as_the_caller_passed_it(cu):
-    """The module's refusal named varlen_attention's cu_seqlens_q, an argument the caller of
-    module(x, cu_seqlens=...) never saw."""
+    """A bad cu_seqlens given to module(x, cu_seqlens=...) is refused naming cu_seqlens, the
+    argument the caller passed (not varlen_attention's cu_seqlens_q)."""
     m = mha.MultiHeadAttention(16, 4)
     with pytest.raises(ValueError, match=r"^cu_seqlens must start at 0"):
         m(torch.randn(1, 6, 16), cu_seqlens=cu)
@@ -397,9 +395,8 @@ def test_module_names_cu_seqlens_as_the_caller_passed_it(cu):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_an_int8_cache_of_a_dtype_the_decode_kernel_lacks_is_attended(dtype):
-    """KVCache(kv_dtype="int8", dtype=float16 / float64) was built, then every attend (and
-    every cached module call) raised the decode kernel's 'q, k, v must be float32 or
-    bfloat16': the dequantized K/V serve those dtypes."""
+    """KVCache(kv_dtype="int8", dtype=float16 / float64) attends (the decode kernel runs only
+    float32 / bfloat16): the dequantized K/V serve those dtypes."""
     g = torch.Generator().manual_seed(0)
     c = mha.KVCache(2, H_KV, 8, D, dtype=dtype, kv_dtype="int8")
     c.append(torch.randn(2, H_KV, 3, D, generator=g).to(dtype),
@@ -418,8 +415,8 @@ def test_an_int8_cache_of_a_dtype_the_decode_kernel_lacks_is_attended(dtype):
 
 
 def test_a_float16_model_generates_with_an_int8_mha_cache():
-    """transformers' generate with MhaCache(kv_dtype="int8") on a float16 model raised the
-    decode kernel's 'q, k, v must be float32 or bfloat16' at the first decode step."""
+    """transformers' generate with MhaCache(kv_dtype="int8") on a float16 model runs its decode
+    steps (the decode kernel takes float32 / bfloat16 queries only)."""
     pytest.importorskip("transformers", reason="transformers not installed")
     import copy
 
@@ -440,9 +437,9 @@ def test_a_float16_model_generates_with_an_int8_mha_cache():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_a_paged_cache_the_kernels_cannot_read_is_refused_when_built(dtype):
-    """PagedKVCache(dtype=float16 / float64) stored its pages in that dtype (kv_dtype=None),
-    then attend raised the decode kernel's 'q, k, v must be float32 or bfloat16' and
-    attend_varlen the paged forward's C++ guard, after the K/V had been written."""
+    """PagedKVCache(dtype=float16 / float64) with kv_dtype=None (pages in that dtype, which
+    neither the decode kernel nor the paged forward reads) is refused when built, naming
+    kv_dtype and the page dtypes the kernels read, before any K/V is written."""
     with pytest.raises(ValueError, match=rf"kv_dtype=None stores K/V in dtype={dtype}.*"
                                          r"'float32', 'bfloat16' or 'int8'"):
         mha.PagedKVCache(8, 4, H_KV, D, max_seqs=2, max_len=16, dtype=dtype)
@@ -451,8 +448,8 @@ def test_a_paged_cache_the_kernels_cannot_read_is_refused_when_built(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 def test_paged_float16_and_float64_queries_read_pages_they_can(dtype, kv_dtype):
-    """int8 pages with float16 / float64 queries raised in attend (the decode kernel takes
-    float32 / bfloat16 queries; it computes in float32 either way)."""
+    """float16 / float64 queries read pages of every kv_dtype, int8 included (the decode
+    kernel takes float32 / bfloat16 queries; it computes in float32 either way)."""
     c = mha.PagedKVCache(8, 4, H_KV, D, max_seqs=2, max_len=16, dtype=dtype, kv_dtype=kv_dtype)
     s = c.add_sequence()
     k, v = _rows(5, 0)
@@ -473,9 +470,9 @@ def test_paged_float16_and_float64_queries_read_pages_they_can(dtype, kv_dtype):
     {"sinks": "heads", "softcap": 3.0}], ids=["bias (S', h, 1, M p)", "bias (M p,)",
                                              "alibi (S', h)", "alibi (h,)", "sinks+softcap"])
 def test_paged_attend_without_the_kernel_takes_the_kernels_variants(monkeypatch, variants):
-    """Where the decode kernel cannot be built, attend runs each sequence on its gathered K/V;
-    a bias broadcast to (S', h, Tq, M * p) or (S', h) ALiBi slopes (what the kernel takes)
-    were handed whole to each sequence's call and refused there."""
+    """Where the decode kernel cannot be built, attend runs each sequence on its gathered K/V
+    and takes every variant the kernel takes: a bias broadcast to (S', h, Tq, M * p) and
+    (S', h) ALiBi slopes are split per sequence."""
     from mha.ops import decode
 
     c, seqs, _ = _prefilled((5, 3))
@@ -513,8 +510,8 @@ def test_paged_attend_without_the_kernel_takes_the_kernels_variants(monkeypatch,
                                     (torch.tensor([[0, 2]]), TypeError)])
 @pytest.mark.parametrize("method", ["write", "attend_varlen"])
 def test_paged_cu_seqlens_of_the_wrong_kind_is_named(cu, err, method):
-    """Float offsets were refused as 'counts must be a non-negative int' (an argument of
-    extend, not of these calls), a bare int as Python's "'int' object is not iterable"."""
+    """Float offsets, a bare int, bools and a 2-D tensor are refused naming cu_seqlens (not
+    extend's counts), the cache unchanged."""
     c, seqs, _ = _prefilled((5, 3))
     before = c.state()
     calls = {"write": lambda: c.write(0, seqs[:1], *_rows(2, 4), cu),

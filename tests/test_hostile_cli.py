@@ -40,7 +40,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["demo", "--heads", "7"], 2, ["mha demo: --heads must divide --d-model (512), got 7"]),
     (["demo", "--heads", "0"], 2, ["--heads must be a positive int, got 0"]),
     (["demo", "--repeat", "0"], 2, ["--repeat must be an int from 1 to 10,000, got 0"]),
-    (["demo", "--repeat", str(10**9)], 2, [  # was: timed calls for ever
+    (["demo", "--repeat", str(10**9)], 2, [  # a count that would time calls for ever
         "mha demo: --repeat must be an int from 1 to 10,000, got 1000000000"]),
     (["demo", "--batch", "0"], 2, ["--batch must be a positive int, got 0"]),
     (["demo", "--seq", "-1"], 2, ["--seq must be a positive int, got -1"]),
@@ -60,7 +60,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # bench: every check happens before the peaks are measured
     (["bench", "--threads", "0"], 2, ["mha bench: --threads must be a positive int, got 0"]),
     (["bench", "--threads", "two"], 2, ["--threads must be a positive int, got 'two'"]),
-    (["bench", "--threads", "99999", "--list"], 2, [  # was a segfault (OpenMP threads)
+    (["bench", "--threads", "99999", "--list"], 2, [  # more threads than CPUs: refused
         f"mha bench: --threads must be at most {os.cpu_count()} (the logical CPUs", "99999"]),
     (["bench", "--repeat", "-3"], 2, ["--repeat must be a positive int"]),
     (["bench", "--min-time", "nan"], 2, ["--min-time must be a number >= 0"]),
@@ -71,7 +71,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--suite", "core"], 2, ["--suite", "unknown suite 'core'"]),
     (["bench", "--suite", "../attention"], 2, ["--suite", "unknown suite"]),
     (["bench", "--suite", "attention", "--suite", "nope"], 2, ["unknown suite 'nope'"]),
-    (["bench", "--suite", "decode", "--suite", "decode", "--out", ""], 2,  # was: run twice
+    (["bench", "--suite", "decode", "--suite", "decode", "--out", ""], 2,  # each suite once
      ["mha bench: --suite 'decode' is given more than once"]),
     (["bench", "--from-json", NEW], 2, ["--from-json must be an existing file"]),
     (["bench", "--from-json", DIR], 2, ["--from-json must be a file", "a directory"]),
@@ -79,7 +79,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--from-json", BINARY], 2, ["--from-json", "not UTF-8"]),
     (["bench", "--from-json", LIST_JSON], 2, ["--from-json", "top level must be an object"]),
     (["bench", "--from-json", BAD_ROW], 2, ["--from-json", "rows[0].seconds"]),
-    # a saved time of 0 was a ZeroDivisionError traceback; NaN / negative were printed as is
+    # a saved time must be a finite number > 0 (0, negative and NaN refused)
     (["bench", "--from-json", "{row_seconds_0}"], 2, ["rows[0].seconds must be > 0"]),
     (["bench", "--from-json", "{row_seconds_-1}"], 2, ["rows[0].seconds must be > 0"]),
     (["bench", "--from-json", "{row_seconds_nan}"], 2, ["rows[0].seconds must be a finite"]),
@@ -90,7 +90,8 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--markdown", BINARY], 2, ["--markdown must be a UTF-8 text file"]),
     (["bench", "--quick", "--suite", "attention", "--filter", "no-such-case", "--out", ""], 2,
      ["--filter 'no-such-case' matches no case"]),
-    # suites that measure by themselves (were: peaks measured, nothing run, exit 0)
+    # suites that measure by themselves: a filter matching none of their cases is refused
+    # before anything is measured
     (["bench", "--suite", "variants", "--suite", "decode", "--filter", "no-such-case", "--out",
       ""], 2, ["--filter 'no-such-case' matches no case"]),
     # encode (checked before transformers loads anything)
@@ -106,7 +107,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["viz", "\udcc3(", "--out", NEW], 2, ["mha viz: text must be UTF-8 text", "byte 0xc3"]),
     (["generate", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text", "byte 0xff"]),
     (["generate", "--raw", "hi\udcff"], 2, ["mha generate: prompt must be UTF-8 text"]),
-    # was: the model answered an empty chat turn (viz and chat refuse empty text)
+    # an empty or blank prompt is refused (as viz and chat refuse empty text)
     (["generate", ""], 2, ["mha generate: prompt must be a non-empty string, got ''"]),
     (["generate", " \n "], 2, ["mha generate: prompt must be a non-empty string"]),
     # viz
@@ -114,11 +115,11 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),
     (["viz", "hi", "--out", FILE + "/sub"], 2, ["--out must be a writable directory"]),
     (["viz", "hi", "--out", NEW, "--max-tokens", "2"], 2, ["--max-tokens must be at least 3"]),
-    # past the model's positions (were: a traceback from the embeddings or the tokenizer)
+    # past the model's positions: refused naming --max-tokens and the model's limit
     (["viz", "hi", "--out", NEW, "--max-tokens", "513"], 2,
      ["mha viz: --max-tokens must be at most 512 (the model's max_position_embeddings)"]),
     (["viz", "hi", "--out", NEW, "--max-tokens", str(10**20)], 2, ["--max-tokens must be at most"]),
-    # a symbolic link to nothing (was: exit 1 'File exists' after loading the model)
+    # a symbolic link to nothing: refused before the model is loaded
     (["viz", "hi", "--out", DANGLING], 2, ["--out must be a writable directory",
                                            "a broken symbolic link to"]),
     (["viz", "hi", "--out", DANGLING + "/sub"], 2, ["--out must be a writable directory",
@@ -126,8 +127,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     (["bench", "--markdown", DANGLING, "--list"], 2, ["--markdown must be a file that can be "
                                                       "written", "a broken symbolic link"]),
     (["experiment", "heads", "--tiny", "--out", DANGLING], 2, ["a broken symbolic link"]),
-    # a directory where an output file goes (was: exit 1 after the work, the files written
-    # before it replaced)
+    # a directory where an output file goes: refused before any work, no file written
     (["viz", "hi", "--out", BUSY], 2, ["mha viz: --out '{busy}': the command writes "
                                        "attention.html there, which must be a file to write",
                                        "(a directory)"]),
@@ -174,7 +174,7 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
      ["--markdown must be a UTF-8 text file"]),
     (["experiment", "heads", "--d-model", "100000", "--heads", "1", "--out", NEW], 1,
      ["mha experiment heads: out of memory", "d_model=100000"]),
-    # a sweep that would never end (was: trained for ever, one seed after the other)
+    # a sweep that would never end: refused before any training, naming the options to lower
     (["experiment", "heads", "--tiny", "--seeds", str(10**9), "--out", NEW], 2,
      ["mha experiment heads: the sweep would train 480,000,000,000 layer-steps",
       "2 tasks x 2 head counts x 1000000000 seeds x 60 steps x 2 layers", "at most 2,000,000",
@@ -367,8 +367,8 @@ def test_bench_unknown_suite_refused_before_peaks(monkeypatch, capsys):
 
 @pytest.mark.parametrize("stdin", [None, "closed"])
 def test_chat_with_stdin_closed_is_one_line(monkeypatch, capsys, no_work, stdin):
-    """``mha chat <&-`` (Python's sys.stdin is None) was an AttributeError traceback after the
-    model had loaded."""
+    """``mha chat <&-`` (Python's sys.stdin is None, or a closed file): a one-line refusal
+    naming stdin, exit status 2."""
     if stdin == "closed":
         stdin = open(os.devnull)
         stdin.close()
@@ -380,8 +380,7 @@ def test_chat_with_stdin_closed_is_one_line(monkeypatch, capsys, no_work, stdin)
 
 def test_experiment_results_with_a_diverged_run_render(tmp_path, capsys):
     """A run whose loss is NaN (training diverged) or infinite: the table shows nan where the
-    mean includes it (was: AttributeError from statistics.stdev, after a whole sweep or on
-    --from-results)."""
+    mean includes it, also from --from-results."""
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'mha[viz]')")
     results = json.loads((Path(__file__).parents[1] / "docs" / "experiments" /
                           "results.json").read_text())

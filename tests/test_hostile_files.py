@@ -92,14 +92,16 @@ def test_the_untouched_archive_loads(saved, tmp_path):
 
 @pytest.mark.parametrize("name", ["data/sample_inputs/model.pt", "data/sample_inputs/MODEL.pt"])
 def test_a_second_copy_of_an_entry_is_refused(saved, tmp_path, name):
-    """Was: the checks read the last copy of a name (zipfile) and torch.export.load the first
-    (miniz, case-insensitive), which it unpickled in full: the payload ran."""
+    """A name present twice (also in another case) is refused before any entry is read: the
+    checks would read one copy (zipfile: the last) and torch.export.load another (miniz: the
+    first, case-insensitive); the payload is never unpickled."""
     path = _rewrite(saved, tmp_path / "dup.pt2", first=[(name, EVIL)])
     _refused(path, "more than once", "sample_inputs/model.pt")
 
 
 def test_a_zip_bomb_is_refused_before_it_is_inflated(saved, tmp_path):
-    """64 MiB of JSON text deflated to ~64 KiB (was: read in full, then torch's error)."""
+    """64 MiB of JSON text deflated to ~64 KiB: refused from the zip's directory, nothing of
+    it inflated."""
     bomb = b'{"a": "' + b" " * (64 << 20) + b'"}'
     path = _rewrite(saved, tmp_path / "bomb.pt2", last=[("models/other.json", bomb)],
                     compression=zipfile.ZIP_DEFLATED)
@@ -145,7 +147,7 @@ def test_declared_sizes_past_the_file_are_refused(saved, tmp_path):
 def test_damaged_entries_name_the_file(saved, tmp_path):
     data = bytearray(saved.read_bytes())
     at = data.index(b'"graph_module"')
-    data[at + 2] ^= 0x20  # one byte of models/model.json: its CRC no longer matches
+    data[at + 2] ^= 0x20  # one byte of models/model.json: its CRC does not match
     (tmp_path / "crc.pt2").write_bytes(bytes(data))
     _refused(tmp_path / "crc.pt2", "models/model.json", "damaged")
     path = _rewrite(saved, tmp_path / "json.pt2",
@@ -169,8 +171,8 @@ def test_names_that_climb_out_are_read_in_memory_only(saved, tmp_path):
 
 # ----------------------------------------------------------------------------- mha.export.onnx
 @pytest.mark.parametrize("kwargs, err, match", [
-    # were: a file written at opset 23 after onnx's converter printed a traceback (0, -1,
-    # 10^9, True, 1.5), or a bare TypeError from a comparison ("23")
+    # an opset outside what the exporter and onnx's converter take, or not an int, is refused
+    # naming opset, before anything is traced or written
     (dict(opset=0), ValueError, r"opset must lie in \[23, \d+\] .*got 0"),
     (dict(opset=-1), ValueError, r"opset must lie in \[23, "),
     (dict(opset=10**9), ValueError, r"opset must lie in \[23, \d+\].*got 1000000000"),
@@ -178,12 +180,12 @@ def test_names_that_climb_out_are_read_in_memory_only(saved, tmp_path):
     (dict(opset=True), TypeError, "opset must be an int, got bool"),
     (dict(opset=1.5), TypeError, "opset must be an int, got float"),
     (dict(opset="23"), TypeError, "opset must be an int, got str"),
-    # were: accepted, the string split into one-letter names or extra names dropped
+    # names: a list of non-empty str, one per input / output, each once
     (dict(input_names="x"), TypeError, "input_names must be a list of str, got str"),
     (dict(input_names=["a", "b", "c"]), ValueError, "input_names: 3 names for 1 input"),
     (dict(output_names=["y", 2]), TypeError, r"output_names\[1\] must be a non-empty str"),
     (dict(output_names=["y", "y"]), ValueError, "output_names: 'y' is given twice"),
-    # was: IndexError from inside the exporter
+    # dynamic_shapes: one entry per input, naming dimensions that input has
     (dict(dynamic_shapes=({5: "B"},)), ValueError,
      r"dynamic_shapes\[0\] names dimension 5 of an input with 3 dimensions"),
     (dict(dynamic_shapes=({0: "B"}, {0: "B"})), ValueError,
