@@ -244,6 +244,33 @@ def test_positions_per_row_serve_a_left_padded_batch():
         y = m(padded, mask=mask, positions=pos)
     assert max_err(y[1], alone[0]) < 1e-5
     assert max_err(y[0, 2:], alone[0, :3]) < 1e-5
+    # RoPE is relative and the padding is masked, so the outputs alone would agree with the
+    # positions ignored: the rotated Q and K the module computes are checked against the
+    # formula at pos too
+    rotated = _rotated_heads(m, padded, mask=mask, positions=pos)  # Q then K, (B, T, heads, d)
+    with torch.no_grad():
+        q, k, _ = m.project(padded, padded, padded, True)  # (B, T, h*d), (B, T, h_kv*d), ..
+    for got, flat, heads in zip(rotated, (q, k), (4, 2), strict=True):
+        want = hand_rotary(flat.view(2, 5, heads, 12).transpose(1, 2), pos, 8, 100.0, False)
+        assert max_err(got.transpose(1, 2), want) < 1e-5  # (B, heads, T, d) each
+
+
+def _rotated_heads(m, x, **kw) -> list[torch.Tensor]:
+    """The ``(B, T, heads, d)`` tensors Rotary.rotate_tokens returns during ``m(x, **kw)``."""
+    seen = []
+    real = Rotary.rotate_tokens
+
+    def spy(self, *args):
+        seen.append(real(self, *args))
+        return seen[-1]
+
+    Rotary.rotate_tokens = spy
+    try:
+        with torch.no_grad():
+            m(x, **kw)
+    finally:
+        Rotary.rotate_tokens = real
+    return seen
 
 
 @pytest.mark.parametrize("shift", [1, 100, 3000])
@@ -513,5 +540,15 @@ def test_fullgraph_compile_with_positions():
     x, pos = torch.randn(2, 9, 24), torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [2] * 9])
     compiled = torch.compile(lambda x, p: m(x, causal=True, positions=p), fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x, pos), m(x, causal=True, positions=pos),
-                                   rtol=1e-5, atol=1e-5)
+        got = compiled(x, pos)
+        torch.testing.assert_close(got, m(x, causal=True, positions=pos), rtol=1e-5, atol=1e-5)
+        # and both against the formula at pos (row 1 sits at one position: no rotation
+        # between its tokens, unlike 0 .. 8)
+        q, k, v = (m.split_heads(t, n) for t, n in zip(m.project(x, x, x, True), (4, 2, 2)))
+        q = hand_rotary(q, pos, 12, 10000.0, True)  # (B, h, T, d)
+        k = hand_rotary(k, pos, 12, 10000.0, True).repeat_interleave(2, 1)  # (B, h, T, d)
+        v = v.double().repeat_interleave(2, 1)  # (B, h_kv, T, d) -> (B, h, T, d)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want = m.out_proj(m.merge_heads(out).float())  # (B, T, d_model)
+    assert max_err(got, want) < 1e-5
+
