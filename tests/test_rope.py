@@ -552,3 +552,68 @@ def test_fullgraph_compile_with_positions():
         want = m.out_proj(m.merge_heads(out).float())  # (B, T, d_model)
     assert max_err(got, want) < 1e-5
 
+
+# ----------------------------------------------------------------------------- hostile positions
+def test_small_integer_dtypes_are_positions():
+    """uint8 / int8 / int16 / int32 positions rotate as their int64 values (not as masks)."""
+    rot = Rotary(8, theta=100.0)
+    x = torch.randn(2, 1, 3, 8)
+    pos = torch.tensor([[0, 5, 9], [2, 3, 4]])
+    want = rot.apply_rotary(x, pos)
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        assert torch.equal(rot.apply_rotary(x, pos.to(dtype)), want), dtype
+        assert torch.equal(rot.apply_rotary(x, pos[0].to(dtype)), rot.apply_rotary(x, pos[0]))
+
+
+def test_a_far_position_is_computed_without_growing_the_table():
+    """Positions past the cached table's cap take the same float64 formula directly: no table
+    of that size is allocated or kept, and the result matches the formula."""
+    from mha.rope import MAX_POSITION, _TABLE_CAP
+
+    rot = Rotary(8, theta=10000.0)
+    x = torch.randn(1, 1, 3, 8, dtype=torch.float64)
+    for far in (300_000, 2 ** 24, MAX_POSITION):
+        pos = torch.tensor([1, far - 1, far])
+        got = rot.apply_rotary(x.float(), pos)
+        want = hand_rotary(x, pos[None], 8, 10000.0, False)
+        assert max_err(got, want) < 1e-5, far
+        assert all(t[0].shape[0] <= _TABLE_CAP for t in rot._tables.values())
+    with pytest.raises(ValueError, match=r"positions must be < 2\*\*31"):
+        rot.apply_rotary(x, torch.tensor([0, 1, torch.iinfo(torch.int64).max]))
+    with pytest.raises(ValueError, match=r"positions must be < 2\*\*31.*got a maximum of 2199"):
+        rot.apply_rotary(x, torch.tensor([0, 1, 2 ** 41]))
+
+
+def test_pickling_drops_the_cached_tables(tmp_path):
+    import io as bytes_io
+    import pickle
+
+    m = make(rope=Rotary(12))
+    m.eval()
+
+    def saved_size() -> int:
+        buf = bytes_io.BytesIO()
+        torch.save(m, buf)
+        return buf.tell()
+
+    small = saved_size()
+    with torch.no_grad():
+        m(torch.randn(1, 3, 24), positions=torch.tensor([0, 20_000, 30_000]))
+    assert m.rope._tables  # cached for the calls
+    assert saved_size() < small + 1000
+    back = pickle.loads(pickle.dumps(m.rope))
+    assert back == m.rope and not back._tables
+    y, pos = torch.randn(1, 1, 2, 12), torch.tensor([0, 30_000])
+    assert torch.equal(back.apply_rotary(y, pos), m.rope.apply_rotary(y, pos))
+
+
+def test_rotation_refuses_what_the_library_refuses():
+    rot = Rotary(8)
+    with pytest.raises(TypeError, match="x must be a dense"):
+        rot.apply_rotary(torch.randn(1, 1, 2, 8).to_sparse())
+    with pytest.raises(TypeError, match="x must be a floating tensor"):
+        rot.apply_rotary(torch.ones(1, 1, 2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x must have shape"):
+        rot.apply_rotary(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="head dim d >= the rotary dim 8"):
+        rot.apply_rotary(torch.randn(1, 1, 2, 6))

@@ -30,7 +30,9 @@ can be passed as it is):
 Precision: frequencies, angles, cos and sin are computed in float64 (positions are exact
 there) and rounded to float32 once; the rotation itself runs in float32 (float64 for float64
 inputs) and its result is rounded once to the input's dtype. The float32 cos / sin are cached
-per device for positions ``0 .. n-1`` (``n`` grown in powers of two), spread to one ``cos`` and
+per device for positions ``0 .. n-1`` (``n`` grown in powers of two up to ``_TABLE_CAP``; calls
+reaching past it compute their own angles, uncached; the tables are not pickled), spread to one
+``cos`` and
 one signed ``sin`` per dim (``x * C + partner(x) * S``: a multiply, then a multiply-add
 into each half of the pairs); under ``torch.compile`` /
 ``torch.export`` they are computed from the positions instead (the same float64 formula), so a
@@ -44,7 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import check_bool, check_int, check_int_tensor, check_readable, check_scalar
+from mha.checks import (check_bool, check_int, check_int_tensor, check_readable, check_scalar,
+                        check_tensor)
 
 #: the keys of each scaling's dict, besides "rope_type"
 SCALINGS = {
@@ -52,6 +55,12 @@ SCALINGS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _MIN_TABLE = 256  # positions of the first cached table (grown by doubling)
+#: the largest cached table (a power of two): 2**15 positions of r float32 cos and sin each,
+#: 32 MiB for r = 128; positions past it are computed per call
+_TABLE_CAP = 1 << 15
+#: the largest position accepted (checked outside torch.compile / torch.export): far beyond
+#: any context length, with angles ``p * w`` exact in float64
+MAX_POSITION = 2 ** 31 - 1
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,10 @@ class Rotary:
         object.__setattr__(self, "scaling", _check_scaling(self.scaling))
         object.__setattr__(self, "_tables", {})
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of a module, copies) without the cached tables."""
+        return {**self.__dict__, "_tables": {}}
+
     def __repr__(self) -> str:
         scaling = "" if self.scaling is None else f", scaling={dict(self.scaling)}"
         inter = ", interleaved=True" if self.interleaved else ""
@@ -122,7 +135,7 @@ class Rotary:
 
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached float32 ``(C, S)`` (:meth:`angles`) ``(N, r)`` for positions
-        ``0 .. N-1``, ``N >= n``."""
+        ``0 .. N-1``, ``N >= n`` (``n <= _TABLE_CAP``)."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < n:
             N = max(_MIN_TABLE, 1 << (n - 1).bit_length())
@@ -158,7 +171,7 @@ class Rotary:
         rotation's precision for inputs of ``dtype``)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         eager = work == torch.float32 and not torch.compiler.is_compiling()
-        if positions is None and eager:
+        if positions is None and eager and T <= _TABLE_CAP:
             C, S = self._table(T, device)  # (N, r) each, N >= T
             return C[None, :T], S[None, :T]  # (1, T, r): positions 0 .. T-1
         positions = torch.arange(T, device=device) if positions is None \
@@ -167,8 +180,9 @@ class Rotary:
             positions = positions[None]  # (T,) -> (1, T)
         if eager:
             n = int(positions.max()) + 1 if positions.numel() else 1
-            C, S = self._table(n, device)  # (N, r) each
-            return C[positions], S[positions]  # (B|1, T, r)
+            if n <= _TABLE_CAP:
+                C, S = self._table(n, device)  # (N, r) each
+                return C[positions], S[positions]  # (B|1, T, r)
         return _spread(*self.cos_sin(positions, work), self.interleaved)  # (B|1, T, r)
 
 
@@ -213,11 +227,7 @@ def _rotate(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, interleaved: bool
 
 
 def _check_x(x, dim: int, expected: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a floating torch.Tensor {expected}, got {type(x).__name__}")
-    if x.dim() != 4 or not x.dtype.is_floating_point:
-        raise ValueError(f"x must be a floating tensor {expected}, got {x.dtype} of shape "
-                         f"{tuple(x.shape)}")
+    check_tensor("x", x, 4, expected)
     if x.shape[-1] < dim:
         raise ValueError(f"x must have a head dim d >= the rotary dim {dim}, got "
                          f"{tuple(x.shape)}")
@@ -225,8 +235,9 @@ def _check_x(x, dim: int, expected: str) -> None:
 
 def check_positions(positions, B: int, T: int, device: torch.device) -> torch.Tensor:
     """``positions``: ints ``(T,)`` or ``(B, T)`` on ``device``, >= 0 (the values are checked
-    outside ``torch.compile`` / ``torch.export``, where a traced program has only shapes).
-    Returned as given (an integer tensor); refusals name ``positions``."""
+    outside ``torch.compile`` / ``torch.export``, where a traced program has only shapes:
+    ``0 <= p <= MAX_POSITION``). Returned as int64 (a narrower dtype would index the tables as a
+    mask, or not at all); refusals name ``positions``."""
     # sizes are formatted only in the errors: formatting a traced size fixes it to a constant
     positions = check_int_tensor("positions", positions, "(T,) or (B, T)", device)
     shape = positions.shape  # compared dim by dim: a traced B or T stays symbolic
@@ -240,7 +251,10 @@ def check_positions(positions, B: int, T: int, device: torch.device) -> torch.Te
         check_readable("positions", positions)
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions must be >= 0, got a minimum of {int(positions.min())}")
-    return positions
+        if positions.numel() and int(positions.max()) > MAX_POSITION:
+            raise ValueError(f"positions must be < 2**31 (MAX_POSITION = {MAX_POSITION}), got a "
+                             f"maximum of {int(positions.max())}")
+    return positions.long()
 
 
 def _check_scaling(scaling) -> tuple | None:
