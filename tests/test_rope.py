@@ -607,6 +607,20 @@ def test_pickling_drops_the_cached_tables(tmp_path):
     assert torch.equal(back.apply_rotary(y, pos), m.rope.apply_rotary(y, pos))
 
 
+def test_a_query_batch_unlike_the_cache_is_named():
+    """With a cache, the query's batch and device are checked against it before anything is
+    computed, naming query (not the positions the cache would supply)."""
+    m = make()
+    cache = m.new_cache(3, 8)
+    with pytest.raises(ValueError, match=r"query must have batch size 3 like the cache") as e:
+        m(torch.randn(2, 1, 24), cache=cache)
+    assert "positions" not in str(e.value)
+    assert cache.lengths.tolist() == [0, 0, 0]
+    plain = mha.MultiHeadAttention(24, 4)
+    with pytest.raises(ValueError, match=r"query must have batch size 3 like the cache"):
+        plain(torch.randn(2, 1, 24), cache=plain.new_cache(3, 8))
+
+
 def test_rotation_refuses_what_the_library_refuses():
     rot = Rotary(8)
     with pytest.raises(TypeError, match="x must be a dense"):

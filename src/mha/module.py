@@ -477,9 +477,11 @@ class MultiHeadAttention(nn.Module):
         rec.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
         if angles is not None:  # RoPE in the projections' layout (heads not yet split)
             B, T, _ = q.shape
-            q = self.rope.rotate_tokens(q.view(B, T, self.num_heads, self.head_dim), *angles)
-            k = self.rope.rotate_tokens(k.view(B, T, self.num_kv_heads, self.head_dim), *angles)
-            # (B, T, h*d_k) -> (B, T, h, d_k) and (B, T, h_kv*d_k) -> (B, T, h_kv, d_k), rotated
+            q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, h*d_k) -> (B, T, h, d_k)
+            k = k.view(B, T, self.num_kv_heads, self.head_dim)
+            # (B, T, h_kv*d_k) -> (B, T, h_kv, d_k)
+            q = self.rope.rotate_tokens(q, *angles)  # (B, T, h, d_k)
+            k = self.rope.rotate_tokens(k, *angles)  # (B, T, h_kv, d_k)
             rec.record("rotate Q (RoPE)", "Q = rope(Q, positions)", q, "(B, Tq, h, d_k)")
             rec.record("rotate K (RoPE)", "K = rope(K, positions)", k, "(B, Tk, h_kv, d_k)")
             q, k = q.flatten(2), k.flatten(2)  # (B, T, heads, d_k) -> (B, T, heads*d_k)
@@ -746,7 +748,7 @@ def _check_modes(query, key, value, *, mask, key_lengths, window, need_weights, 
     if torch.compiler.is_exporting():
         _check_exportable_mode(cache, cu_seqlens)
     if cache is not None:
-        _check_cache_call(cache, key, value, mask, key_lengths, window)
+        _check_cache_call(cache, query, key, value, mask, key_lengths, window)
     if cu_seqlens is not None:
         _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache, window,
                            cu_seqlens)
@@ -857,8 +859,9 @@ def _check_packed_call(query, key, value, mask, key_lengths, need_weights, cache
                          "supported; call without cu_seqlens=")
 
 
-def _check_cache_call(cache, key, value, mask, key_lengths, window) -> None:
-    """With a cache: self-attention, and the cache defines the masking."""
+def _check_cache_call(cache, query, key, value, mask, key_lengths, window) -> None:
+    """With a cache: self-attention, the cache defines the masking, and the query's batch and
+    device are the cache's (checked before any positions or angles are read off the cache)."""
     if not callable(getattr(cache, "appending", None)):
         raise TypeError(f"cache must be a KV cache (mha.KVCache, e.g. from "
                         f"module.new_cache(batch_size, max_len)) or None, got "
@@ -873,6 +876,13 @@ def _check_cache_call(cache, key, value, mask, key_lengths, window) -> None:
     if window is not None:
         raise ValueError("window: sliding windows over a KV cache are not supported; "
                          "call without cache=")
+    B, device = getattr(cache, "batch_size", None), getattr(cache, "device", None)
+    if isinstance(query, torch.Tensor) and query.dim() == 3 and isinstance(B, int):
+        if query.shape[0] != B:
+            raise ValueError(f"query must have batch size {B} like the cache (one row per "
+                             f"sequence), got {tuple(query.shape)}")
+        if device is not None and query.device != device:
+            raise ValueError(f"query must be on {device} like the cache, got {query.device}")
 
 
 def _real_tensor(name: str, t, shape: tuple[int, ...]) -> torch.Tensor:
