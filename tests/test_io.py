@@ -194,3 +194,47 @@ def test_a_directory_that_takes_no_files_is_an_os_error_naming_the_file():
         pytest.skip("no /proc on this system")
     with pytest.raises(OSError, match=r"mha-test.safetensors: cannot be written"):
         io.save(mha.MultiHeadAttention(16, 4), proc)
+
+
+def test_round_trip_keeps_rope(tmp_path):
+    torch.manual_seed(0)
+    rope = mha.rope.Rotary(8, theta=500.0, interleaved=True,
+                           scaling={"rope_type": "linear", "factor": 4.0})
+    m = mha.MultiHeadAttention(24, 2, rope=rope).eval()
+    io.save(m, tmp_path / "rope.safetensors")
+    back = io.load(tmp_path / "rope.safetensors").eval()
+    assert back.rope == rope
+    x = torch.randn(2, 5, 24)
+    with torch.no_grad():
+        assert torch.equal(back(x, causal=True), m(x, causal=True))
+    assert json.loads(json.dumps(io.config(m)))["rope"] == {
+        "dim": 8, "theta": 500.0, "interleaved": True,
+        "scaling": {"rope_type": "linear", "factor": 4.0}}
+    plain = mha.MultiHeadAttention(24, 2)
+    assert io.config(plain)["rope"] is None
+
+
+@pytest.mark.parametrize("rope, pattern", [
+    ("yes", r"field 'rope' must be null or a JSON object"),
+    ({"dim": 4, "theta": 10.0}, r"field 'rope' must hold exactly .*missing \['interleaved', 'scaling'\]"),
+    ({"dim": 4, "theta": 10.0, "interleaved": False, "scaling": None, "x": 1}, r"unknown \['x'\]"),
+    ({"dim": 4.0, "theta": 10.0, "interleaved": False, "scaling": None}, r"field 'rope'.*dim"),
+    ({"dim": True, "theta": 10.0, "interleaved": False, "scaling": None}, r"field 'rope'.*dim"),
+    ({"dim": 4, "theta": -1.0, "interleaved": False, "scaling": None}, r"field 'rope'.*theta"),
+    ({"dim": 4, "theta": "1", "interleaved": False, "scaling": None}, r"field 'rope'.*theta"),
+    ({"dim": 4, "theta": True, "interleaved": False, "scaling": None}, r"field 'rope'.*theta"),
+    ({"dim": 4, "theta": 10.0, "interleaved": 1, "scaling": None}, r"field 'rope'.*interleaved"),
+    ({"dim": 4, "theta": 10.0, "interleaved": False, "scaling": {"rope_type": "yarn"}},
+     r"field 'rope'.*rope_type"),
+    ({"dim": 4, "theta": 10.0, "interleaved": False, "scaling": {"rope_type": "linear",
+                                                                 "factor": True}},
+     r"field 'rope'.*factor"),
+    ({"dim": 40, "theta": 10.0, "interleaved": False, "scaling": None},
+     r"describes no valid module .*exceeds head_dim"),
+])
+def test_crafted_rope_metadata_is_refused(tmp_path, rope, pattern):
+    tensors, cfg = _good()
+    path = _write(tmp_path / "rope.safetensors", tensors, {**cfg, "rope": rope})
+    with pytest.raises(ValueError, match=pattern) as info:
+        io.load(path)
+    assert str(path) in str(info.value)

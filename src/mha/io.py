@@ -17,13 +17,16 @@ import torch
 
 from mha.checks import check_device, check_float_dtype, check_path
 from mha.module import MultiHeadAttention
+from mha.rope import Rotary
 
 _CONFIG_KEY = "mha.MultiHeadAttention"
 _SIZE_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "kdim", "vdim")
 _FIELDS = (*_SIZE_FIELDS, "bias", "dropout")
-#: Score-variant options, written by save and optional when read (files written before them
-#: hold none): their values when absent.
-_OPTIONAL = {"softcap": None, "sinks": False, "alibi": False}
+#: Score-variant and rotary-embedding options, written by save and optional when read (files
+#: written before them hold none): their values when absent.
+_OPTIONAL = {"softcap": None, "sinks": False, "alibi": False, "rope": None}
+#: the fields of the "rope" object (null: no rotary embeddings), :class:`mha.rope.Rotary`'s.
+_ROPE_FIELDS = ("dim", "theta", "interleaved", "scaling")
 #: safetensors dtype codes of the floating dtypes a module may be saved in.
 _FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
                 "F16": torch.float16}
@@ -34,7 +37,14 @@ def config(m: MultiHeadAttention) -> dict:
     return dict(d_model=m.d_model, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                 head_dim=m.head_dim, v_head_dim=m.v_head_dim, kdim=m.kdim, vdim=m.vdim,
                 bias=m.out_proj.bias is not None, dropout=m.dropout, softcap=m.softcap,
-                sinks=m.sinks is not None, alibi=m.alibi_slopes is not None)
+                sinks=m.sinks is not None, alibi=m.alibi_slopes is not None,
+                rope=None if m.rope is None else _rope_config(m.rope))
+
+
+def _rope_config(rope: Rotary) -> dict:
+    """``rope``'s settings as JSON: ``scaling`` null or its ``rope_parameters`` dict."""
+    return dict(dim=rope.dim, theta=rope.theta, interleaved=rope.interleaved,
+                scaling=None if rope.scaling is None else dict(rope.scaling))
 
 
 def save(m: MultiHeadAttention, path: str | Path) -> None:
@@ -132,7 +142,36 @@ def _parse_config(path, meta: dict, header: dict) -> dict:
         if type(cfg[name]) is not bool:
             raise ValueError(f"{path}: metadata field '{name}' must be a JSON bool (true or "
                              f"false), got {json.dumps(cfg[name])[:40]}")
+    cfg["rope"] = _parse_rope(path, cfg["rope"])
     return cfg
+
+
+def _parse_rope(path, rope) -> Rotary | None:
+    """The ``rope`` field: null, or an object of exactly :data:`_ROPE_FIELDS` that builds a
+    :class:`mha.rope.Rotary` (JSON types checked first: no bool for a number)."""
+    if rope is None:
+        return None
+    if not isinstance(rope, dict):
+        raise ValueError(f"{path}: metadata field 'rope' must be null or a JSON object of "
+                         f"{list(_ROPE_FIELDS)}, got {json.dumps(rope)[:40]}")
+    missing = sorted(set(_ROPE_FIELDS) - set(rope))
+    unknown = sorted(set(rope) - set(_ROPE_FIELDS))
+    if missing or unknown:
+        raise ValueError(f"{path}: metadata field 'rope' must hold exactly {list(_ROPE_FIELDS)}; "
+                         f"missing {missing}, unknown {unknown}")
+    scaling = rope["scaling"]
+    numbers = {"dim": rope["dim"], "theta": rope["theta"],
+               **({} if not isinstance(scaling, dict) else
+                  {f"scaling.{k}": v for k, v in scaling.items() if k not in ("rope_type", "type")})}
+    for name, value in numbers.items():
+        if type(value) not in (int, float):
+            raise ValueError(f"{path}: metadata field 'rope': {name} must be a JSON number, got "
+                             f"{json.dumps(value)[:40]}")
+    try:
+        return Rotary(rope["dim"], theta=rope["theta"], interleaved=rope["interleaved"],
+                      scaling=scaling)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: metadata field 'rope': {e}") from None
 
 
 def _check_tensors(path, cfg: dict, header: dict) -> None:
