@@ -249,11 +249,13 @@ def check_positions(positions, B: int, T: int, device: torch.device) -> torch.Te
         raise ValueError(f"positions must be on {device} like the inputs, got {positions.device}")
     if not torch.compiler.is_compiling():
         check_readable("positions", positions)
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError(f"positions must be >= 0, got a minimum of {int(positions.min())}")
-        if positions.numel() and int(positions.max()) > MAX_POSITION:
-            raise ValueError(f"positions must be < 2**31 (MAX_POSITION = {MAX_POSITION}), got a "
-                             f"maximum of {int(positions.max())}")
+        if positions.numel():
+            lo, hi = (int(v) for v in torch.aminmax(positions))  # one pass over the values
+            if lo < 0:
+                raise ValueError(f"positions must be >= 0, got a minimum of {lo}")
+            if hi > MAX_POSITION:
+                raise ValueError(f"positions must be < 2**31 (MAX_POSITION = {MAX_POSITION}), "
+                                 f"got a maximum of {hi}")
     return positions.long()
 
 
