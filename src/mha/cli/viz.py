@@ -106,8 +106,8 @@ def run(args) -> int:
 
 
 def _run_llm(args) -> int:
-    """``--model smollm2``: the decoder's maps; no shape table (its layers apply RoPE inside
-    attention, which mha.MultiHeadAttention does not have, so no layer replays exactly)."""
+    """``--model smollm2``: the decoder's maps from transformers' model (which applies RoPE
+    itself before mha's attention); no shape table is recorded for it."""
     require("matplotlib")
     from pathlib import Path
 
@@ -123,10 +123,11 @@ def _run_llm(args) -> int:
                                       attn_implementation=args.attn_implementation)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    why = ("No shape table for this model: SmolLM2's layers rotate Q and K (RoPE) inside "
-           "attention, which mha.MultiHeadAttention does not do, so none of its layers can be "
-           "replayed through mha.trace exactly. The maps are the weights mha returned inside "
-           "the model.")
+    why = ("No shape table for this model: the maps are the weights mha returned inside "
+           "transformers' SmolLM2, which rotates Q and K (RoPE) before mha sees them. "
+           "mha.models.Llama runs SmolLM2 on mha.MultiHeadAttention, RoPE included; "
+           "mha.trace(model.layers[i].self_attn, h, causal=True) records one of its layers' "
+           "steps given the layer's normed input h.")
     written = [figures.attention_grid(maps, out / "attention_grid.png"),
                figures.head_stats(maps, out / "head_stats.png"),
                page.write(out / "attention.html", maps, None, no_trace=why)]
