@@ -253,3 +253,10 @@ def test_cli_impl_mha_refuses_what_it_does_not_run(capsys, argv, match):
     impl = [] if "--impl" in argv else ["--impl", "mha"]
     assert main(["generate", "hi", *impl, *argv]) == 2
     assert match in _one_line(capsys.readouterr().err)
+
+
+def test_the_layers_share_one_rotary():
+    """One Rotary (and so one cached cos / sin table) serves every layer."""
+    m = Llama.from_config(_config())
+    ropes = {id(layer.self_attn.rope) for layer in m.layers}
+    assert len(m.layers) > 1 and len(ropes) == 1

@@ -180,12 +180,14 @@ class SwiGLU(nn.Module):
 class LlamaLayer(nn.Module):
     """``x + MHA(RMSNorm(x))`` (causal, RoPE), then ``x + SwiGLU(RMSNorm(x))``."""
 
-    def __init__(self, s: LlamaSettings, **kw) -> None:
+    def __init__(self, s: LlamaSettings, rope: Rotary | None = None, **kw) -> None:
+        """``rope``: the :class:`Rotary` to use (the model passes one to all its layers, so
+        they share its cached cos / sin tables); None = ``s.rotary()``."""
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
         self.self_attn = MultiHeadAttention(s.hidden_size, s.num_heads,
                                             num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                                            bias=False, rope=s.rotary(), **kw)
+                                            bias=False, rope=rope or s.rotary(), **kw)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
         self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, **kw)
 
@@ -205,7 +207,8 @@ class Llama(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.settings = s
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, **kw)
-        self.layers = nn.ModuleList(LlamaLayer(s, **kw) for _ in range(s.num_layers))
+        rope = s.rotary()  # one for all layers: one cached table of angles, not num_layers
+        self.layers = nn.ModuleList(LlamaLayer(s, rope, **kw) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False, **kw)
         if s.tie_word_embeddings:
