@@ -32,11 +32,10 @@ there) and rounded to float32 once; the rotation itself runs in float32 (float64
 inputs) and its result is rounded once to the input's dtype. The float32 cos / sin are cached
 per device for positions ``0 .. n-1`` (``n`` grown in powers of two up to ``_TABLE_CAP``; calls
 reaching past it compute their own angles, uncached; the tables are not pickled), spread to one
-``cos`` and
-one signed ``sin`` per dim (``x * C + partner(x) * S``: a multiply, then a multiply-add
-into each half of the pairs); under ``torch.compile`` /
-``torch.export`` they are computed from the positions instead (the same float64 formula), so a
-traced program holds no table and ``T`` may stay symbolic.
+``cos`` and one signed ``sin`` per dim (``x * C + partner(x) * S``: a multiply, then a
+multiply-add into each half of the pairs); under ``torch.compile`` / ``torch.export`` they are
+computed from the positions instead (the same float64 formula), so a traced program holds no
+table and ``T`` may stay symbolic. Positions are ints in ``[0, MAX_POSITION]`` (``2**31 - 1``).
 """
 
 from __future__ import annotations
