@@ -544,7 +544,8 @@ def test_fullgraph_compile_with_positions():
         torch.testing.assert_close(got, m(x, causal=True, positions=pos), rtol=1e-5, atol=1e-5)
         # and both against the formula at pos (row 1 sits at one position: no rotation
         # between its tokens, unlike 0 .. 8)
-        q, k, v = (m.split_heads(t, n) for t, n in zip(m.project(x, x, x, True), (4, 2, 2)))
+        projected = m.project(x, x, x, True)  # (B, T, h*d), (B, T, h_kv*d) x 2
+        q, k, v = (m.split_heads(t, n) for t, n in zip(projected, (4, 2, 2), strict=True))
         q = hand_rotary(q, pos, 12, 10000.0, True)  # (B, h, T, d)
         k = hand_rotary(k, pos, 12, 10000.0, True).repeat_interleave(2, 1)  # (B, h, T, d)
         v = v.double().repeat_interleave(2, 1)  # (B, h_kv, T, d) -> (B, h, T, d)
@@ -568,7 +569,7 @@ def test_small_integer_dtypes_are_positions():
 def test_a_far_position_is_computed_without_growing_the_table():
     """Positions past the cached table's cap take the same float64 formula directly: no table
     of that size is allocated or kept, and the result matches the formula."""
-    from mha.rope import MAX_POSITION, _TABLE_CAP
+    from mha.rope import _TABLE_CAP, MAX_POSITION
 
     rot = Rotary(8, theta=10000.0)
     x = torch.randn(1, 1, 3, 8, dtype=torch.float64)

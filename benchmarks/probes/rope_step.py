@@ -21,9 +21,8 @@ import time
 import torch
 
 import mha
-from mha.rope import Rotary
-
 from _timing import interleaved
+from mha.rope import Rotary
 
 
 def main() -> None:

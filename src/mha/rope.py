@@ -45,8 +45,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import (check_bool, check_int, check_int_tensor, check_readable, check_scalar,
-                        check_tensor)
+from mha.checks import (
+    check_bool,
+    check_int,
+    check_int_tensor,
+    check_readable,
+    check_scalar,
+    check_tensor,
+)
 
 #: the keys of each scaling's dict, besides "rope_type"
 SCALINGS = {
