@@ -172,9 +172,11 @@ def test_no_state_carried_between_calls(dtype):
 def test_calls_it_does_not_serve_run_step_by_step(dtype):
     m = _module(128, 4, dtype)
     x = torch.randn(2, 10, 128).to(DTYPES[dtype])
+    tril = torch.ones(10, 10, dtype=torch.bool).tril()  # causal as a tensor: a mask
     with torch.no_grad():
-        assert _forward(m, x, causal=True).startswith("forward: step by step: the fused forward "
-                                                    "has no causal")
+        assert _forward(m, x, mask=tril).startswith("forward: step by step: the fused forward "
+                                                    "has no mask")
+        assert "has no window" in _forward(m, x, causal=True, window=4)
         long = torch.randn(1, fused.MAX_T + 1, 128).to(DTYPES[dtype])
         assert "T <= 64" in _forward(m, long)
         torch.testing.assert_close(m(long).float(), _float64(m, long).float(), rtol=0.05,
@@ -309,7 +311,7 @@ def test_freeze_refusals_leave_the_module_unchanged(dtype):
 
 
 def test_frozen_module_serves_other_calls_with_current_weights():
-    """Calls the fused forward does not serve (causal) read the weights as they are, frozen or
+    """Calls the fused forward does not serve (a mask) read the weights as they are, frozen or
     not; after ``.float()`` (new weight tensors of another dtype) the fused fp32 call packs them
     again, where the build has both dtypes' tiles."""
     for kind in DTYPES:
@@ -322,6 +324,139 @@ def test_frozen_module_serves_other_calls_with_current_weights():
         m.in_proj.weight.data.mul_(2)  # not seen by the fused call (documented), seen by these
         twin = _module(64, 4, "bf16")
         twin.load_state_dict(m.state_dict())
-        assert torch.equal(m(x, causal=True), twin(x, causal=True))
+        tril = torch.ones(9, 9, dtype=torch.bool).tril()
+        assert torch.equal(m(x, mask=tril), twin(x, mask=tril))
         m.float()
         assert torch.equal(m(x.float()), twin.float()(x.float()))
+
+
+# ----------------------------------------------------------------------------- causal
+CAUSAL_SHAPES = [  # (B, T, D, h): T across the 16-query vectors, the 6-query P V blocks and
+    (3, 1, 64, 4),       # the pairs of keys (bf16); d = 16
+    (2, 2, 64, 2),       # one pair of keys
+    (4, 15, 128, 4),     # one vector short of full
+    (1, 16, 128, 2),     # one full vector, d = 64
+    (5, 17, 256, 2),     # one query into the second vector, d = 128
+    (2, 63, 96, 6),      # odd T, D not a multiple of 64
+    (1, 64, 512, 8),     # the longest T served
+    (32, 20, 512, 8),    # the seeds' size
+    (7, 33, 64, 1),      # one head, groups of 2 batch rows and a short last one
+    (2, 40, 256, 1),     # d = 256: P V's columns in 4 blocks
+]
+
+
+@pytest.mark.parametrize("B,T,D,h", CAUSAL_SHAPES)
+def test_causal_matches_step_by_step(B, T, D, h, dtype, monkeypatch):
+    """Causal (query i sees keys j <= i) fused: within the step-by-step module's tolerance of
+    it, and as near the float64 module as the step-by-step module is (3x + FLOOR)."""
+    m = _module(D, h, dtype, bias=T % 2 == 0)
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    x = torch.randn(B, T, D, generator=g).to(DTYPES[dtype])
+    with torch.no_grad():
+        line = _forward(m, x, causal=True)
+        assert line.startswith(f"forward: fused {dtype} forward") and "causal" in line, line
+        got = m(x, causal=True)
+        m64 = mha.MultiHeadAttention(D, h, bias=m.out_proj.bias is not None)
+        m64.load_state_dict(m.state_dict())
+        want = m64.double().eval()(x.double(), causal=True, backend="math")
+    with monkeypatch.context() as mp, torch.no_grad():
+        mp.setattr(linear_choice, "forced", lambda: "torch")
+        assert _forward(m, x, causal=True).startswith("forward: step by step")
+        ref = m(x, causal=True)
+    assert got.shape == (B, T, D) and got.dtype == DTYPES[dtype]
+    _close(got, ref, dtype)
+    err = (got.double() - want).abs().max().item()
+    ref_err = (ref.double() - want).abs().max().item()
+    assert err <= 3 * ref_err + FLOOR[dtype] * want.abs().max().item(), \
+        f"fused error {err:.3e}, step by step {ref_err:.3e}"
+
+
+@pytest.mark.parametrize("T,j", [(20, 0), (20, 1), (20, 12), (20, 19), (17, 16), (64, 15),
+                                 (64, 16), (64, 33), (64, 63), (2, 1)])
+@pytest.mark.parametrize("bad", ["nan", "inf", "huge"])
+def test_causal_nonfinite_later_token_stays_out_of_earlier_rows(T, j, bad, dtype):
+    """Token j of batch row 0 NaN, Inf or huge (its query, key and value all non-finite or
+    huge): the rows i < j of that batch row give the bits they give with a finite token j
+    (they never read it: not through a masked score, a product with its value, nor as the
+    partner of a bf16 pair), rows i >= j are not finite as SDPA's, other batch rows keep
+    their bits."""
+    m = _module(64, 4, dtype)
+    g = torch.Generator().manual_seed(T * 100 + j)
+    x = torch.randn(3, T, 64, generator=g).to(DTYPES[dtype])
+    poisoned = x.clone()
+    poisoned[0, j] = {"nan": float("nan"), "inf": float("inf"), "huge": 3e37}[bad]
+    with torch.no_grad():
+        clean, y = m(x, causal=True), m(poisoned, causal=True)
+    assert torch.equal(y[0, :j], clean[0, :j])
+    assert torch.isfinite(clean).all()
+    if bad != "huge":
+        assert not torch.isfinite(y[0, j:]).any(dim=-1).any()
+    assert torch.equal(y[1:], clean[1:])
+
+
+@pytest.mark.parametrize("B,T,D,h", [(9, 20, 256, 4), (3, 64, 128, 2), (5, 17, 64, 4)])
+def test_causal_deterministic_across_threads(B, T, D, h, dtype):
+    m = _module(D, h, dtype)
+    x = torch.randn(B, T, D).to(DTYPES[dtype])
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                outs.append(m(x, causal=True))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_causal_frozen_and_unfrozen_give_the_same_bits(dtype):
+    m = _module(128, 4, dtype)
+    x = torch.randn(6, 23, 128).to(DTYPES[dtype])
+    with torch.no_grad():
+        y = m(x, causal=True)
+        m.freeze()
+        assert "weights packed by freeze()" in _forward(m, x, causal=True)
+        assert torch.equal(m(x, causal=True), y)
+        assert m.frozen.packs == 2
+        m.unfreeze()
+        assert torch.equal(m(x, causal=True), y)
+        assert not torch.equal(m(x), y)  # not causal: another function
+
+
+def test_causal_no_state_carried_between_calls(dtype):
+    """Causal reads no row of its buffers it did not write (the bf16 P pairs included): a call
+    after one full of NaN gives its own bits, at 1 and 2 threads."""
+    m = _module(128, 4, dtype)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for T in (20, 13, 64):
+                x = torch.randn(5, T, 128).to(DTYPES[dtype])
+                with torch.no_grad():
+                    alone = m(x, causal=True)
+                    m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]))
+                    m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]), causal=True)
+                    after = m(x, causal=True)
+                assert torch.isfinite(alone).all()
+                assert torch.equal(after, alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_op_causal_flag_and_fake(dtype):
+    """The op's schema takes ``causal`` (default False: the non-causal call's bits); its fake
+    gives the output's shape (opcheck: schema, fake tensor, dispatch)."""
+    op = _op(dtype)
+    m = _module(64, 4, dtype)
+    x = torch.randn(2, 9, 64).to(DTYPES[dtype])
+    args = (x, m.in_proj.weight.detach(), m.in_proj.bias.detach(), m.out_proj.weight.detach(),
+            m.out_proj.bias.detach(), 4, 0.25)
+    assert torch.equal(op(*args), op(*args, None, None, False))
+    causal = op(*args, None, None, True)
+    torch.testing.assert_close(causal[:, -1].float(), op(*args)[:, -1].float(),  # sees all
+                               rtol=1e-2 if dtype == "bf16" else 1e-5,
+                               atol=1e-2 if dtype == "bf16" else 1e-5)
+    assert not torch.allclose(causal[:, 0].float(), op(*args)[:, 0].float())
+    torch.library.opcheck(op, (*args, None, None, True))

@@ -362,7 +362,7 @@ class MultiHeadAttention(nn.Module):
             cu_seqlens=cu_seqlens, dropout_p=dropout_p, rope=self.rope, **variants))
         if reason is None:
             return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
-                                 self.frozen)  # (B, T, d_model)
+                                 self.frozen, causal=causal)  # (B, T, d_model)
         angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r) x 2
         q, k, v = self._project_heads(query, key, value, self_attention, rec, angles)
         # (B, h, Tq, d_k), (B, h_kv, Tk, d_k), (B, h_kv, Tk, d_v)
@@ -426,7 +426,8 @@ class MultiHeadAttention(nn.Module):
     def _why_not_fused(self, query, self_attention: bool, call: dict) -> str | None:
         """Why this call runs step by step rather than in the fused forward (bf16 or fp32,
         :mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
-        the call's masks, mode, dropout and score variants (the module's and the call's)."""
+        the call's masks, mode, dropout and score variants (the module's and the call's);
+        ``causal`` is served (the only mask the fused forward has)."""
         return self._fused_plan(query, self_attention, call)[0]
 
     def _fused_plan(self, query, self_attention: bool, call: dict) -> tuple:
@@ -439,11 +440,11 @@ class MultiHeadAttention(nn.Module):
                 and self.num_kv_heads == self.num_heads and self.v_head_dim == self.head_dim):
             return ("the fused forward serves self-attention with the packed weight and equal "
                     "query / key / value heads, on one rank"), None
-        on = [n for n, t in call.items()
-              if not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
+        on = [n for n, t in call.items() if n != "causal"
+              and not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
         if on:
-            return (f"the fused forward has no {', '.join(sorted(on))} (masks, modes, dropout, "
-                    f"weights, score variants and rope run step by step)"), None
+            return (f"the fused forward has no {', '.join(sorted(on))} (masks but causal, modes, "
+                    f"dropout, weights, score variants and rope run step by step)"), None
         inp, out = self.in_proj, self.out_proj
         params = inp.weight, inp.bias, out.weight, out.bias
         if torch.is_grad_enabled() and (query.requires_grad or any(
@@ -619,7 +620,8 @@ class MultiHeadAttention(nn.Module):
         reason = self._why_not_fused(query, self_attention, dict(kwargs, dropout_p=dropout_p,
                                                                  rope=self.rope, **variants))
         forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
-                                  self.out_proj.weight, self.out_proj.bias, self.num_heads)
+                                  self.out_proj.weight, self.out_proj.bias, self.num_heads,
+                                  causal=bool(kwargs.get("causal", False)))
                    if reason is None else f"step by step: {reason}")
         if reason is None and self.frozen is not None:
             forward += ("; weights packed by freeze() (repacked when a weight's version counter "

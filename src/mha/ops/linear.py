@@ -75,11 +75,15 @@ def kernel() -> str:
 
 
 def _register() -> None:
+    from mha.ops import self_attention  # (imports this module)
+
     torch.library.register_fake("mha::linear")(_fake)
     torch.library.register_fake("mha::linear_backward")(_backward_fake)
+    torch.library.register_fake("mha::self_attention_f32")(self_attention.fake)
     if build.ask(torch.ops.mha.linear_bf16_tiles):
         torch.library.register_fake("mha::linear_bf16")(_fake)
         torch.library.register_fake("mha::linear_bf16_backward")(_backward_fake)
+        torch.library.register_fake("mha::self_attention_bf16")(self_attention.fake)
 
 
 def _fake(x, weight, bias):

@@ -20,8 +20,19 @@ slower than ``1 / TILES_MARGIN`` of torch's GEMM of that dtype on the QKV projec
 class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose GEMM runs far
 above the tiles, e.g. bf16 on AMX, the step-by-step module keeps torch's GEMMs).
 ``MHA_LINEAR=torch`` turns it off, ``MHA_LINEAR=native`` on wherever it can run. The module
-checks the rest (no mask, score variant, cache, dropout, weights or trace; self-attention with
-equal head counts).
+checks the rest (no mask but ``causal``, no score variant, cache, dropout, weights or trace;
+self-attention with equal head counts).
+
+``causal``: query ``i`` sees keys ``j <= i`` (T queries and T keys, so top-left and
+bottom-right alignment agree); for T = 4, True = may attend::
+
+    1 0 0 0
+    1 1 0 0
+    1 1 1 0
+    1 1 1 1
+
+The kernel sums each query over the keys it sees only: a NaN or Inf in key or value ``j``
+reaches rows ``i >= j`` only, as SDPA with ``is_causal=True``.
 """
 
 from __future__ import annotations
@@ -79,17 +90,20 @@ def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | No
     return None
 
 
-def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int) -> str:
-    """One sentence: whether the fused forward runs for these arguments, and why."""
+def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int, *, causal: bool = False) -> str:
+    """One sentence: whether the fused forward runs for these arguments (``causal`` or not),
+    and why."""
     reason = why_not_fused(x, w_qkv, b_qkv, w_o, b_o, heads)
     if reason is not None:
         return f"step by step: {reason}"
     kind = DTYPES[x.dtype]
+    attention = "causal attention" if causal else "attention"
     if linear_choice.forced() == "native":
-        return f"fused {kind} forward (one call): forced by {linear_choice.ENV}=native"
+        return (f"fused {kind} forward (one call, {attention}): forced by "
+                f"{linear_choice.ENV}=native")
     B, T, D = x.shape
     m = _measured(B * T, w_qkv.shape[0], D, x.dtype)
-    return (f"fused {kind} forward (one call: QKV, attention and W_O on the {kind} tiles): the "
+    return (f"fused {kind} forward (one call: QKV, {attention} and W_O on the {kind} tiles): the "
             f"tiles ran at {m.torch_s / m.native_s:.2f}x the speed of torch's {kind} GEMM (at "
             f"least 1/{TILES_MARGIN} required) on the QKV projection's shape class "
             f"(M={m.shape[0]}, N={m.shape[1]}, K={m.shape[2]}) on {m.cpu}")
@@ -109,15 +123,22 @@ def _measured(M: int, N: int, K: int, dtype: torch.dtype) -> linear_choice.Measu
 
 def self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
                    w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int, scale: float,
-                   panels: Panels | None = None) -> torch.Tensor:
+                   panels: Panels | None = None, *, causal: bool = False) -> torch.Tensor:
     """``(B, T, D) -> (B, T, N_out)``: ``W_O(attention(x W_qkv^T + b_qkv)) + b_O`` in one native
     call, in x's dtype (bf16 or fp32; no autograd: the caller makes sure nothing needs a
     gradient). ``panels``: the two weights packed once (a frozen module's, :class:`Panels`);
-    without them the call packs both."""
+    without them the call packs both. ``causal``: query ``i`` sees keys ``j <= i``."""
     wq_p, wo_p = (None, None) if panels is None else panels.current(w_qkv, w_o)
     op = (torch.ops.mha.self_attention_bf16 if x.dtype == torch.bfloat16
           else torch.ops.mha.self_attention_f32)
-    return op(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads, float(scale), wq_p, wo_p)
+    return op(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads, float(scale), wq_p, wo_p, causal)
+
+
+def fake(x, w_qkv, b_qkv, w_o, b_o, heads, scale, w_qkv_panels=None, w_o_panels=None,
+         causal=False):
+    """The ops' ``register_fake`` twin (registered by :func:`mha.ops.linear.load`): only the
+    output's shape, ``(B, T, D) -> (B, T, N_out)``."""
+    return x.new_empty((x.shape[0], x.shape[1], w_o.shape[0]))  # (B, T, N_out)
 
 
 class Panels:

@@ -34,9 +34,17 @@
 // by 64-column panels) rounded to bf16 once; the projections sum in fp32 and round each output
 // once, as mha::linear_bf16. fp32: P stays fp32 and O = P V reads V's rows in place; nothing is
 // rounded but fp32's own sums. The projections are whole-K 6 x 64 tiles (csrc/linear/rows.h).
-// Every output is computed by one thread in a fixed order: deterministic whatever the thread
-// count. NaN / Inf: every key is visible to every query (no mask here), so a NaN anywhere in a
-// head's scores or values makes that head's rows NaN, as SDPA's softmax.
+// Causal (query i sees keys j <= i; Tq = Tk, so top-left and bottom-right alignment agree):
+// the softmax of 16 queries runs down the keys up to the last one's, a key past a query's own
+// is -inf in its lane and exactly 0 after 2^x, the score tiles skip query vectors that see none
+// of their keys, and O = P V sums each query over its keys only (the last keys of a 6-query
+// block for the rows that see them: fp32 one FMA each, bf16 one word holding V's row in its
+// half of a pair), so half the P V products are skipped and no product with an unseen V row
+// is formed. Every output is computed by one thread in a fixed order: deterministic whatever
+// the thread count. NaN / Inf: without causal every key is visible to every query, so a NaN
+// anywhere in a head's scores or values makes that head's rows NaN, as SDPA's softmax; with
+// causal a NaN in key or value j reaches the rows i >= j only (as SDPA with is_causal), and a
+// NaN in query i row i only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -136,16 +144,73 @@ using PvFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, uint16
 constexpr PvFn kPv[7] = {nullptr, &pv_tile<1>, &pv_tile<2>, &pv_tile<3>, &pv_tile<4>,
                          &pv_tile<5>, &pv_tile<6>};
 
+// Causal: O (R rows from query q0, 64 columns of one panel) = P V over the keys j <= q, query
+// q = q0 + r. The pairs of keys <= q0 (every row sees both) as pv_tile; then each key j of the
+// triangle past them (q0 < j < q0 + R, and q0 itself when it opens a pair) for the rows that
+// see it, as one word (V's row j in its half of the pair, 0 in the other) against the pair of
+// P holding P(q, j): its partner key multiplies 0 (P is finite or the row is NaN anyway), so a
+// key a row does not see never enters its sum, whatever its value. ppt and out start at q0; v
+// is V's row 0 at the panel's first column, rows ld elements apart.
+template <int R>
+void pv_tile_causal(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t q0,
+                    const uint16_t* v, int64_t ld, uint16_t* out, int64_t ldo, int64_t cols) {
+  __m512 x[R][4];
+  mha_tiles::acc_zero(x);
+  const int64_t K2 = (q0 + 1) / 2;  // pairs of keys <= q0
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[4];
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; ++w)
+      bv[w] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + w * kLanes);
+    mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
+  }
+#pragma GCC unroll 6
+  for (int kk = 0; kk < R; ++kk) {  // key j = q0 + kk, seen by rows r >= kk
+    const int64_t j = q0 + kk;
+    if (j < 2 * K2) continue;  // (q0 odd: key q0 closed the last pair)
+    __m512bh bv[4];
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; ++w) {
+      const __m512i u = w * kLanes < cols ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(v + j * ld + w * kLanes))) : _mm512_setzero_si512();
+      bv[w] = (__m512bh)(j % 2 ? _mm512_slli_epi32(u, 16) : u);  // V's row j in its half
+    }
+    const uint32_t* pj = ppt + j / 2 * Tp;  // pairs of P holding key j, by query
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      if (r < kk) continue;
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(pj[r]));
+#pragma GCC unroll 4
+      for (int w = 0; w < 4; ++w) x[r][w] = _mm512_dpbf16_ps(x[r][w], a, bv[w]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; ++w)
+      if (w * kLanes < cols)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + w * kLanes),
+                            mha_tiles::to_bf16(x[r][w]));
+}
+using PvCausalFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const uint16_t*,
+                            int64_t, uint16_t*, int64_t, int64_t);
+constexpr PvCausalFn kPvCausal[7] = {nullptr, &pv_tile_causal<1>, &pv_tile_causal<2>,
+                                     &pv_tile_causal<3>, &pv_tile_causal<4>,
+                                     &pv_tile_causal<5>, &pv_tile_causal<6>};
+
 // bf16: P (the normalised 2^(t - max) in st) rounded to bf16 and paired along the keys into
 // ppt, V interleaved into pairs of rows by 64-column panels, then O = P V rounded once.
+// Causal: the 16 queries from c pair only the keys < c + 16 (the rows of st the softmax
+// wrote: 0 where a query does not see the key), and each query sums the keys it sees.
 void pv_bf16(int64_t T, int64_t d, const uint16_t* v, int64_t ld, const float* iv_of,
-             Scratch<uint16_t>& sc, uint16_t* out, int64_t ldo) {
+             bool causal, Scratch<uint16_t>& sc, uint16_t* out, int64_t ldo) {
   const int64_t Tp = round_up(T, kLanes), T2 = (T + 1) / 2;
   const float* st = sc.st.get();
   uint32_t* ppt = sc.ppt.get();  // (T2, Tp) pairs of P^T rows
   for (int64_t c = 0; c < Tp; c += kLanes) {
     const __m512 iv = _mm512_loadu_ps(iv_of + c);
-    for (int64_t j2 = 0; j2 < T2; ++j2) {  // keys 2 j2 and 2 j2 + 1 paired
+    const int64_t pairs = causal ? (std::min(T, c + kLanes) + 1) / 2 : T2;
+    for (int64_t j2 = 0; j2 < pairs; ++j2) {  // keys 2 j2 and 2 j2 + 1 paired
       const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
           _mm512_mul_ps(_mm512_loadu_ps(st + 2 * j2 * Tp + c), iv)));
       const __m512i hi = 2 * j2 + 1 < T ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
@@ -169,9 +234,14 @@ void pv_bf16(int64_t T, int64_t d, const uint16_t* v, int64_t ld, const float* i
     }
   }
   for (int64_t c0 = 0; c0 < d; c0 += kPanel)  // O = P V, rounded once
-    for (int64_t q0 = 0; q0 < T; q0 += 6)
-      kPv[std::min<int64_t>(6, T - q0)](ppt + q0, Tp, vp + c0 / kPanel * T2 * kPanel, T2,
-                                        out + q0 * ldo + c0, ldo, std::min(kPanel, d - c0));
+    for (int64_t q0 = 0; q0 < T; q0 += 6) {
+      const int64_t R = std::min<int64_t>(6, T - q0), cols = std::min(kPanel, d - c0);
+      const uint32_t* vpanel = vp + c0 / kPanel * T2 * kPanel;
+      if (causal)
+        kPvCausal[R](ppt + q0, Tp, vpanel, q0, v + c0, ld, out + q0 * ldo + c0, ldo, cols);
+      else
+        kPv[R](ppt + q0, Tp, vpanel, T2, out + q0 * ldo + c0, ldo, cols);
+    }
 }
 #endif  // MHA_GEMM_BF16
 
@@ -191,31 +261,107 @@ constexpr int kScoreRows = std::min(12, 24 / NV);
 template <int NV, typename E>
 constexpr auto kScoreTiles = score_tiles<NV, E>(std::make_index_sequence<kScoreRows<NV, E>>());
 
-template <int NV, typename E>
+// The score tile of `rows` keys by nv vectors of queries (rows <= kScoreRows of any NV >= nv).
+template <typename E>
+mha_gemm::TileFn<E> score_tile(int64_t nv, int64_t rows) {
+  switch (nv) {
+    case 1: return kScoreTiles<1, E>[rows];
+    case 2: return kScoreTiles<2, E>[rows];
+    case 3: return kScoreTiles<3, E>[rows];
+    default: return kScoreTiles<4, E>[rows];
+  }
+}
+
+// Causal: a tile of keys from m0 skips the query vectors whose 16 queries all come before m0
+// (none of them sees any of its keys): those rows of S^T are left unwritten there.
+template <int NV, typename E, bool Causal>
 void scores_nv(int64_t T, int64_t dw, const E* k, int64_t ld, const E* qt, float* st) {
   constexpr int64_t Tp = NV * kLanes;
   const int64_t tiles = (T + kScoreRows<NV, E> - 1) / kScoreRows<NV, E>;
   const int64_t base = T / tiles, extra = T % tiles;  // the first `extra` tiles: base + 1 rows
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t rows = base + (t < extra ? 1 : 0);
-    kScoreTiles<NV, E>[rows](k + m0 * ld, ld, 1, qt, Tp, dw, st + m0 * Tp, Tp, false);
+    const int64_t skip = Causal ? m0 / kLanes : 0;  // query vectors past (< NV: m0 < T <= Tp)
+    if (skip == 0)
+      kScoreTiles<NV, E>[rows](k + m0 * ld, ld, 1, qt, Tp, dw, st + m0 * Tp, Tp, false);
+    else  // Q^T's columns from query 16 skip (bf16: pairs of E)
+      score_tile<E>(NV - skip, rows)(k + m0 * ld, ld, 1, qt + skip * kLanes * kStep<E>, Tp, dw,
+                                     st + m0 * Tp + skip * kLanes, Tp, false);
     m0 += rows;
   }
 }
 
-template <typename E>
+template <typename E, bool Causal>
 void scores(int64_t T, int64_t Tp, int64_t dw, const E* k, int64_t ld, const E* qt, float* st) {
   switch (Tp / kLanes) {
-    case 1: return scores_nv<1, E>(T, dw, k, ld, qt, st);
-    case 2: return scores_nv<2, E>(T, dw, k, ld, qt, st);
-    case 3: return scores_nv<3, E>(T, dw, k, ld, qt, st);
-    default: return scores_nv<4, E>(T, dw, k, ld, qt, st);  // Tp <= kMaxT = 64
+    case 1: return scores_nv<1, E, Causal>(T, dw, k, ld, qt, st);
+    case 2: return scores_nv<2, E, Causal>(T, dw, k, ld, qt, st);
+    case 3: return scores_nv<3, E, Causal>(T, dw, k, ld, qt, st);
+    default: return scores_nv<4, E, Causal>(T, dw, k, ld, qt, st);  // Tp <= kMaxT = 64
+  }
+}
+
+// fp32, causal: O (R rows from query q0, 16 NV columns) = P V over the keys j <= q, query
+// q = q0 + r, P(q, j) = pt[j Tp + r] (pt, out start at q0; v at the block's first column, rows
+// ld apart). Keys <= q0 (every row sees them) as gemm's tile, in order; then each key of the
+// triangle q0 < j < q0 + R for the rows r >= j - q0 only: a key a row does not see is never
+// read for it, whatever its value.
+template <int R, int NV>
+void pv_tile_causal_f32(const float* pt, int64_t Tp, const float* v, int64_t ld, int64_t q0,
+                        float* out, int64_t ldo) {
+  __m512 x[R][NV];
+  mha_tiles::acc_zero(x);
+  for (int64_t k = 0; k <= q0; ++k) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(v + k * ld + n * kLanes);
+    mha_tiles::acc_rank1(x, bv, pt + k * Tp, 1);
+  }
+#pragma GCC unroll 6
+  for (int kk = 1; kk < R; ++kk) {  // key j = q0 + kk, seen by rows r >= kk
+    const int64_t j = q0 + kk;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) bv[n] = _mm512_loadu_ps(v + j * ld + n * kLanes);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      if (r < kk) continue;
+      const __m512 s = _mm512_set1_ps(pt[j * Tp + r]);
+#pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) x[r][n] = _mm512_fmadd_ps(s, bv[n], x[r][n]);
+    }
+  }
+  mha_tiles::acc_store(x, out, ldo);
+}
+using PvF32Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <int R>
+constexpr std::array<PvF32Fn, 5> kPvF32Row = {nullptr, &pv_tile_causal_f32<R, 1>,
+                                              &pv_tile_causal_f32<R, 2>,
+                                              &pv_tile_causal_f32<R, 3>,
+                                              &pv_tile_causal_f32<R, 4>};
+constexpr std::array<std::array<PvF32Fn, 5>, 7> kPvF32 = {
+    std::array<PvF32Fn, 5>{}, kPvF32Row<1>, kPvF32Row<2>, kPvF32Row<3>, kPvF32Row<4>,
+    kPvF32Row<5>, kPvF32Row<6>};
+
+// fp32, causal: O (T, d) = P V, each query over the keys it sees; blocks of 6 queries by 64
+// columns (the last: 16-column vectors), as gemm's tiles.
+void pv_causal_f32(int64_t T, int64_t d, const float* st, int64_t Tp, const float* v, int64_t ld,
+                   float* out, int64_t ldo) {
+  for (int64_t n0 = 0; n0 < d; n0 += 4 * kLanes) {
+    const int64_t nv = std::min<int64_t>(4, (d - n0) / kLanes);
+    for (int64_t q0 = 0; q0 < T; q0 += 6)
+      kPvF32[std::min<int64_t>(6, T - q0)][nv](st + q0, Tp, v + n0, ld, q0, out + q0 * ldo + n0,
+                                               ldo);
   }
 }
 
 // One head of one batch row: q, k, v its (T, d) rows ld elements apart; out (T, d) rows ldo
 // apart, softmax(scale q k^T) v (bf16: P and O rounded as above; fp32: no rounding but fp32's).
-template <typename E>
+// Causal: query i sees keys j <= i. The softmax of the 16 queries from c runs down the keys
+// j < c + 16 only (the others it sees none of), a key j > c for the lanes i >= j - c: a score
+// a query does not see is -inf before the max and its 2^(t - max) exactly 0 (stored: bf16 pairs
+// a seen key with an unseen one), so neither its value nor a NaN in it reaches the row.
+template <typename E, bool Causal>
 void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, float scale,
           Scratch<E>& sc, E* out, int64_t ldo) {
   constexpr int64_t step = kStep<E>;
@@ -228,20 +374,25 @@ void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, 
     for (int64_t c = 0; c < dw; c += 8)
       mha_panels::transpose8(qw + j * ldw + c, ldw, reinterpret_cast<float*>(qt + c * Tp + j), Tp);
   float* st = sc.st.get();  // S^T (T keys, Tp queries)
-  scores<E>(T, Tp, dw, k, ld, reinterpret_cast<const E*>(qt), st);
+  scores<E, Causal>(T, Tp, dw, k, ld, reinterpret_cast<const E*>(qt), st);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(scale * kLog2e);
   alignas(64) float iv_of[kMaxT];  // 1 / sum per query
   for (int64_t c = 0; c < Tp; c += kLanes) {  // 16 queries at a time, down the keys
+    const int64_t keys = Causal ? std::min(T, c + kLanes) : T;  // keys any of them sees
+    // causal: the lanes (queries c + i) that see key j > c, i >= j - c
+    auto seen = [c](int64_t j) { return __mmask16(0xFFFFu << (j - c)); };
     __m512 m = neg;
-    for (int64_t j = 0; j < T; ++j) {
-      const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(st + j * Tp + c), cv);
+    for (int64_t j = 0; j < keys; ++j) {
+      __m512 t = _mm512_mul_ps(_mm512_loadu_ps(st + j * Tp + c), cv);
+      if (Causal && j > c) t = _mm512_mask_blend_ps(seen(j), neg, t);
       _mm512_storeu_ps(st + j * Tp + c, t);
       m = _mm512_max_ps(m, t);
     }
     __m512 l = _mm512_setzero_ps();
-    for (int64_t j = 0; j < T; ++j) {
-      const __m512 e = mha_exp2::exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + j * Tp + c), m));
+    for (int64_t j = 0; j < keys; ++j) {
+      __m512 e = mha_exp2::exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + j * Tp + c), m));
+      if (Causal && j > c) e = _mm512_maskz_mov_ps(seen(j), e);
       _mm512_storeu_ps(st + j * Tp + c, e);
       l = _mm512_add_ps(l, e);
     }
@@ -249,14 +400,16 @@ void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, 
     if constexpr (kBf16<E>) {
       _mm512_store_ps(iv_of + c, iv);
     } else {
-      for (int64_t j = 0; j < T; ++j)  // P^T = e / sum, in place
+      for (int64_t j = 0; j < keys; ++j)  // P^T = e / sum, in place
         _mm512_storeu_ps(st + j * Tp + c, _mm512_mul_ps(_mm512_loadu_ps(st + j * Tp + c), iv));
     }
   }
   if constexpr (kBf16<E>) {
 #if defined(MHA_GEMM_BF16)
-    pv_bf16(T, d, v, ld, iv_of, sc, out, ldo);
+    pv_bf16(T, d, v, ld, iv_of, Causal, sc, out, ldo);
 #endif
+  } else if constexpr (Causal) {
+    pv_causal_f32(T, d, st, Tp, v, ld, out, ldo);
   } else {  // O (T, d) = P V: P(q, key) = st[key Tp + q], V's rows read in place
     mha_gemm::gemm<float>(T, d, T, st, 1, Tp, v, ld, out, ldo, false);
   }
@@ -351,15 +504,15 @@ void check_panels(const std::optional<at::Tensor>& panels, int64_t N, int64_t K,
 }
 
 // y (B, T, N_out) = W_O(attention(split(x W_qkv^T + b_qkv))) + b_O: the module's self-attention
-// forward without masks or score variants (see the file comment). w_qkv_panels / w_o_panels:
-// the weights already packed (pack_panels_*; a frozen module's), read instead of packing
-// w_qkv / w_o, whose shapes still define the call.
+// forward without masks or score variants but causal (see the file comment). w_qkv_panels /
+// w_o_panels: the weights already packed (pack_panels_*; a frozen module's), read instead of
+// packing w_qkv / w_o, whose shapes still define the call. causal: query i sees keys j <= i.
 template <typename E>
 at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
                           const std::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
                           const std::optional<at::Tensor>& b_o, int64_t heads, double scale,
                           const std::optional<at::Tensor>& w_qkv_panels,
-                          const std::optional<at::Tensor>& w_o_panels) {
+                          const std::optional<at::Tensor>& w_o_panels, bool causal) {
   check_dtype<E>(x, "x");
   check_dtype<E>(w_qkv, "w_qkv");
   check_dtype<E>(w_o, "w_o");
@@ -422,8 +575,9 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t hh = 0; hh < heads; ++hh) {
           const E* q = sc.qkv.get() + b * T * 3 * hd + hh * d;  // (T, d), rows 3 hd apart
-          head<E>(T, d, q, q + hd, q + 2 * hd, 3 * hd, float(scale), sc,
-                  sc.heads.get() + b * T * hd + hh * d, hd);  // (T, d) of (rows, h d)
+          E* o = sc.heads.get() + b * T * hd + hh * d;  // (T, d) of (rows, h d)
+          (causal ? head<E, true> : head<E, false>)(T, d, q, q + hd, q + 2 * hd, 3 * hd,
+                                                   float(scale), sc, o, hd);
         }
       mha_rows::project<E>(rows, N, Ko, sc.heads.get(), hd, wo_p, bop, yb + b0 * T * N,
                            N);  // (rows, h d) -> (rows, N_out)
@@ -438,10 +592,12 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
 
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("self_attention_bf16(Tensor x, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, "
-        "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None) -> Tensor");
+        "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None, "
+        "bool causal=False) -> Tensor");
   m.def("pack_panels_bf16(Tensor w) -> Tensor");
   m.def("self_attention_f32(Tensor x, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, "
-        "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None) -> Tensor");
+        "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None, "
+        "bool causal=False) -> Tensor");
   m.def("pack_panels_f32(Tensor w) -> Tensor");
 }
 
