@@ -398,15 +398,20 @@ def test_state_dict_has_no_rope_entries():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_forward_does_not_run_with_rope_and_says_why(dtype):
+def test_fused_forward_turns_q_and_k_and_says_so(dtype):
+    """Where the fused forward runs, it runs with rope too (RoPE named on explain's last line),
+    and the rotation is applied."""
     m = mha.MultiHeadAttention(64, 4, rope=True).to(dtype).eval()
     x = torch.randn(2, 5, 64, dtype=dtype)
     with torch.no_grad():
         line = m.explain(x).splitlines()[-1]
-        assert line.startswith("forward: step by step") and "rope" in line
         ref = mha.MultiHeadAttention(64, 4).to(dtype).eval()
         ref.load_state_dict(m.state_dict())
-        assert "rope" not in ref.explain(x).splitlines()[-1]
+        assert "RoPE" not in ref.explain(x).splitlines()[-1]
+        assert line.startswith("forward: fused") == \
+            ref.explain(x).splitlines()[-1].startswith("forward: fused")
+        if line.startswith("forward: fused"):
+            assert "RoPE on Q and K" in line
         assert max_err(m(x), ref(x)) > 1e-3  # the rotation was applied
 
 

@@ -460,3 +460,76 @@ def test_op_causal_flag_and_fake(dtype):
                                atol=1e-2 if dtype == "bf16" else 1e-5)
     assert not torch.allclose(causal[:, 0].float(), op(*args)[:, 0].float())
     torch.library.opcheck(op, (*args, None, None, True))
+
+
+# ----------------------------------------------------------------------------- rope
+@pytest.mark.parametrize("B,T,D,h,r,interleaved", [
+    (32, 20, 512, 8, None, False),  # the seeds' size, the whole head turned (Llama)
+    (3, 17, 128, 2, 24, False),     # partial rotary (NeoX), r / 2 = 12: a masked remainder
+    (1, 64, 96, 6, 16, True),       # GPT-J pairs, the longest T
+    (4, 7, 64, 4, 2, True),         # one pair
+    (2, 33, 256, 1, 40, False),     # d = 256
+])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("positions", [None, "per row"])
+def test_rope_fused_matches_step_by_step(B, T, D, h, r, interleaved, causal, positions, dtype,
+                                         monkeypatch):
+    """The module's rope in the fused forward: Q and K turned after the projection (fp32,
+    rounded once, as mha.rope), default positions or a (B, T) tensor; within the step-by-step
+    module's tolerance and as near float64 as it is."""
+    rot = mha.rope.Rotary(dim=r or D // h, interleaved=interleaved)
+    torch.manual_seed(T)
+    m = mha.MultiHeadAttention(D, h, rope=rot).eval()
+    m = m.to(DTYPES[dtype])
+    x = torch.randn(B, T, D).to(DTYPES[dtype])
+    kw = dict(causal=causal)
+    if positions:
+        kw["positions"] = torch.randint(0, 300, (B, T))
+    with torch.no_grad():
+        line = _forward(m, x, causal=causal)
+        assert line.startswith(f"forward: fused {dtype} forward") and "RoPE" in line, line
+        got = m(x, **kw)
+        m64 = mha.MultiHeadAttention(D, h, rope=rot)
+        m64.load_state_dict(m.state_dict())
+        want = m64.double().eval()(x.double(), backend="math", **kw)
+    with monkeypatch.context() as mp, torch.no_grad():
+        mp.setattr(linear_choice, "forced", lambda: "torch")
+        ref = m(x, **kw)
+    _close(got, ref, dtype)
+    err = (got.double() - want).abs().max().item()
+    ref_err = (ref.double() - want).abs().max().item()
+    assert err <= 3 * ref_err + FLOOR[dtype] * want.abs().max().item(), \
+        f"fused error {err:.3e}, step by step {ref_err:.3e}"
+
+
+def test_rope_fused_deterministic_frozen_and_across_threads(dtype):
+    m = mha.MultiHeadAttention(128, 4, rope=True).eval().to(DTYPES[dtype])
+    x = torch.randn(9, 20, 128).to(DTYPES[dtype])
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                outs.append(m(x, causal=True))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    with torch.no_grad():
+        assert torch.equal(m.freeze()(x, causal=True), outs[0])
+
+
+def test_op_refuses_bad_rope_tables_by_name(dtype):
+    op, t = _op(dtype), DTYPES[dtype]
+    w_qkv, w_o = torch.zeros(96, 32, dtype=t), torch.zeros(32, 32, dtype=t)
+    x = torch.zeros(2, 5, 32, dtype=t)
+    good = torch.zeros(1, 5, 16)
+    args = (x, w_qkv, None, w_o, None, 2, 0.25, None, None, False)
+    op(*args, good, good)  # (1, T, r), r = d
+    op(*args, torch.zeros(2, 5, 4), torch.zeros(2, 5, 4), True)  # (B, T, r)
+    with pytest.raises(RuntimeError, match="given together"):
+        op(*args, good, None)
+    for bad in (torch.zeros(1, 5, 18), torch.zeros(1, 5, 3), torch.zeros(3, 5, 16),
+                torch.zeros(1, 4, 16), torch.zeros(1, 5, 16, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match=r"rope_cos and rope_sin must be .* \(B or 1, T, r\)"):
+            op(*args, bad, bad)

@@ -359,11 +359,12 @@ class MultiHeadAttention(nn.Module):
         reason, weights = self._fused_plan(query, self_attention, dict(
             mask=mask, causal=causal, key_lengths=key_lengths, window=window,
             need_weights=need_weights or rec.on, backend=backend, cache=cache,
-            cu_seqlens=cu_seqlens, dropout_p=dropout_p, rope=self.rope, **variants))
-        if reason is None:
-            return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
-                                 self.frozen, causal=causal)  # (B, T, d_model)
+            cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants))
         angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r) x 2
+        if reason is None:
+            rope = None if angles is None else (*angles, self.rope.interleaved)
+            return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
+                                 self.frozen, causal=causal, rope=rope)  # (B, T, d_model)
         q, k, v = self._project_heads(query, key, value, self_attention, rec, angles)
         # (B, h, Tq, d_k), (B, h_kv, Tk, d_k), (B, h_kv, Tk, d_v)
         want_weights = need_weights or rec.on  # a trace records the weights too
@@ -427,7 +428,8 @@ class MultiHeadAttention(nn.Module):
         """Why this call runs step by step rather than in the fused forward (bf16 or fp32,
         :mod:`mha.ops.self_attention`), or None when the fused forward serves it. ``call``:
         the call's masks, mode, dropout and score variants (the module's and the call's);
-        ``causal`` is served (the only mask the fused forward has)."""
+        ``causal`` is served (the only mask the fused forward has), and so is the module's
+        ``rope`` (any ``positions``)."""
         return self._fused_plan(query, self_attention, call)[0]
 
     def _fused_plan(self, query, self_attention: bool, call: dict) -> tuple:
@@ -444,7 +446,7 @@ class MultiHeadAttention(nn.Module):
               and not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
         if on:
             return (f"the fused forward has no {', '.join(sorted(on))} (masks but causal, modes, "
-                    f"dropout, weights, score variants and rope run step by step)"), None
+                    f"dropout, weights and score variants run step by step)"), None
         inp, out = self.in_proj, self.out_proj
         params = inp.weight, inp.bias, out.weight, out.bias
         if torch.is_grad_enabled() and (query.requires_grad or any(
@@ -618,10 +620,11 @@ class MultiHeadAttention(nn.Module):
         lines += ["attention:"] + [f"  {line}" for line in str(verdicts).splitlines()]
         dropout_p = self.dropout if self.training else 0.0
         reason = self._why_not_fused(query, self_attention, dict(kwargs, dropout_p=dropout_p,
-                                                                 rope=self.rope, **variants))
+                                                                 **variants))
         forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
                                   self.out_proj.weight, self.out_proj.bias, self.num_heads,
-                                  causal=bool(kwargs.get("causal", False)))
+                                  causal=bool(kwargs.get("causal", False)),
+                                  rope=self.rope is not None)
                    if reason is None else f"step by step: {reason}")
         if reason is None and self.frozen is not None:
             forward += ("; weights packed by freeze() (repacked when a weight's version counter "

@@ -21,7 +21,8 @@ class at no fewer than 512 rows (:mod:`mha.ops.linear_choice`: on a CPU whose GE
 above the tiles, e.g. bf16 on AMX, the step-by-step module keeps torch's GEMMs).
 ``MHA_LINEAR=torch`` turns it off, ``MHA_LINEAR=native`` on wherever it can run. The module
 checks the rest (no mask but ``causal``, no score variant, cache, dropout, weights or trace;
-self-attention with equal head counts).
+self-attention with equal head counts; ``rope`` is served, turning Q and K after the
+projection by the module's tables).
 
 ``causal``: query ``i`` sees keys ``j <= i`` (T queries and T keys, so top-left and
 bottom-right alignment agree); for T = 4, True = may attend::
@@ -90,14 +91,16 @@ def why_not_fused(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | No
     return None
 
 
-def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int, *, causal: bool = False) -> str:
-    """One sentence: whether the fused forward runs for these arguments (``causal`` or not),
-    and why."""
+def describe(x, w_qkv, b_qkv, w_o, b_o, heads: int, *, causal: bool = False,
+             rope: bool = False) -> str:
+    """One sentence: whether the fused forward runs for these arguments (``causal`` or not,
+    Q and K turned by ``rope`` or not), and why."""
     reason = why_not_fused(x, w_qkv, b_qkv, w_o, b_o, heads)
     if reason is not None:
         return f"step by step: {reason}"
     kind = DTYPES[x.dtype]
-    attention = "causal attention" if causal else "attention"
+    attention = ("RoPE on Q and K, " if rope else "") + \
+        ("causal attention" if causal else "attention")
     if linear_choice.forced() == "native":
         return (f"fused {kind} forward (one call, {attention}): forced by "
                 f"{linear_choice.ENV}=native")
@@ -123,19 +126,27 @@ def _measured(M: int, N: int, K: int, dtype: torch.dtype) -> linear_choice.Measu
 
 def self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
                    w_o: torch.Tensor, b_o: torch.Tensor | None, heads: int, scale: float,
-                   panels: Panels | None = None, *, causal: bool = False) -> torch.Tensor:
+                   panels: Panels | None = None, *, causal: bool = False,
+                   rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
     """``(B, T, D) -> (B, T, N_out)``: ``W_O(attention(x W_qkv^T + b_qkv)) + b_O`` in one native
     call, in x's dtype (bf16 or fp32; no autograd: the caller makes sure nothing needs a
     gradient). ``panels``: the two weights packed once (a frozen module's, :class:`Panels`);
-    without them the call packs both. ``causal``: query ``i`` sees keys ``j <= i``."""
+    without them the call packs both. ``causal``: query ``i`` sees keys ``j <= i``. ``rope``:
+    ``(C, S, interleaved)``, the float32 ``(B|1, T, r)`` tables of
+    :meth:`mha.rope.Rotary.angles`: Q and K of every head turned on their first ``r`` dims
+    (in fp32, rounded once to x's dtype) before attention."""
     wq_p, wo_p = (None, None) if panels is None else panels.current(w_qkv, w_o)
     op = (torch.ops.mha.self_attention_bf16 if x.dtype == torch.bfloat16
           else torch.ops.mha.self_attention_f32)
-    return op(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads, float(scale), wq_p, wo_p, causal)
+    C, S, interleaved = (None, None, False) if rope is None else rope
+    if C is not None:
+        C, S = C.contiguous(), S.contiguous()  # (B|1, T, r) each
+    return op(x.contiguous(), w_qkv, b_qkv, w_o, b_o, heads, float(scale), wq_p, wo_p, causal,
+              C, S, interleaved)
 
 
 def fake(x, w_qkv, b_qkv, w_o, b_o, heads, scale, w_qkv_panels=None, w_o_panels=None,
-         causal=False):
+         causal=False, rope_cos=None, rope_sin=None, rope_interleaved=False):
     """The ops' ``register_fake`` twin (registered by :func:`mha.ops.linear.load`): only the
     output's shape, ``(B, T, D) -> (B, T, N_out)``."""
     return x.new_empty((x.shape[0], x.shape[1], w_o.shape[0]))  # (B, T, N_out)

@@ -415,6 +415,61 @@ void head(int64_t T, int64_t d, const E* q, const E* k, const E* v, int64_t ld, 
   }
 }
 
+// 16 elements of E at p as fp32 (m: the lanes read, the others 0).
+template <typename E>
+__m512 load16(const E* p, __mmask16 m) {
+  if constexpr (kBf16<E>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  else
+    return _mm512_maskz_loadu_ps(m, p);
+}
+
+// The lanes m of x into p as E (bf16: rounded to nearest even once).
+template <typename E>
+void store16(E* p, __m512 x, __mmask16 m) {
+  if constexpr (kBf16<E>)
+    _mm256_mask_storeu_epi16(p, m, mha_tiles::to_bf16(x));
+  else
+    _mm512_mask_storeu_ps(p, m, x);
+}
+
+// RoPE on the first r dims of one head's row x (in place): y = x C + partner(x) S in fp32,
+// rounded once to E, as mha.rope's rotation (C, S: the row's (r,) cos and signed sin,
+// Rotary.angles). Pairs (i, i + r/2), or (2i, 2i + 1) when interleaved.
+template <typename E>
+void rotate(E* x, int64_t r, const float* C, const float* S, bool interleaved) {
+  if (interleaved) {
+    for (int64_t i = 0; i < r; i += kLanes) {
+      const __mmask16 m = __mmask16((1u << std::min<int64_t>(kLanes, r - i)) - 1);
+      const __m512 v = load16<E>(x + i, m);
+      const __m512 swapped = _mm512_permute_ps(v, 0xB1);  // (2i, 2i + 1) -> (2i + 1, 2i)
+      store16<E>(x + i, _mm512_fmadd_ps(swapped, _mm512_maskz_loadu_ps(m, S + i),
+                                        _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, C + i))), m);
+    }
+    return;
+  }
+  const int64_t h = r / 2;
+  for (int64_t i = 0; i < h; i += kLanes) {
+    const __mmask16 m = __mmask16((1u << std::min<int64_t>(kLanes, h - i)) - 1);
+    const __m512 a = load16<E>(x + i, m), b = load16<E>(x + h + i, m);
+    const __m512 ya = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(m, S + i),
+                                      _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, C + i)));
+    const __m512 yb = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, S + h + i),
+                                      _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, C + h + i)));
+    store16<E>(x + i, ya, m);
+    store16<E>(x + h + i, yb, m);
+  }
+}
+
+// The rotation of a call: the (B | 1, T, r) cos / signed-sin tables, or none.
+struct Rope {
+  const float* C = nullptr;
+  const float* S = nullptr;
+  int64_t r = 0, row_stride = 0;  // row_stride: T r, or 0 for one table shared by every row
+  bool interleaved = false;
+};
+
 template <typename E>
 void check_dtype(const at::Tensor& t, const char* name) {
   const at::ScalarType want = kBf16<E> ? at::kBFloat16 : at::kFloat;
@@ -512,7 +567,9 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
                           const std::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
                           const std::optional<at::Tensor>& b_o, int64_t heads, double scale,
                           const std::optional<at::Tensor>& w_qkv_panels,
-                          const std::optional<at::Tensor>& w_o_panels, bool causal) {
+                          const std::optional<at::Tensor>& w_o_panels, bool causal,
+                          const std::optional<at::Tensor>& rope_cos,
+                          const std::optional<at::Tensor>& rope_sin, bool rope_interleaved) {
   check_dtype<E>(x, "x");
   check_dtype<E>(w_qkv, "w_qkv");
   check_dtype<E>(w_o, "w_o");
@@ -531,6 +588,24 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
   check_panels<E>(w_o_panels, N, hd, "w_o_panels");
   const std::vector<float> bq = padded_bias<E>(b_qkv, 3 * hd, "b_qkv");
   const std::vector<float> bo = padded_bias<E>(b_o, N, "b_o");
+  TORCH_CHECK(rope_cos.has_value() == rope_sin.has_value(), kOp<E>,
+              ": rope_cos and rope_sin are given together or not at all");
+  Rope rope;
+  if (rope_cos.has_value()) {
+    for (const auto* t : {&*rope_cos, &*rope_sin})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                  t->dim() == 3 && (t->size(0) == 1 || t->size(0) == B) && t->size(1) == T &&
+                  t->size(2) % 2 == 0 && t->size(2) >= 2 && t->size(2) <= d &&
+                  t->sizes() == rope_cos->sizes(),
+                  kOp<E>, ": rope_cos and rope_sin must be contiguous float32 CPU tensors of "
+                  "one shape (B or 1, T, r) with r even and 2 <= r <= d = ", d, ", got ",
+                  rope_cos->sizes(), " and ", rope_sin->sizes());
+    rope.C = rope_cos->data_ptr<float>();
+    rope.S = rope_sin->data_ptr<float>();
+    rope.r = rope_cos->size(2);
+    rope.row_stride = rope_cos->size(0) == 1 ? 0 : T * rope.r;
+    rope.interleaved = rope_interleaved;
+  }
   at::Tensor out = at::empty({B, T, N}, x.options());
   if (B == 0) return out;
   const at::Tensor xc = x.contiguous(), wq = w_qkv.contiguous(), wo = w_o.contiguous();
@@ -572,6 +647,13 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
       const int64_t b0 = g * G, nb = std::min(G, B - b0), rows = nb * T;
       mha_rows::project<E>(rows, 3 * hd, Kq, xb + b0 * T * D, D, wq_p, bqp, sc.qkv.get(),
                            3 * hd);  // (rows, D) -> (rows, 3 hd) = [Q | K | V]
+      if (rope.r > 0)  // Q and K of every head turned, token t of batch row b0 + b at row b T + t
+        for (int64_t row = 0; row < rows; ++row) {
+          const int64_t b = row / T, t = row % T, at = (b0 + b) * rope.row_stride + t * rope.r;
+          E* qk = sc.qkv.get() + row * 3 * hd;
+          for (int64_t c = 0; c < 2 * hd; c += d)  // Q's heads, then K's
+            rotate<E>(qk + c, rope.r, rope.C + at, rope.S + at, rope.interleaved);
+        }
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t hh = 0; hh < heads; ++hh) {
           const E* q = sc.qkv.get() + b * T * 3 * hd + hh * d;  // (T, d), rows 3 hd apart
@@ -593,11 +675,13 @@ at::Tensor self_attention(const at::Tensor& x, const at::Tensor& w_qkv,
 TORCH_LIBRARY_FRAGMENT(mha, m) {
   m.def("self_attention_bf16(Tensor x, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, "
         "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None, "
-        "bool causal=False) -> Tensor");
+        "bool causal=False, Tensor? rope_cos=None, Tensor? rope_sin=None, "
+        "bool rope_interleaved=False) -> Tensor");
   m.def("pack_panels_bf16(Tensor w) -> Tensor");
   m.def("self_attention_f32(Tensor x, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, "
         "int heads, float scale, Tensor? w_qkv_panels=None, Tensor? w_o_panels=None, "
-        "bool causal=False) -> Tensor");
+        "bool causal=False, Tensor? rope_cos=None, Tensor? rope_sin=None, "
+        "bool rope_interleaved=False) -> Tensor");
   m.def("pack_panels_f32(Tensor w) -> Tensor");
 }
 
