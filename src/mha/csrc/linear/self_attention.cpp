@@ -34,6 +34,9 @@
 // by 64-column panels) rounded to bf16 once; the projections sum in fp32 and round each output
 // once, as mha::linear_bf16. fp32: P stays fp32 and O = P V reads V's rows in place; nothing is
 // rounded but fp32's own sums. The projections are whole-K 6 x 64 tiles (csrc/linear/rows.h).
+// RoPE (optional): right after a group's projection, the first r dims of every head's Q and K
+// are turned in place by the caller's (B | 1, T, r) cos / signed-sin tables (mha.rope's
+// Rotary.angles), in fp32 and rounded once to E, while they are in the thread's cache.
 // Causal (query i sees keys j <= i; Tq = Tk, so top-left and bottom-right alignment agree):
 // the softmax of 16 queries runs down the keys up to the last one's, a key past a query's own
 // is -inf in its lane and exactly 0 after 2^x, the score tiles skip query vectors that see none
