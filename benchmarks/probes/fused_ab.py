@@ -81,8 +81,8 @@ def main() -> None:
                 pack = getattr(ops, f"pack_panels_{suffix}")
                 panels = (pack(w_qkv), pack(w_o)) if args.frozen else (None, None)
                 extra = (causal,) if _takes_causal(op) else ()
-                fns[n] = (lambda op=op, panels=panels, extra=extra:
-                          op(x, w_qkv, b_qkv, w_o, b_o, h, (D // h) ** -0.5, *panels, *extra))
+                args_n = (x, w_qkv, b_qkv, w_o, b_o, h, (D // h) ** -0.5, *panels, *extra)
+                fns[n] = lambda op=op, args_n=args_n: op(*args_n)
             if not fns:
                 continue
             first = next(iter(fns))
