@@ -75,19 +75,25 @@ def kernel() -> str:
 
 
 def _register() -> None:
-    from mha.ops import self_attention  # (imports this module)
-
     torch.library.register_fake("mha::linear")(_fake)
     torch.library.register_fake("mha::linear_backward")(_backward_fake)
-    torch.library.register_fake("mha::self_attention_f32")(self_attention.fake)
+    torch.library.register_fake("mha::self_attention_f32")(_self_attention_fake)
     if build.ask(torch.ops.mha.linear_bf16_tiles):
         torch.library.register_fake("mha::linear_bf16")(_fake)
         torch.library.register_fake("mha::linear_bf16_backward")(_backward_fake)
-        torch.library.register_fake("mha::self_attention_bf16")(self_attention.fake)
+        torch.library.register_fake("mha::self_attention_bf16")(_self_attention_fake)
 
 
 def _fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))  # (M, K) x (N, K) -> (M, N)
+
+
+def _self_attention_fake(x, w_qkv, b_qkv, w_o, b_o, heads, scale, w_qkv_panels=None,
+                         w_o_panels=None, causal=False, rope_cos=None, rope_sin=None,
+                         rope_interleaved=False):
+    """The fused forward's (:mod:`mha.ops.self_attention`, built into this extension) fake:
+    only the output's shape, ``(B, T, D) -> (B, T, N_out)``."""
+    return x.new_empty((x.shape[0], x.shape[1], w_o.shape[0]))  # (B, T, N_out)
 
 
 def _backward_fake(grad_out, x, weight, need_x, need_w):

@@ -145,13 +145,6 @@ def self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | N
               C, S, interleaved)
 
 
-def fake(x, w_qkv, b_qkv, w_o, b_o, heads, scale, w_qkv_panels=None, w_o_panels=None,
-         causal=False, rope_cos=None, rope_sin=None, rope_interleaved=False):
-    """The ops' ``register_fake`` twin (registered by :func:`mha.ops.linear.load`): only the
-    output's shape, ``(B, T, D) -> (B, T, N_out)``."""
-    return x.new_empty((x.shape[0], x.shape[1], w_o.shape[0]))  # (B, T, N_out)
-
-
 class Panels:
     """``W_qkv`` and ``W_O`` packed once into the fused call's panels, for a frozen module
     (:meth:`mha.MultiHeadAttention.freeze`): ``torch.ops.mha.pack_panels_bf16``
