@@ -117,7 +117,8 @@ class Scheduler:
         max_len: tokens one request may hold (prompt + new tokens).
         prefill_chunk: prompt tokens per request per step (chunked prefill).
         kv_dtype: the K/V storage (None: the model's dtype; "bfloat16", "int8").
-        eos_token_id: stop a request there (None: run to ``max_new_tokens``).
+        eos_token_id: stop a request there (None: run to ``max_new_tokens``); a token id of
+            the model's vocabulary ``[0, V)`` (any other id could never stop a request).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 16,
@@ -134,9 +135,14 @@ class Scheduler:
                                   kv_dtype=kv_dtype, device=model.device)
         self.eos_token_id = None if eos_token_id is None else check_int(
             "eos_token_id", eos_token_id, low=0, what="a token id (an int >= 0) or None")
+        V = model.get_input_embeddings().num_embeddings
+        if self.eos_token_id is not None and self.eos_token_id >= V:
+            raise ValueError(f"eos_token_id must be a token id of the model's vocabulary "
+                             f"[0, {V}), got {self.eos_token_id} (it could never stop a request)")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
+        self.cancelled: dict[int, Request] = {}
         self.forwards = 0
         self.preemptions = 0
         self._next_rid = 0
@@ -165,6 +171,38 @@ class Scheduler:
         self._next_rid += 1
         self.waiting.append(req)
         return req.rid
+
+    def cancel(self, rid: int) -> list[int]:
+        """Drop request ``rid`` (its client is gone); returns the tokens it generated so far.
+
+        Waiting: it leaves the queue. Running: its pages return to the pool and it leaves the
+        batch; the other requests' greedy tokens do not change. Finished: a no-op (its tokens
+        stay in :attr:`finished` and :meth:`run`'s result). Cancelled already: a no-op. A
+        cancelled request is kept in :attr:`cancelled` and left out of :meth:`run`'s result.
+        Refused (ValueError / TypeError naming ``rid``, nothing changed) for an id that
+        :meth:`add` never returned."""
+        rid = check_int("rid", rid, what="a request id (an int returned by add)")
+        if rid in self.finished:
+            return list(self.finished[rid].output)
+        if rid in self.cancelled:
+            return list(self.cancelled[rid].output)
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                break
+        else:
+            for req in self.running:
+                if req.rid == rid:
+                    self.cache.free(req.seq)
+                    req.seq, req.done = None, 0
+                    self.running.remove(req)
+                    break
+            else:
+                raise ValueError(f"rid={rid} is no request of this scheduler (add returned "
+                                 f"ids 0 … {self._next_rid - 1})" if self._next_rid else
+                                 f"rid={rid} is no request of this scheduler (none was added)")
+        self.cancelled[rid] = req
+        return list(req.output)
 
     def _check_prompt(self, prompt) -> list[int]:
         """``prompt`` as a list of ids of the model's vocabulary (TypeError / ValueError naming
