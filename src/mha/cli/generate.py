@@ -18,7 +18,8 @@ from mha.cli.options import MissingExtra, UsageError, positive_int, utf8_text
 
 
 def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """The options ``mha generate`` and ``mha chat`` share."""
+    """The options ``mha generate`` and ``mha chat`` share (``--impl mha``: see
+    :func:`check_native`)."""
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                    help=f"new tokens at most (default {max_new_tokens}); stops earlier at the "
                         "end-of-turn token")
@@ -35,6 +36,10 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "int8 (one scale per output channel) packed once for mha's "
                         "weight-stationary kernel; fp32: the model's own nn.Linear in --dtype "
                         "(see docs/llm.md)")
+    p.add_argument("--impl", default="transformers", choices=("transformers", "mha"),
+                   help="transformers' LlamaForCausalLM with --attn (default), or mha: "
+                        "mha.models.Llama, the model built from mha's own modules "
+                        "(MultiHeadAttention with RoPE, mha.KVCache; docs/llm.md)")
 
 
 def weights_of(args: argparse.Namespace) -> str:
@@ -53,10 +58,6 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--raw", action="store_true",
                    help="continue the text as is, without the chat template")
-    p.add_argument("--impl", default="transformers", choices=("transformers", "mha"),
-                   help="transformers' LlamaForCausalLM with --attn (default), or mha: "
-                        "mha.models.Llama, the model built from mha's own modules "
-                        "(MultiHeadAttention with RoPE, mha.KVCache; docs/llm.md)")
     p.set_defaults(func=run)
 
 
@@ -75,7 +76,7 @@ def status(res) -> None:
     print(f"[{res.status()}]", file=sys.stderr, flush=True)
 
 
-def _check_native(args: argparse.Namespace) -> None:
+def check_native(args: argparse.Namespace) -> None:
     """``--impl mha`` runs mha's own attention, cache and unpacked projections."""
     from mha.llm.model import check_dtype
     from mha.llm.native import check_native_kv
@@ -93,7 +94,7 @@ def _check_native(args: argparse.Namespace) -> None:
         raise UsageError(str(e).replace("kv=", "--kv ").replace("impl=", "--impl ")) from e
 
 
-def _load_native(dtype: str):
+def load_native_or_hint(dtype: str):
     from mha.llm.model import ModelNotInstalled
     from mha.llm.native import load_native
 
@@ -112,13 +113,13 @@ def run(args: argparse.Namespace) -> int:
                          f"continues any text that has tokens)")
     native = args.impl == "mha"
     if native:
-        _check_native(args)
+        check_native(args)
     else:
         try:
             check_kv(args.kv, args.attn)
         except ValueError as e:
             raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    loaded = (_load_native(args.dtype) if native
+    loaded = (load_native_or_hint(args.dtype) if native
               else load_or_hint(args.dtype, args.attn, weights_of(args)))
     tok = loaded.tokenizer
     ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw

@@ -178,16 +178,36 @@ class Chat:
     template and generates the reply (a cache of capacity ``P + max_new_tokens`` per turn).
 
     A refused turn (too long for the context, or ``text`` not UTF-8 text) leaves the history
-    as it was.
+    as it was. ``impl="mha"``: the model built from mha's own modules
+    (:mod:`mha.llm.native`), which runs ``attn="mha"`` with ``weights="fp32"`` and K/V in the
+    model's dtype or int8; other values of those are refused naming the argument.
     """
 
     def __init__(self, *, dtype="fp32", attn: str = "mha", kv: str | None = None,
                  weights: str = "fp32", max_new_tokens: int = 256,
-                 system: str | None = None) -> None:
-        self.kv = check_kv(kv, attn)
-        self.loaded = load(dtype, attn, weights)
+                 system: str | None = None, impl: str = "transformers") -> None:
+        if impl not in ("transformers", "mha"):
+            raise ValueError(f"impl must be 'transformers' or 'mha', got {impl!r}")
         self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                         what="a positive int")
+        if impl == "mha":
+            from mha.llm.model import check_dtype
+            from mha.llm.native import check_native_kv, load_native, run_native
+
+            if attn != "mha":
+                raise ValueError(f"impl='mha' runs mha.MultiHeadAttention; attn={attn!r} "
+                                 "chooses transformers' attention (use impl='transformers')")
+            if weights != "fp32":
+                raise ValueError(f"impl='mha' keeps its projections' weights as loaded "
+                                 f"(weights='fp32'); weights={weights!r} packs transformers' "
+                                 "nn.Linear (use impl='transformers')")
+            self.kv = check_native_kv(kv, check_dtype(dtype))
+            self.loaded = load_native(dtype)
+            self._run = run_native
+        else:
+            self.kv = check_kv(kv, attn)
+            self.loaded = load(dtype, attn, weights)
+            self._run = run_ids
         self.messages: list[dict] = ([{"role": "system", "content": system}]
                                      if system else [])
 
@@ -195,7 +215,7 @@ class Chat:
         check_text("text", text)
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
-        res = run_ids(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv)
+        res = self._run(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv)
         self.messages = [*messages, {"role": "assistant", "content": res.text}]
         return res
 
