@@ -119,6 +119,35 @@ def test_generate_stops_at_eos_and_pads():
     assert row[:2] == free[0, 11:13].tolist() and set(row[2:]) <= {1}
 
 
+def test_generate_stops_at_any_eos_of_a_list():
+    _, m = _pair()
+    ids = _ids()
+    free = m.generate(ids, 6)
+    eos = [int(free[1, 11 + 2]), int(free[0, 11 + 1])]  # row 1's third, row 0's second token
+    got = m.generate(ids, 6, eos_token_id=eos, pad_token_id=1)
+    row = got[0, 11:].tolist()
+    assert row[:2] == free[0, 11:13].tolist() and set(row[2:]) <= {1}
+    first = next(i for i, t in enumerate(free[1, 11:].tolist()) if t in eos)  # row 1 stops
+    assert got[1, 11:11 + first + 1].tolist() == free[1, 11:11 + first + 1].tolist()
+    assert set(got[1, 11 + first + 1:].tolist()) <= {1}
+
+
+@pytest.mark.parametrize("eos, err, match", [
+    (V, ValueError, rf"eos_token_id must be a token id of the model's vocabulary \[0, {V}\), "
+                    rf"got {V}"),
+    (-1, ValueError, "eos_token_id must be a token id"),
+    ([2, V + 5], ValueError, rf"eos_token_id\[1\] .*\[0, {V}\), got {V + 5}"),
+    ([], ValueError, "eos_token_id must be a token id or a non-empty list"),
+    ("2", TypeError, "eos_token_id must be a token id"),
+    ([2, 2.0], TypeError, r"eos_token_id\[1\] must be a token id"),
+])
+def test_generate_refuses_an_eos_token_id_outside_the_vocabulary(eos, err, match):
+    """Before: an id >= V was taken and could never stop a row (max_new_tokens ran)."""
+    _, m = _pair()
+    with pytest.raises(err, match=match):
+        m.generate(_ids(), 2, eos_token_id=eos)
+
+
 def test_state_dict_names_and_packing():
     """q / k / v are packed as [W^Q; W^K; W^V] into in_proj; o_proj is out_proj."""
     hf, m = _pair()

@@ -334,10 +334,31 @@ class Llama(nn.Module):
             x = x[:, -1:]  # (B, T, d_model) -> (B, 1, d_model)
         return self.lm_head(self.norm(x))  # (B, T | 1, V)
 
+    def _eos_ids(self, eos_token_id) -> list[int] | None:
+        """``eos_token_id`` (an id or a list of ids) as a list of ids of the vocabulary
+        ``[0, V)``; an id outside it could never stop a row (ValueError naming it)."""
+        if eos_token_id is None:
+            return None
+        many = isinstance(eos_token_id, (list, tuple))
+        if many and not eos_token_id:
+            raise ValueError("eos_token_id must be a token id or a non-empty list of them, "
+                             "got an empty list")
+        V = self.embed_tokens.num_embeddings
+        ids = []
+        for i, t in enumerate(eos_token_id if many else [eos_token_id]):
+            name = f"eos_token_id[{i}]" if many else "eos_token_id"
+            t = check_int(name, t, low=0, what="a token id (an int >= 0)")
+            if t >= V:
+                raise ValueError(f"{name} must be a token id of the model's vocabulary "
+                                 f"[0, {V}), got {t} (it could never stop generation)")
+            ids.append(t)
+        return ids
+
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *,
                  attention_mask: torch.Tensor | None = None,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None,
                  kv_dtype: str | None = None,
                  on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Greedy decoding: ``ids (B, P)`` -> ``(B, P + N)``, ``N <= max_new_tokens``.
@@ -345,8 +366,9 @@ class Llama(nn.Module):
         ``attention_mask (B, P)`` (1 = a real token, transformers' spelling): left-padded
         prompts of different lengths; each row's padding is declared to the caches, so its
         positions count from its first real token. ``eos_token_id``: a row that produced it
-        continues with ``pad_token_id`` (default ``eos_token_id``), and decoding stops when
-        every row has; None runs ``max_new_tokens``. ``on_token`` receives each step's new
+        continues with ``pad_token_id`` (default ``eos_token_id``, the first of a list), and
+        decoding stops when every row has; None runs ``max_new_tokens``; an id (or each of a
+        list) must lie in the vocabulary ``[0, V)``, else ValueError naming it. ``on_token`` receives each step's new
         tokens ``(B,)`` (streaming, timing)."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                    what="a positive int")
@@ -354,20 +376,22 @@ class Llama(nn.Module):
             raise ValueError(f"ids must be an integer tensor (B, P) with P >= 1, got shape "
                              f"{tuple(getattr(ids, 'shape', ()))}")
         B, P = ids.shape
+        eos = self._eos_ids(eos_token_id)  # list of ids, or None
         pads = None if attention_mask is None else _left_padding(attention_mask, B, P)  # (B,)
         caches = self.new_caches(B, P + max_new_tokens, kv_dtype)
         if pads is not None:
             for cache in caches:
                 cache.mark_left_padding(pads.to(cache.device))
-        pad = eos_token_id if pad_token_id is None else pad_token_id
+        pad = (eos[0] if eos else None) if pad_token_id is None else pad_token_id
+        stop = None if eos is None else torch.tensor(eos, device=ids.device)  # (E,)
         done = torch.zeros(B, dtype=torch.bool, device=ids.device)  # (B,)
         logits = self(ids, caches, last=True)[:, -1]  # (B, 1, V) -> (B, V)
         new = []
         for step in range(max_new_tokens):
             token = logits.argmax(-1)  # (B,)
-            if eos_token_id is not None:
+            if stop is not None:
                 token = torch.where(done, torch.full_like(token, pad), token)  # (B,)
-                done |= token == eos_token_id
+                done |= torch.isin(token, stop)  # (B,)
             new.append(token)
             if on_token is not None:
                 on_token(token)
