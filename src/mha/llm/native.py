@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 
 from mha.checks import check_int
-from mha.llm.generation import Result, _streamer, check_fits
 from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
+from mha.llm.runs import Result, check_fits, streamer
 
 KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
 
@@ -66,18 +66,18 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     check_fits(P, max_new_tokens, loaded.context)
     tok = loaded.tokenizer
     marks: list[float] = []
-    streamer = _streamer(tok, on_text, marks)
-    streamer.put(ids)  # the prompt first (skipped), as transformers' generate does
+    stream = streamer(tok, on_text, marks)
+    stream.put(ids)  # the prompt first (skipped), as transformers' generate does
 
     def step(token: torch.Tensor) -> None:  # (1,)
-        streamer.put(token)
+        stream.put(token)
 
     eos = tok.eos_token_id if stop_at_eos else None
     t0 = time.perf_counter()
     out = loaded.model.generate(ids, max_new_tokens, eos_token_id=eos, kv_dtype=kv,
                                 on_token=step)  # (1, P + N)
     t1 = time.perf_counter()
-    streamer.end()
+    stream.end()
     new = out[0, P:].tolist()
     first = marks[1] if len(marks) > 1 else t1  # marks[0]: the prompt handed to the streamer
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,

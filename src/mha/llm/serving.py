@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha.checks import check_int, check_int_tensor
-from mha.llm.generation import check_fits
+from mha.llm.runs import check_fits
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 NAME = "mha_paged"
