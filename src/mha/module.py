@@ -525,7 +525,8 @@ class MultiHeadAttention(nn.Module):
             # would count from below 0: it takes position 0
             positions = cache.positions(Tq).clamp(min=0).to(query.device)
         elif cu_seqlens is not None:
-            lengths = check_cu_seqlens("cu_seqlens", cu_seqlens, Tq, query.device)
+            # offsets checked by _check_packed_call (before anything moved): no second check
+            lengths = torch.as_tensor(cu_seqlens).diff().tolist()  # (S + 1,) -> S lengths
             positions = torch.cat([torch.arange(n, device=query.device) for n in lengths]) \
                 if lengths else torch.zeros(0, dtype=torch.int64, device=query.device)  # (N,)
         return self.rope.angles(positions, B, Tq, query.device, query.dtype)
