@@ -15,6 +15,14 @@ module on torch's GEMMs (the pieces time the steps alone either way); the module
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
         benchmarks/probes/module.py --small --dtype bf16 --threads 1 --clock cpu --pieces
+
+``--causal`` also times ``m(x, causal=True)`` as the module runs it (the line ``causal: ...``
+says which way) and both calls again with the fused forward switched off in the probe ("step by
+step", on the GEMMs the module measured), and prints causal against not causal:
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
+        benchmarks/probes/module.py --causal --shape 32,20,512,8 --shape 8,64,512,8 \
+        --threads 1 --clock cpu --rounds 9
 """
 
 from __future__ import annotations
@@ -104,7 +112,7 @@ def _unfused(fn):
 
 
 def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool,
-         clock) -> None:
+         with_causal: bool, clock) -> None:
     dtype = DTYPES[dname]
     ref = torch.nn.MultiheadAttention(D, h, batch_first=True, dtype=dtype).eval()
     m = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval()
@@ -118,6 +126,10 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
     if fused.tiles(dtype) is None:  # freeze(): the weights packed once
         frozen = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval().freeze()
         fns["module frozen"] = lambda: frozen(x)
+    if with_causal:
+        fns.update({"module step by step": _unfused(lambda: m(x)),
+                    "module causal": lambda: m(x, causal=True),
+                    "module causal, step by step": _unfused(lambda: m(x, causal=True))})
     if with_pieces:
         fns.update(pieces(m, x))
         fns.update(gemms(B * T, 3 * D, D, dtype))
@@ -125,18 +137,24 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
     with torch.no_grad():
         t = interleaved(fns, rounds, min_time=0.05, clock=clock)
         forward = m.explain(x).splitlines()[-1]
+        causal = m.explain(x, causal=True).splitlines()[-1] if with_causal else None
     base = t["nn.MHA"]
     print(f"B{B} T{T} d_model{D} h{h} {dname}: nn.MHA {base * 1e3:.3f} ms, "
           f"mha {t['mha module'] * 1e3:.3f} ms = {base / t['mha module']:.2f}x")
     print(f"    {forward}")
+    if with_causal:
+        print(f"    causal {causal}")
     for w, width in (("QKV", 3 * D), ("out", D)):
         weight = torch.empty(width, D, dtype=dtype)
         print(f"    {w} projection: {mha.linear.describe(x, weight, None)}")
     for name, sec in t.items():
-        if "forced" in name or name == "module frozen":
+        if "forced" in name or name == "module frozen" or name.startswith("module causal"):
             print(f"    {name}: {sec * 1e3:.3f} ms = {base / sec:.2f}x nn.MHA")
         elif name not in ("nn.MHA", "mha module"):
             print(f"    {name:28s} {sec * 1e3:8.3f} ms ({sec / t['mha module']:5.1%} of the module)")
+    if with_causal:
+        print(f"    causal / not causal {t['module causal'] / t['mha module']:.3f}; causal step "
+              f"by step / causal {t['module causal, step by step'] / t['module causal']:.3f}x")
 
 
 def main() -> None:
@@ -146,6 +164,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
                     help="only these dtypes (default: all)")
     ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    ap.add_argument("--causal", action="store_true",
+                    help="also time causal=True, and both calls with the fused forward off")
     ap.add_argument("--shape", action="append", metavar="B,T,D,h",
                     help="these shapes instead (batch, length, d_model, heads); repeatable")
     ap.add_argument("--threads", type=int, default=None,
@@ -166,7 +186,8 @@ def main() -> None:
               else SHAPES[:1] if args.small else SHAPES)
     for B, T, D, h in shapes:
         for dname in args.dtype or DTYPES:
-            case(B, T, D, h, dname, args.rounds, args.pieces, clock)
+            case(B, T, D, h, dname, args.rounds, args.pieces, args.causal, clock)
+    print(f"load average after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
