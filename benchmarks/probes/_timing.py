@@ -1,4 +1,5 @@
-"""The one timer the scripts in ``benchmarks/probes/`` share: round-robin medians in one process.
+"""What the scripts in ``benchmarks/probes/`` share: the one timer (round-robin medians in one
+process) and the A/B probes' ``--variant`` option (flash_ab.py, fused_ab.py).
 
 Each round calls every function once (or a batch of calls sized to ``min_time``), so a noisy
 neighbour on a shared machine slows all of them alike; the result is the median seconds per
@@ -7,9 +8,11 @@ call of each. (``mha bench`` has its own, fuller harness in ``mha.bench.core``.)
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, min_time: float = 0.0,
@@ -33,3 +36,19 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, min_time: 
                 fn()
             samples[name].append((clock() - t0) / inner[name])
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def add_variant_argument(ap: argparse.ArgumentParser) -> None:
+    """The A/B probes' ``--variant name=CSRC_DIR[:-DFLAG...]`` option (repeatable, required)."""
+    ap.add_argument("--variant", action="append", required=True,
+                    help="name=CSRC_DIR[:-DFLAG[:-DFLAG...]] (the first is the reference)")
+
+
+def variants(specs: list[str]) -> list[tuple[str, Path, list[str]]]:
+    """``(name, source tree, -D flags)`` of each ``--variant`` spec, in order."""
+    out = []
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        csrc, *defines = rest.split(":")
+        out.append((name, Path(csrc).resolve(), defines))
+    return out

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import add_variant_argument, variants  # noqa: E402
 from bench_path import touched  # noqa: E402
 
 
@@ -90,6 +91,15 @@ def _build(name: str, csrc: Path, defines: list[str], source: str) -> None:
         torch.ops.load_library(str(lib))
 
 
+def build_variants(specs: list[str], source: str) -> list[str]:
+    """Build and load ``source`` of each ``--variant`` spec (:func:`_timing.variants`,
+    :func:`_build`); their names, in order."""
+    parsed = variants(specs)
+    for name, csrc, defines in parsed:
+        _build(name, csrc, defines, source)
+    return [name for name, _, _ in parsed]
+
+
 def _hand_in(names: list[str], backward: bool) -> None:
     """The bf16 kernel measured on this machine (``mha.ops.flash.bf16_choice``), handed to each
     variant that takes one (trees with the setter op; older trees chose by their own rule), as
@@ -111,8 +121,7 @@ def _hand_in(names: list[str], backward: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", action="append", required=True,
-                    help="name=CSRC_DIR[:-DFLAG[:-DFLAG...]] (the first is the reference)")
+    add_variant_argument(ap)
     ap.add_argument("--shapes", nargs="+", default=["4,16,2048,64,causal", "1,8,4096,64,dense"],
                     help="B,h,T,d,{dense|causal}")
     ap.add_argument("--kernel", default="auto")
@@ -134,13 +143,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = []
-    for spec in args.variant:
-        name, _, rest = spec.partition("=")
-        parts = rest.split(":")
-        source = "flash/flash_attn_bwd.cpp" if args.backward else "flash/flash_attn.cpp"
-        _build(name, Path(parts[0]).resolve(), parts[1:], source)
-        names.append(name)
+    names = build_variants(args.variant, "flash/flash_attn_bwd.cpp" if args.backward
+                           else "flash/flash_attn.cpp")
     if args.dtype == "bf16":
         _hand_in(names, args.backward)
     print(f"threads={torch.get_num_threads()} clock={args.clock} load={os.getloadavg()[0]:.2f}")

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flash_ab import _build, _interleaved  # noqa: E402
+from _timing import add_variant_argument  # noqa: E402
+from flash_ab import _interleaved, build_variants  # noqa: E402
 
 SHAPES = ["32,20,512,8,dense", "8,64,512,8,dense", "32,20,512,8,causal", "8,64,512,8,causal"]
 
@@ -37,8 +38,7 @@ def _takes_causal(op) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", action="append", required=True,
-                    help="name=CSRC_DIR[:-DFLAG...] (the first is the reference)")
+    add_variant_argument(ap)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="B,T,D,h,{dense|causal}")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), action="append",
                     help="only these dtypes (default: both)")
@@ -51,12 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = []
-    for spec in args.variant:
-        name, _, rest = spec.partition("=")
-        parts = rest.split(":")
-        _build(name, Path(parts[0]).resolve(), parts[1:], "linear/self_attention.cpp")
-        names.append(name)
+    names = build_variants(args.variant, "linear/self_attention.cpp")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     print(f"threads={torch.get_num_threads()} clock={args.clock} frozen={args.frozen} "
           f"load={os.getloadavg()[0]:.2f}")
