@@ -44,6 +44,7 @@ from mha.checks import (
 )
 from mha.functional import attention
 from mha.functional import explain as explain_attention
+from mha.fused_verdicts import UNSERVED_HELP, fused_conditions, unserved
 from mha.linear import describe, linear
 from mha.mods import check_mod
 from mha.ops.self_attention import DTYPES as FUSED_DTYPES
@@ -442,11 +443,9 @@ class MultiHeadAttention(nn.Module):
                 and self.num_kv_heads == self.num_heads and self.v_head_dim == self.head_dim):
             return ("the fused forward serves self-attention with the packed weight and equal "
                     "query / key / value heads, on one rank"), None
-        on = [n for n, t in call.items() if n != "causal"
-              and not (t is None or t is False or (isinstance(t, (int, float)) and t == 0))]
+        on = unserved(call)
         if on:
-            return (f"the fused forward has no {', '.join(sorted(on))} (masks but causal, modes, "
-                    f"dropout, weights and score variants run step by step)"), None
+            return f"the fused forward has no {', '.join(on)} ({UNSERVED_HELP})", None
         inp, out = self.in_proj, self.out_proj
         params = inp.weight, inp.bias, out.weight, out.bias
         if torch.is_grad_enabled() and (query.requires_grad or any(
@@ -591,9 +590,11 @@ class MultiHeadAttention(nn.Module):
         """What ``self(query, key, value, **kwargs)`` (the plain mode) would run, in words: the
         GEMM of each projection with the reason (:func:`mha.linear.describe`: the native tiles
         or torch's, as measured on this CPU) and every attention backend's verdict
-        (:func:`mha.explain`, with the module's score variants), then on the last line
-        (``forward: ...``) whether the call runs fused (bf16 or fp32 inference,
-        :mod:`mha.ops.self_attention`) or step by step and why, under the current grad mode. No
+        (:func:`mha.explain`, with the module's score variants), each condition of the fused
+        forward (bf16 or fp32 inference, :mod:`mha.ops.self_attention`) with what holds or
+        fails (:func:`mha.fused_verdicts.fused_conditions`), then on the last line
+        (``forward: ...``) whether the call runs fused or step by step and why (the first
+        condition that fails), under the current grad mode. No
         projection or attention is computed; the first fp32 call of a shape class on a machine
         may time both GEMMs (:mod:`mha.ops.linear_choice`)."""
         self_attention = key is None and value is None
@@ -620,8 +621,10 @@ class MultiHeadAttention(nn.Module):
         verdicts = explain_attention(q, k, v, **kwargs, **variants)
         lines += ["attention:"] + [f"  {line}" for line in str(verdicts).splitlines()]
         dropout_p = self.dropout if self.training else 0.0
-        reason = self._why_not_fused(query, self_attention, dict(kwargs, dropout_p=dropout_p,
-                                                                 **variants))
+        call = dict(kwargs, dropout_p=dropout_p, **variants)
+        lines += ["fused forward (one native call, mha.ops.self_attention), each condition:"] + [
+            f"  {c}" for c in fused_conditions(self, query, self_attention, call)]
+        reason = self._why_not_fused(query, self_attention, call)
         forward = (describe_fused(query, self.in_proj.weight, self.in_proj.bias,
                                   self.out_proj.weight, self.out_proj.bias, self.num_heads,
                                   causal=bool(kwargs.get("causal", False)),
