@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import mha
 from mha import reference
 from mha.ops import flash
 from test_flash_bwd import _cancellation
-from test_variants import _allowed, _within_budget, differentiable
+from test_variants import Sizes, _allowed, _within_budget, calls, differentiable
 from threads import with_threads
 
 from oracle import FLOOR, max_err
@@ -25,49 +24,14 @@ pytestmark = pytest.mark.skipif(flash.unavailable() is not None,
                                 reason=f"native kernel unavailable: {flash.unavailable()}")
 
 
-@st.composite
-def calls(draw, dtypes=(torch.float32,), max_len=150):
-    """q, k, v (GQA, Tq != Tk, some non-contiguous), masks and a non-empty set of variants."""
-    dtype = draw(st.sampled_from(dtypes))
-    B, h_kv = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
-    h = h_kv * draw(st.sampled_from([1, 3]))
-    Tq, Tk = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
-    d_k, d_v = draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 24]))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
-
-    q = rand(B, Tq, h, d_k).transpose(1, 2) if draw(st.booleans()) else rand(B, h, Tq, d_k)
-    k, v = rand(B, h_kv, Tk, d_k), rand(B, h_kv, Tk, d_v)
-    masks = {}
-    if draw(st.booleans()):
-        masks["causal"] = True
-        if draw(st.booleans()):
-            masks["window"] = draw(st.integers(1, 40))
-    if draw(st.booleans()):
-        masks["key_lengths"] = torch.tensor([draw(st.integers(0, Tk)) for _ in range(B)])
-    if draw(st.booleans()):
-        masks["mask"] = torch.rand(B, 1, Tq, Tk, generator=g) < 0.8
-    variants = {}
-    for name in draw(st.sets(st.sampled_from(["softcap", "sinks", "bias", "alibi_slopes"]),
-                             min_size=1)):
-        if name == "softcap":
-            variants[name] = draw(st.sampled_from([0.5, 5.0, 50.0]))
-        elif name == "sinks":
-            variants[name] = rand(h) * 2
-        elif name == "bias":
-            shape = draw(st.sampled_from([(B, h, Tq, Tk), (1, h, Tq, Tk), (h, 1, Tk),
-                                          (B, 1, Tq, 1), (Tk,)]))
-            variants[name] = rand(*shape)
-        else:
-            variants[name] = (mha.alibi_slopes(h).to(dtype) if draw(st.booleans())
-                              else rand(B, h).abs())
-    return q, k, v, masks, variants
+def sizes(max_len: int) -> Sizes:
+    """Calls that cross the kernel's query / key blocks, at the head dims its tiles take."""
+    return Sizes(max_len=max_len, d_k=(16, 32), d_v=(16, 24), groups=(1, 3), max_window=40,
+                 keep=0.8, softcaps=(0.5, 5.0, 50.0))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=calls(dtypes=(torch.float32, torch.bfloat16)))
+@given(case=calls(dtypes=(torch.float32, torch.bfloat16), sizes=sizes(150)))
 def test_the_kernel_forward_and_lse_match_the_float64_loop(case):
     q, k, v, masks, variants = case
     allowed = _allowed(q, k, masks)
@@ -96,7 +60,7 @@ def _grads(fn, tensors, seed=1):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=calls(max_len=100))
+@given(case=calls(sizes=sizes(100)))
 def test_the_fused_backward_matches_float64_autograd(case):
     q, k, v, masks, variants = case
     names, inputs, run = differentiable(q, k, v, masks, variants)

@@ -19,6 +19,7 @@ import torch
 import mha
 from mha.ops import linear_choice
 from mha.ops import self_attention as fused
+from mha.threads import num_threads
 
 pytestmark = pytest.mark.usefixtures("native_linear")  # MHA_LINEAR=native: fused where it can
 
@@ -57,6 +58,15 @@ def _module(D, h, dtype, bias=True, seed=0):
 def _close(got, want, dtype):
     tol = 1e-2 if dtype == "bf16" else 1e-5
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _at_1_and_2_threads(fn) -> tuple:
+    """``fn()`` without grad at 1 thread, then at 2."""
+    outs = []
+    for n in (1, 2):
+        with num_threads(n), torch.no_grad():
+            outs.append(fn())
+    return tuple(outs)
 
 
 def _forward(m, x, **kwargs):
@@ -124,16 +134,7 @@ def test_op_equals_module_and_reads_weights_as_they_are(dtype):
 def test_deterministic_across_threads(dtype):
     m = _module(256, 4, dtype)
     x = torch.randn(9, 20, 256).to(DTYPES[dtype])
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            with torch.no_grad():
-                outs.append(m(x))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*_at_1_and_2_threads(lambda: m(x)))
 
 
 def test_nan_propagates_within_its_batch_row(dtype):
@@ -153,20 +154,15 @@ def test_no_state_carried_between_calls(dtype):
     gives the bits a call gives on its own, at 1 and 2 threads (T = 20 and 13: Q^T columns
     past T read rows never written in the call)."""
     m = _module(128, 4, dtype)
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for T in (20, 13):
-                x = torch.randn(5, T, 128).to(DTYPES[dtype])
-                with torch.no_grad():
-                    alone = m(x)
-                    m(torch.full((7, 33, 128), float("nan")).to(DTYPES[dtype]))
-                    after = m(x)
-                assert torch.isfinite(alone).all()
-                assert torch.equal(after, alone)
-    finally:
-        torch.set_num_threads(before)
+    for n in (1, 2):
+        for T in (20, 13):
+            x = torch.randn(5, T, 128).to(DTYPES[dtype])
+            with num_threads(n), torch.no_grad():
+                alone = m(x)
+                m(torch.full((7, 33, 128), float("nan")).to(DTYPES[dtype]))
+                after = m(x)
+            assert torch.isfinite(alone).all()
+            assert torch.equal(after, alone)
 
 
 def test_calls_it_does_not_serve_run_step_by_step(dtype):
@@ -398,16 +394,7 @@ def test_causal_nonfinite_later_token_stays_out_of_earlier_rows(T, j, bad, dtype
 def test_causal_deterministic_across_threads(B, T, D, h, dtype):
     m = _module(D, h, dtype)
     x = torch.randn(B, T, D).to(DTYPES[dtype])
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            with torch.no_grad():
-                outs.append(m(x, causal=True))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*_at_1_and_2_threads(lambda: m(x, causal=True)))
 
 
 def test_causal_frozen_and_unfrozen_give_the_same_bits(dtype):
@@ -428,21 +415,16 @@ def test_causal_no_state_carried_between_calls(dtype):
     """Causal reads no row of its buffers it did not write (the bf16 P pairs included): a call
     after one full of NaN gives its own bits, at 1 and 2 threads."""
     m = _module(128, 4, dtype)
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for T in (20, 13, 64):
-                x = torch.randn(5, T, 128).to(DTYPES[dtype])
-                with torch.no_grad():
-                    alone = m(x, causal=True)
-                    m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]))
-                    m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]), causal=True)
-                    after = m(x, causal=True)
-                assert torch.isfinite(alone).all()
-                assert torch.equal(after, alone)
-    finally:
-        torch.set_num_threads(before)
+    for n in (1, 2):
+        for T in (20, 13, 64):
+            x = torch.randn(5, T, 128).to(DTYPES[dtype])
+            with num_threads(n), torch.no_grad():
+                alone = m(x, causal=True)
+                m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]))
+                m(torch.full((7, 64, 128), float("nan")).to(DTYPES[dtype]), causal=True)
+                after = m(x, causal=True)
+            assert torch.isfinite(alone).all()
+            assert torch.equal(after, alone)
 
 
 def test_op_causal_flag_and_fake(dtype):
@@ -505,18 +487,10 @@ def test_rope_fused_matches_step_by_step(B, T, D, h, r, interleaved, causal, pos
 def test_rope_fused_deterministic_frozen_and_across_threads(dtype):
     m = mha.MultiHeadAttention(128, 4, rope=True).eval().to(DTYPES[dtype])
     x = torch.randn(9, 20, 128).to(DTYPES[dtype])
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            with torch.no_grad():
-                outs.append(m(x, causal=True))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    one, two = _at_1_and_2_threads(lambda: m(x, causal=True))
+    assert torch.equal(one, two)
     with torch.no_grad():
-        assert torch.equal(m.freeze()(x, causal=True), outs[0])
+        assert torch.equal(m.freeze()(x, causal=True), one)
 
 
 def test_op_refuses_bad_rope_tables_by_name(dtype):

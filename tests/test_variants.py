@@ -8,6 +8,7 @@ Shape legend: B batch, h / h_kv heads, Tq / Tk lengths, d_k / d_v head dims.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -31,15 +32,30 @@ def _within_budget(got, ref, low, dtype, what):
     assert err <= budget, f"{what}: error {err:.3e} > budget {budget:.3e}"
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """The ranges :func:`calls` draws a call's sizes and values from (the defaults: a few
+    tokens, every backend's small-shape path)."""
+
+    max_len: int = 7  # Tq and Tk from 1 to this
+    d_k: tuple[int, ...] = (4, 8)
+    d_v: tuple[int, ...] = (4, 6)
+    groups: tuple[int, ...] = (1, 2)  # query heads per key/value head
+    max_window: int = 4
+    keep: float = 0.7  # the share of a random mask's pairs that may attend
+    softcaps: tuple[float, ...] = (0.5, 2.0, 30.0)
+
+
 @st.composite
-def calls(draw, dtypes=(torch.float32,)):
-    """q, k, v (GQA, Tq != Tk, some non-contiguous) with a drawn mix of masks and variants."""
+def calls(draw, dtypes=(torch.float32,), sizes: Sizes = Sizes()):
+    """q, k, v (GQA, Tq != Tk, some non-contiguous) with a drawn mix of masks and a non-empty
+    set of variants, of ``sizes``."""
     dtype = draw(st.sampled_from(dtypes))
     B = draw(st.integers(1, 2))
     h_kv = draw(st.sampled_from([1, 2]))
-    h = h_kv * draw(st.sampled_from([1, 2]))
-    Tq, Tk = draw(st.integers(1, 7)), draw(st.integers(1, 7))
-    d_k, d_v = draw(st.sampled_from([4, 8])), draw(st.sampled_from([4, 6]))
+    h = h_kv * draw(st.sampled_from(sizes.groups))
+    Tq, Tk = draw(st.integers(1, sizes.max_len)), draw(st.integers(1, sizes.max_len))
+    d_k, d_v = draw(st.sampled_from(sizes.d_k)), draw(st.sampled_from(sizes.d_v))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
 
     def rand(*shape):
@@ -54,15 +70,15 @@ def calls(draw, dtypes=(torch.float32,)):
     if draw(st.booleans()):
         masks["causal"] = True
         if draw(st.booleans()):
-            masks["window"] = draw(st.integers(1, 4))
+            masks["window"] = draw(st.integers(1, sizes.max_window))
     if draw(st.booleans()):
         masks["key_lengths"] = torch.tensor([draw(st.integers(0, Tk)) for _ in range(B)])
     if draw(st.booleans()):  # may empty whole rows
-        masks["mask"] = torch.rand(B, 1, Tq, Tk, generator=g) < 0.7
+        masks["mask"] = torch.rand(B, 1, Tq, Tk, generator=g) < sizes.keep
     variants = {}
     chosen = draw(st.sets(st.sampled_from(VARIANT_ARGS), min_size=1))
     if "softcap" in chosen:
-        variants["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
+        variants["softcap"] = draw(st.sampled_from(sizes.softcaps))
     if "sinks" in chosen:
         variants["sinks"] = rand(h) * 2
     if "bias" in chosen:
