@@ -25,6 +25,7 @@ import pytest
 import mha
 from mha.ops import flash_choice, linear_choice
 from mha.ops.forcing import cpu_flags
+from racing import race
 
 KERNEL = "mha_flash-test"  # a build key of our own: entries never mix with the real ones
 SRC = str(Path(mha.__file__).parent.parent)
@@ -210,23 +211,8 @@ _RACER = textwrap.dedent("""
 
 
 def test_two_processes_racing_measure_once(tmp_path):
-    file, log, go = tmp_path / flash_choice.FILE, tmp_path / "measured.log", tmp_path / "go"
-    procs = []
-    for i in range(2):
-        ready = tmp_path / f"ready{i}"
-        procs.append((ready, subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(file), str(log), str(ready), str(go)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})))
-    for ready, p in procs:
-        while not ready.exists():
-            assert p.poll() is None, p.communicate()[1]
-    go.touch()
-    outs = []
-    for _, p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        outs.append(out.strip())
+    file, log = tmp_path / flash_choice.FILE, tmp_path / "measured.log"
+    outs = race(tmp_path, _RACER, [[str(file), str(log)]] * 2)
     assert outs == ["avx512bf16", "avx512bf16"]
     assert len(log.read_text().splitlines()) == 1  # the second waited and read the first's
     (entries,) = json.loads(file.read_text())["machines"].values()

@@ -10,8 +10,6 @@ tested.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 import mha
 from autograd_nodes import node_names
 from mha.ops import linear, linear_choice
+from racing import race
 
 KERNEL = "mha_linear-test"  # a build key of our own: entries never mix with the real ones
 
@@ -249,24 +248,11 @@ _RACER = textwrap.dedent("""
 
 
 def _race(tmp_path, shapes) -> tuple[list[str], Path, Path]:
-    file, log, go = tmp_path / linear_choice.FILE, tmp_path / "measured.log", tmp_path / "go"
-    src = str(Path(mha.__file__).parent.parent)
-    procs = []
-    for i, (M, N, K) in enumerate(shapes):
-        ready = tmp_path / f"ready{i}"
-        procs.append((ready, subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(file), str(log), str(M), str(N), str(K),
-             str(ready), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"})))
-    for ready, p in procs:
-        while not ready.exists():
-            assert p.poll() is None, p.communicate()[1]
-    go.touch()
-    outs = []
-    for _, p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        outs.append(out.strip())
+    """One racing process per (M, N, K) in ``shapes`` (:func:`racing.race`): their choices,
+    the shared cache file and the log of what was measured."""
+    file, log = tmp_path / linear_choice.FILE, tmp_path / "measured.log"
+    outs = race(tmp_path, _RACER, [[str(file), str(log), str(M), str(N), str(K)]
+                                   for M, N, K in shapes])
     return outs, file, log
 
 
