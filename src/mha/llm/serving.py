@@ -145,6 +145,8 @@ class Scheduler:
         self.cancelled: dict[int, Request] = {}
         self.forwards = 0
         self.preemptions = 0
+        #: the requests of the last step if its forward raised (they wait again, first in line)
+        self.interrupted: list[int] = []
         self._next_rid = 0
 
     def add(self, prompt, max_new_tokens: int) -> int:
@@ -204,6 +206,26 @@ class Scheduler:
         self.cancelled[rid] = req
         return list(req.output)
 
+    def take(self, rid: int) -> Request:
+        """Hand over finished or cancelled request ``rid`` and forget it (a long-running caller
+        takes each result once, so :attr:`finished` and :attr:`cancelled` do not grow for
+        ever); its tokens are ``.output``. Refused (ValueError / TypeError naming ``rid``,
+        nothing changed) for a request still waiting or running, one already taken, or an id
+        :meth:`add` never returned."""
+        rid = check_int("rid", rid, what="a request id (an int returned by add)")
+        for done in (self.finished, self.cancelled):
+            if rid in done:
+                return done.pop(rid)
+        for state, reqs in (("waiting", self.waiting), ("running", self.running)):
+            if any(r.rid == rid for r in reqs):
+                raise ValueError(f"rid={rid} is still {state}: only a finished or cancelled "
+                                 "request can be taken (cancel it first)")
+        if 0 <= rid < self._next_rid:
+            raise ValueError(f"rid={rid} was taken already")
+        raise ValueError(f"rid={rid} is no request of this scheduler (add returned ids 0 … "
+                         f"{self._next_rid - 1})" if self._next_rid else
+                         f"rid={rid} is no request of this scheduler (none was added)")
+
     def _check_prompt(self, prompt) -> list[int]:
         """``prompt`` as a list of ids of the model's vocabulary (TypeError / ValueError naming
         it: the embedding would raise torch's 'index out of range' in the step that ran it)."""
@@ -246,13 +268,14 @@ class Scheduler:
                 self._step()
         return {rid: r.output for rid, r in sorted(self.finished.items())}
 
-    def step(self) -> None:
+    def step(self) -> dict[int, int]:
         """One forward (admissions, one packed batch, frees); none when no request waits or
-        runs."""
+        runs. Returns ``{rid: token}``: the token each request generated in this step (those
+        still in prefill generate none), for a caller that streams them."""
         if not (self.waiting or self.running):
-            return
+            return {}
         with self._attention():
-            self._step()
+            return self._step()
 
     def _pages(self, r: Request) -> int:
         """Pages request r's next chunk needs (its cache holds ``r.done`` tokens)."""
@@ -291,7 +314,8 @@ class Scheduler:
         req.seq, req.done = None, 0
         self.waiting.insert(0, req)
 
-    def _step(self) -> None:
+    def _step(self) -> dict[int, int]:
+        self.interrupted = []
         self._admit()
         while True:
             chunks = [(r, r.tokens[r.done:r.done + self.prefill_chunk]) for r in self.running]
@@ -317,15 +341,19 @@ class Scheduler:
                                     use_cache=False, logits_to_keep=last,
                                     paged_step=step).logits  # (1, R, V)
         except BaseException:  # Ctrl-C or an error: the cache holds part of the step's K/V
+            self.interrupted = [r.rid for r in self.running]
             self._requeue_running()
             raise
         self.forwards += 1
         nxt = logits[0].argmax(dim=-1).tolist()  # (R,)
+        new = {}
         for (r, c), tok in zip(chunks, nxt, strict=True):
             r.done += len(c)
             if r.done == len(r.tokens):  # the prompt (and what was generated) is in the cache
                 r.output.append(tok)
+                new[r.rid] = tok
                 if r.finished or tok == self.eos_token_id:
                     self.cache.free(r.seq)
                     self.finished[r.rid] = r
         self.running = [r for r in self.running if r.rid not in self.finished]
+        return new
