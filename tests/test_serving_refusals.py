@@ -221,3 +221,40 @@ def test_cancelling_an_unknown_request_is_refused(model, rid, err, match):
 def test_cancelling_on_an_empty_scheduler_is_refused(model):
     with pytest.raises(ValueError, match=r"rid=0 .*none was added"):
         _scheduler(model).cancel(0)
+
+
+# ------------------------------------------------------------------------------ take
+
+@pytest.mark.skipif(decode.unavailable() is not None,
+                    reason=f"decode kernel unavailable: {decode.unavailable()}")
+def test_take_hands_over_a_finished_request_once_and_forgets_it(model):
+    """A long-running caller takes each result once, so finished and cancelled requests do not
+    accumulate; step() returns the token each request generated in it."""
+    s, (a, b, c) = _with(model, PROMPTS)
+    reference = _with(model, PROMPTS)[0].run()
+    streamed: dict[int, list[int]] = {a: [], b: [], c: []}
+    s.step()
+    with pytest.raises(ValueError, match=f"rid={a} is still running"):
+        s.take(a)
+    s.cancel(c)
+    assert s.take(c).rid == c and not s.cancelled
+    while s.waiting or s.running:
+        for rid, tok in s.step().items():
+            streamed[rid].append(tok)
+    got = s.take(b)
+    assert got.output == reference[b] and b not in s.finished
+    assert streamed[b] == reference[b][1:]  # the first came in the step before the loop
+    with pytest.raises(ValueError, match=f"rid={b} was taken already"):
+        s.take(b)
+    assert list(s.finished) == [a] and s.run() == {a: reference[a]}
+
+
+@pytest.mark.parametrize("rid,err,match", [(3, ValueError, r"rid=3 .*0 … 2"),
+                                           (True, TypeError, "rid must be")])
+def test_taking_an_unknown_or_waiting_request_is_refused(model, rid, err, match):
+    s, _ = _with(model, PROMPTS)
+    with pytest.raises(err, match=match):
+        s.take(rid)
+    with pytest.raises(ValueError, match="rid=0 is still waiting"):
+        s.take(0)
+    assert len(s.waiting) == 3

@@ -1,0 +1,603 @@
+"""An HTTP server over :class:`mha.llm.serving.Scheduler`: greedy completions for many clients
+at once (continuous batching), an OpenAI-compatible subset in JSON.
+
+Endpoints: ``POST /v1/completions`` (``prompt``: a string or token ids, ``max_tokens``,
+``stream``, ``stop``), ``POST /v1/chat/completions`` (``messages`` through the tokenizer's chat
+template, as ``mha chat``), ``GET /v1/models``, ``GET /health``. ``stream: true`` answers
+Server-Sent Events, one chunk per generated token as the engine produces it, then
+``data: [DONE]``.
+
+Threads: :class:`Engine` owns the scheduler, and only its thread calls it: it takes requests
+and cancellations from an inbox, runs :meth:`Scheduler.step` while work exists and hands each
+request's tokens to that request's own queue (:class:`Ticket`). Each HTTP connection has a
+thread (``ThreadingHTTPServer``) that validates the body, tokenizes, submits and waits on its
+ticket. A request that arrives while others run joins the running batch at the next step.
+
+Refused with 400 and an OpenAI-style error naming the field (``{"error": {"message", "type",
+"param"}}``): a body that is not a JSON object, a missing or mistyped field, sampling (only
+greedy decoding runs: ``temperature`` other than 0, ``top_p`` other than 1, ``n`` or
+``best_of`` other than 1, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``) and a
+request the page pool can never hold or past the model's context (refused when added, never
+queued for ever). Fields the server does not know are ignored (clients send many). An error
+inside a forward answers 500 to the requests of that step; the engine serves the others. A
+client that disconnects before its answer cancels its request, so its pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mha.llm.serving import Scheduler
+
+MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
+
+#: Sampling fields a greedy server refuses unless they hold one of these (greedy) values.
+GREEDY = {"temperature": (None, 0), "top_p": (None, 1), "n": (None, 1), "best_of": (None, 1),
+          "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+          "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "suffix": (None, ""),
+          "logit_bias": (None, {})}
+
+
+class BadRequest(Exception):
+    """A client's mistake: answered with ``status`` and the message, naming ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# ----------------------------------------------------------------------------- engine
+@dataclass
+class Ticket:
+    """One request's side of the engine: what it asked for, and the queue of its events:
+    ``("token", id)`` per generated token, then ``("end", finish_reason)``, or
+    ``("error", status, message)`` (refused when added, or its step failed)."""
+
+    prompt: list[int]
+    max_tokens: int
+    events: queue.Queue = field(default_factory=queue.Queue)
+    rid: int | None = None  #: set by the engine thread when the scheduler takes it
+
+
+class Engine:
+    """The thread that owns ``scheduler``: every scheduler call happens on it.
+
+    :meth:`submit` and :meth:`cancel` may be called from any thread; :attr:`stats` is a
+    snapshot (a new dict after each step) that any thread may read."""
+
+    def __init__(self, scheduler: Scheduler, *, threads: int | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.threads = threads
+        self._log = log or (lambda line: None)
+        self._inbox: queue.Queue = queue.Queue()
+        self._tickets: dict[int, Ticket] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mha-serve-engine", daemon=True)
+        self.stats = self._snapshot()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current step; requests still open get a 503 error event."""
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, prompt: list[int], max_tokens: int) -> Ticket:
+        ticket = Ticket(prompt, max_tokens)
+        self._inbox.put(("add", ticket))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        self._inbox.put(("cancel", ticket))
+
+    # -- engine thread only
+    def _loop(self) -> None:
+        if self.threads is not None:  # torch's thread count is set per calling thread
+            import torch
+
+            torch.set_num_threads(self.threads)
+        s = self.scheduler
+        while not self._stop.is_set():
+            self._drain(wait=not (s.waiting or s.running))
+            if self._stop.is_set():
+                break
+            self._step()
+        for ticket in self._tickets.values():
+            ticket.events.put(("error", 503, "the server is shutting down"))
+        self._tickets.clear()
+
+    def _drain(self, wait: bool) -> None:
+        """Take every request and cancellation in the inbox (``wait``: for one first, up to a
+        second, when there is no work)."""
+        try:
+            msg = self._inbox.get(timeout=1.0) if wait else self._inbox.get_nowait()
+            while True:
+                self._handle(msg)
+                msg = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, msg) -> None:
+        if msg is None:
+            return
+        kind, ticket = msg
+        s = self.scheduler
+        if kind == "add":
+            try:
+                ticket.rid = s.add(ticket.prompt, ticket.max_tokens)
+            except (TypeError, ValueError) as e:
+                text = str(e).replace("max_new_tokens", "max_tokens")
+                ticket.events.put(("error", 400, text))
+                return
+            self._tickets[ticket.rid] = ticket
+        elif kind == "cancel" and ticket.rid in self._tickets:
+            s.cancel(ticket.rid)
+            s.take(ticket.rid)
+            del self._tickets[ticket.rid]
+
+    def _step(self) -> None:
+        s = self.scheduler
+        if not (s.waiting or s.running):
+            self.stats = self._snapshot()
+            return
+        try:
+            new = s.step()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail; the others go on
+            self._log(f"error in a forward: {type(e).__name__}: {e}")
+            for rid in s.interrupted:
+                s.cancel(rid)
+                s.take(rid)
+                self._tickets.pop(rid).events.put(("error", 500, "the model failed on this "
+                                                   f"request's step ({type(e).__name__})"))
+            self.stats = self._snapshot()
+            return
+        for rid, tok in new.items():
+            self._tickets[rid].events.put(("token", tok))
+        for rid in list(s.finished):
+            req = s.take(rid)
+            eos = s.eos_token_id is not None and req.output[-1:] == [s.eos_token_id]
+            self._tickets.pop(rid).events.put(("end", "stop" if eos else "length"))
+        self.stats = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "free_pages": s.cache.free_pages, "num_pages": s.cache.num_pages,
+                "page_size": s.cache.page_size, "forwards": s.forwards,
+                "preemptions": s.preemptions}
+
+
+# ----------------------------------------------------------------------------- text
+class TextStream:
+    """Generated tokens -> text pieces: the text decoded so far, less what is held back (an
+    incomplete UTF-8 character, or an end that may begin a stop string); ``stopped`` once a
+    stop string appears (the text ends before it)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self._decode, self._stop = decode, stop
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        """The new text that is safe to send after ``token``."""
+        self.tokens.append(token)
+        text = self._decode(self.tokens)
+        for s in self._stop:
+            at = text.find(s, max(0, len(self.sent) - len(s) + 1))
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        if not self.stopped:
+            text = text.rstrip("\ufffd")
+            hold = max((k for s in self._stop for k in range(1, len(s))
+                        if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        return self._advance(text)
+
+    def finish(self) -> str:
+        """What was held back, at the end (no stop string followed)."""
+        return "" if self.stopped else self._advance(self._decode(self.tokens))
+
+    def _advance(self, text: str) -> str:
+        piece = text[len(self.sent):] if text.startswith(self.sent) else ""
+        if len(text) > len(self.sent):
+            self.sent = text
+        return piece
+
+
+# ----------------------------------------------------------------------------- requests
+def _field(body: dict, name: str, kind, default, what: str):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise BadRequest(f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
+    return value
+
+
+def _greedy(value, allowed) -> bool:
+    """``value`` is one of ``allowed`` (None and bools by identity: JSON's false is no 0)."""
+    return any(value is a if a is None or isinstance(a, bool)
+               else not isinstance(value, bool) and value == a for a in allowed)
+
+
+def _check_greedy(body: dict) -> None:
+    for name, allowed in GREEDY.items():
+        if name in body and not _greedy(body[name], allowed):
+            raise BadRequest(f"{name}={json.dumps(body[name])[:80]} is not supported: this "
+                             "server decodes greedily (one choice, no sampling, no logprobs); "
+                             f"leave {name} out", name)
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or not 1 <= len(stop) <= 4
+            or not all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest("stop must be a non-empty string or a list of 1 to 4 of them", "stop")
+    return stop
+
+
+@dataclass
+class Job:
+    """A checked request: its prompt's token ids and how to answer it."""
+
+    chat: bool
+    prompt: list[int]
+    max_tokens: int
+    stream: bool
+    stop: list[str]
+    include_usage: bool
+
+
+class Server(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` serving ``engine`` (see the module docstring).
+
+    Args:
+        address: ``(host, port)``; port 0 picks a free one (:attr:`url` tells which).
+        engine: the :class:`Engine`, started by :meth:`start`.
+        tokenizer: a transformers tokenizer (text prompts, chat template, the answers' text);
+            None serves token-id prompts only (answers have empty text).
+        model_name: what ``/v1/models`` lists and answers carry.
+        log: where one line per request and per error goes (None: nowhere).
+        debug: also log the traceback of a 500.
+    """
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, engine: Engine, *, tokenizer=None, model_name: str = "mha",
+                 log: Callable[[str], None] | None = None, debug: bool = False) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.log, self.debug = log, debug
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers are not for concurrent use
+        super().__init__(address, Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> threading.Thread:
+        """Start the engine and serve in a background thread (returned)."""
+        self.engine.start()
+        t = threading.Thread(target=self.serve_forever, name="mha-serve-http", daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self.shutdown()
+        self.engine.stop(timeout=30)
+        self.server_close()
+
+    def handle_error(self, request, client_address) -> None:
+        e = sys.exc_info()[1]
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return  # the client left
+        self.write_log(f"error serving {client_address[0]}: {type(e).__name__}: {e}")
+        if self.debug:
+            self.write_log(traceback.format_exc())
+
+    def write_log(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    # -- text
+    def encode(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        from mha.llm.generation import chat_ids
+
+        with self.tokenizer_lock:
+            return chat_ids(self.tokenizer, messages)[0].tolist()  # (1, P) -> (P,)
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.1"
+    server_version = "mha-serve"
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base's name
+        self.server.write_log(f"{self.address_string()} {format % args}")
+
+    # -- answers
+    def _send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, status: int, message: str, param: str | None = None) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._send_json(status, {"error": {"message": message, "type": kind, "param": param,
+                                           "code": None}})
+
+    def _event(self, obj) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    # -- routes
+    def do_GET(self) -> None:  # noqa: N802 - the base's name
+        if self.path == "/health":
+            self._send_json(200, {"status": "ok", **self.server.engine.stats})
+        elif self.path == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [
+                {"id": self.server.model_name, "object": "model", "created": 0,
+                 "owned_by": "mha"}]})
+        else:
+            self._send_error(404, f"no such endpoint: GET {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802 - the base's name
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            self.close_connection = True
+            self._send_error(404, f"no such endpoint: POST {self.path}")
+            return
+        try:
+            job = self._job(self._body(), chat=self.path == "/v1/chat/completions")
+        except BadRequest as e:
+            self.close_connection = True  # the body may be unread
+            self._send_error(e.status, str(e), e.param)
+            return
+        try:
+            self._answer(job)
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug answers 500; the server goes on
+            self.close_connection = True
+            self.server.write_log(f"500 {self.path}: {type(e).__name__}: {e}")
+            if self.server.debug:
+                self.server.write_log(traceback.format_exc())
+            try:
+                self._send_error(500, f"internal error ({type(e).__name__})")
+            except OSError:
+                pass
+
+    def _body(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            raise BadRequest("the body needs a Content-Length header (a byte count), got "
+                             f"{length!r}", status=411 if length is None else 400)
+        n = int(length)
+        if n > MAX_BODY:
+            raise BadRequest(f"the body is {n} bytes, more than {MAX_BODY}", status=413)
+        raw = self.rfile.read(n)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"the body must be a JSON object: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"the body must be a JSON object, got a {type(body).__name__}")
+        return body
+
+    def _job(self, body: dict, *, chat: bool) -> Job:
+        from mha.checks import check_text
+
+        _check_greedy(body)
+        name = "max_completion_tokens" if chat and "max_completion_tokens" in body else \
+            "max_tokens"
+        max_tokens = _field(body, name, int, 256 if chat else 16, "a positive int")
+        if max_tokens < 1:
+            raise BadRequest(f"{name} must be a positive int, got {max_tokens}", name)
+        stream = _field(body, "stream", bool, False, "true or false")
+        options = _field(body, "stream_options", dict, {}, "an object")
+        usage = _field(options, "include_usage", bool, False, "true or false")
+        tok = self.server.tokenizer
+        try:
+            if chat:
+                if tok is None:
+                    raise BadRequest("this server has no tokenizer: use /v1/completions with "
+                                     "token ids", "messages")
+                prompt = self.server.encode_chat(_messages(body))
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, str):
+                    if tok is None:
+                        raise BadRequest("this server has no tokenizer: prompt must be token "
+                                         "ids", "prompt")
+                    prompt = self.server.encode(check_text("prompt", prompt))
+                elif not (isinstance(prompt, list) and prompt and all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+                    raise BadRequest("prompt must be a string or a non-empty list of token "
+                                     f"ids, got {json.dumps(prompt)[:80]}", "prompt")
+        except (TypeError, ValueError) as e:  # check_text, the chat template
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+        if not prompt:
+            raise BadRequest("the prompt has no tokens", "messages" if chat else "prompt")
+        return Job(chat, prompt, max_tokens, stream, _stop_strings(body), usage)
+
+    def _answer(self, job: Job) -> None:
+        engine = self.server.engine
+        ticket = engine.submit(job.prompt, job.max_tokens)
+        self._looked = time.monotonic()
+        try:
+            self._reply(job, ticket)
+        finally:  # the answer is complete, or the client left, or writing to it failed
+            engine.cancel(ticket)  # (a no-op for a request that finished)
+
+    def _reply(self, job: Job, ticket: Ticket) -> None:
+        text = TextStream(self.server.decode, job.stop)
+        cid = None
+        started = False
+        while True:
+            event = self._next(ticket)
+            if event is None:  # the client left
+                return
+            if event[0] == "error":
+                if started:  # the stream is open: say it there, then end it
+                    self._event({"error": {"message": event[2], "type": "server_error"}})
+                    self._event("[DONE]")
+                    return
+                param = (None if event[1] != 400 else "max_tokens" if "max_tokens" in event[2]
+                         else "messages" if job.chat else "prompt")
+                self._send_error(event[1], event[2], param)
+                return
+            cid = cid or f"{'chatcmpl' if job.chat else 'cmpl'}-{ticket.rid}"
+            if event[0] == "token":
+                piece = text.feed(event[1])
+                if text.stopped:  # (the request is cancelled when the answer is sent)
+                    reason = "stop"
+                elif job.stream:
+                    if not started:
+                        self._start_stream(job, cid)
+                        started = True
+                    self._event(self._chunk(job, cid, piece, None))
+                    continue
+                else:
+                    continue
+            else:
+                reason = event[1]
+                piece = text.finish()
+            break
+        usage = {"prompt_tokens": len(job.prompt), "completion_tokens": len(text.tokens),
+                 "total_tokens": len(job.prompt) + len(text.tokens)}
+        if job.stream:
+            if not started:
+                self._start_stream(job, cid)
+            if piece:
+                self._event(self._chunk(job, cid, piece, None))
+            self._event(self._chunk(job, cid, "", reason))
+            if job.include_usage:
+                self._event({**self._chunk(job, cid, "", None), "choices": [], "usage": usage})
+            self._event("[DONE]")
+            return
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text.sent},
+                   "logprobs": None, "finish_reason": reason} if job.chat else
+                  {"index": 0, "text": text.sent, "logprobs": None, "finish_reason": reason})
+        self._send_json(200, {"id": cid, "object": "chat.completion" if job.chat
+                              else "text_completion", "created": int(time.time()),
+                              "model": self.server.model_name, "choices": [choice],
+                              "usage": usage})
+
+    def _next(self, ticket: Ticket):
+        """The ticket's next event, or None once the client has closed its connection (looked
+        at every 50 ms, also while tokens keep coming)."""
+        while True:
+            now = time.monotonic()
+            if now - self._looked >= 0.05:
+                self._looked = now
+                if self._client_gone():
+                    return None
+            try:
+                return ticket.events.get(timeout=0.05)
+            except queue.Empty:
+                pass
+
+    def _client_gone(self) -> bool:
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _start_stream(self, job: Job, cid: str) -> None:
+        self.close_connection = True  # the stream ends when the connection closes
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if job.chat:
+            self._event(self._chunk(job, cid, None, None))
+
+    def _chunk(self, job: Job, cid: str, piece: str | None, reason: str | None) -> dict:
+        if job.chat:  # piece None: the first chunk, naming the role
+            delta = ({"role": "assistant", "content": ""} if piece is None
+                     else {"content": piece} if piece or reason is None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        return {"id": cid, "object": "chat.completion.chunk" if job.chat
+                else "text_completion", "created": int(time.time()),
+                "model": self.server.model_name, "choices": [choice]}
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects, got "
+                         f"{json.dumps(messages)[:80]}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object {{role, content}}", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise BadRequest(f"messages[{i}].role must be 'system', 'user' or 'assistant', "
+                             f"got {json.dumps(role)[:40]}", "messages")
+        if isinstance(content, list):  # OpenAI's content parts: text ones only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(f"messages[{i}].content parts must be text parts "
+                                 "{type: 'text', text}", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string, got "
+                             f"{json.dumps(content)[:40]}", "messages")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
+                num_pages: int = 256, page_size: int = 16, max_seqs: int = 16,
+                prefill_chunk: int = 64, kv_dtype=None, eos_token_id: int | None = None,
+                threads: int | None = None, model_name: str = "mha",
+                log: Callable[[str], None] | None = None, debug: bool = False) -> Server:
+    """A :class:`Server` on ``(host, port)`` over a new :class:`Scheduler` of ``loaded_model``
+    (a transformers causal LM; its context is each request's limit). Call ``.start()``."""
+    context = int(loaded_model.config.get_text_config().max_position_embeddings)
+    scheduler = Scheduler(loaded_model, num_pages=num_pages, page_size=page_size,
+                          max_seqs=max_seqs, max_len=context, prefill_chunk=prefill_chunk,
+                          kv_dtype=kv_dtype, eos_token_id=eos_token_id)
+    engine = Engine(scheduler, threads=threads, log=log)
+    return Server((host, port), engine, tokenizer=tokenizer, model_name=model_name, log=log,
+                  debug=debug)
+
+
+__all__ = ["Engine", "Server", "TextStream", "Ticket", "make_server"]

@@ -1,0 +1,411 @@
+"""``mha serve``'s HTTP server (:mod:`mha.llm.server`) in-process on a free port, over a small
+seeded Llama (tests/tiny_llama.py: vocabulary 101, context 64, eos 2) and a word-level
+tokenizer of the same vocabulary (``w3`` is id 3: decoded text splits back into the ids):
+answers equal transformers' greedy ``generate``; concurrent clients share forwards; streams
+concatenate to the plain answer; a client that leaves frees its pages; every bad field is a 400
+naming it; a forward that raises is a 500 for its step only.
+
+Shape legend: P prompt tokens, M max_tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
+
+import torch  # noqa: E402
+
+from mha.llm.server import TextStream, make_server  # noqa: E402
+from mha.ops import decode  # noqa: E402
+from tiny_llama import CFG, eager_and_mha  # noqa: E402
+
+pytestmark = pytest.mark.skipif(decode.unavailable() is not None,
+                                reason=f"decode kernel unavailable: {decode.unavailable()}")
+
+NUM_PAGES, PAGE_SIZE = 64, 4
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31],
+           [40, 41, 42, 43], [50, 51, 52, 53, 54, 55]]
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, CFG.vocab_size)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>", unk_token="w3")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def models():
+    return eager_and_mha()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(models, tok):
+    log: list[str] = []
+    srv = make_server(models["mha"], tok, port=0, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                      max_seqs=8, prefill_chunk=8, eos_token_id=CFG.eos_token_id,
+                      model_name="tiny", log=log.append)
+    srv.log_lines = log
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def greedy(model, prompt: list[int], m: int) -> list[int]:
+    """transformers' greedy tokens after ``prompt``, stopping at eos (kept, as the server's)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=m, do_sample=False,
+                             eos_token_id=CFG.eos_token_id, pad_token_id=0)  # (1, P + m')
+    return out[0, len(prompt):].tolist()
+
+
+def post(server, path: str, body, *, raw: bytes | None = None, headers=None):
+    """``(status, parsed JSON)`` of a plain POST."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, headers or {"Content-Type": "application/json"})
+    res = conn.getresponse()
+    text = res.read()
+    conn.close()
+    return res.status, json.loads(text)
+
+
+def get(server, path: str):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("GET", path)
+    res = conn.getresponse()
+    out = res.status, json.loads(res.read())
+    conn.close()
+    return out
+
+
+def stream(server, path: str, body) -> list:
+    """The events of a streamed POST: parsed JSON chunks, then the string ``"[DONE]"``."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("POST", path, json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    res = conn.getresponse()
+    assert res.status == 200 and res.getheader("Content-Type") == "text/event-stream"
+    events = []
+    for block in res.read().decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    conn.close()
+    return events
+
+
+def wait_idle(server, timeout: float = 20.0) -> dict:
+    """/health once nothing runs or waits (fails the test past ``timeout``)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        _, h = get(server, "/health")
+        if h["running"] == 0 and h["waiting"] == 0:
+            return h
+        time.sleep(0.02)
+    raise AssertionError(f"the engine is still busy: {h}")
+
+
+@contextlib.contextmanager
+def gated(server, n: int):
+    """Hold the engine's next step until ``n`` requests wait (they then start together)."""
+    s = server.engine.scheduler
+    step = s.step
+
+    def held():
+        end = time.monotonic() + 20
+        while len(s.waiting) + len(s.running) < n and time.monotonic() < end:
+            server.engine._drain(wait=False)  # (engine thread)
+            time.sleep(0.005)
+        s.step = step
+        return step()
+
+    s.step = held
+    try:
+        yield
+    finally:
+        s.step = step
+
+
+# ----------------------------------------------------------------------------- answers
+@pytest.mark.parametrize("i", range(3))
+def test_a_completion_equals_greedy_generate(server, models, tok, i):
+    want = greedy(models["eager"], PROMPTS[i], 12)
+    status, out = post(server, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 12})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == tok.decode(want, skip_special_tokens=True)
+    assert out["usage"] == {"prompt_tokens": len(PROMPTS[i]), "completion_tokens": len(want),
+                            "total_tokens": len(PROMPTS[i]) + len(want)}
+    assert choice["finish_reason"] == ("stop" if want[-1] == CFG.eos_token_id else "length")
+    assert out["object"] == "text_completion" and out["model"] == "tiny"
+
+
+def test_a_text_prompt_is_tokenized(server, models, tok):
+    text = "w5 w6 w7 w8"
+    status, out = post(server, "/v1/completions", {"prompt": text, "max_tokens": 6})
+    want = greedy(models["eager"], tok(text)["input_ids"], 6)
+    assert status == 200 and out["choices"][0]["text"] == tok.decode(want,
+                                                                     skip_special_tokens=True)
+
+
+def test_a_chat_completion_follows_the_chat_template(server, models, tok):
+    messages = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w11 w12"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    want = greedy(models["eager"], list(ids["input_ids"]), 8)
+    status, out = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                                        "temperature": 0, "user": "ignored"})
+    assert status == 200, out
+    msg = out["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": tok.decode(want, skip_special_tokens=True)}
+    assert out["object"] == "chat.completion"
+    assert out["usage"]["completion_tokens"] == len(want)
+
+
+def test_concurrent_clients_share_forwards(server, models, tok):
+    """Six clients at once, their first step held until all six wait: each gets its own
+    greedy tokens, in fewer forwards than the same requests one by one (each runs its prompt
+    in one chunk, then a forward per further token)."""
+    m = 10
+    want = [greedy(models["eager"], p, m) for p in PROMPTS]
+    one_by_one = sum(len(w) for w in want)  # 1 prefill forward + len(w) - 1 decode ones each
+    before = wait_idle(server)["forwards"]
+    got: dict[int, tuple] = {}
+
+    def client(i):
+        got[i] = post(server, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": m})
+
+    with gated(server, len(PROMPTS)):
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for i, w in enumerate(want):
+        status, out = got[i]
+        assert status == 200, out
+        assert out["choices"][0]["text"] == tok.decode(w, skip_special_tokens=True), i
+    forwards = wait_idle(server)["forwards"] - before
+    assert forwards <= max(len(w) for w in want) + 1 < one_by_one, (forwards, one_by_one)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12}),
+    ("/v1/completions", {"prompt": "w20 w21 w22", "max_tokens": 9}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w7 w8"}],
+                              "max_tokens": 9}),
+])
+def test_stream_chunks_concatenate_to_the_plain_answer(server, path, body):
+    chat = "chat" in path
+    status, plain = post(server, path, body)
+    assert status == 200, plain
+    events = stream(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    usage, final = events[-2], events[-3]
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    chunks = events[1:-3] if chat else events[:-3]
+    n = plain["usage"]["completion_tokens"]
+    assert len(chunks) == n  # one chunk per token
+    if chat:
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        assert text == plain["choices"][0]["message"]["content"]
+        assert final["choices"][0]["delta"] == {}
+    else:
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == plain["choices"][0]["text"]
+    assert final["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+
+def test_a_stop_string_ends_the_answer_before_it(server, tok):
+    _, full = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12})
+    words = full["choices"][0]["text"].split()
+    assert len(words) >= 4
+    stop = " " + words[3]
+    want = full["choices"][0]["text"][:full["choices"][0]["text"].find(stop)]
+    status, out = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12,
+                                                   "stop": [stop]})
+    assert status == 200 and out["choices"][0]["text"] == want
+    assert out["choices"][0]["finish_reason"] == "stop"
+    events = stream(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12,
+                                                "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+    assert wait_idle(server)["free_pages"] == NUM_PAGES  # the rest was cancelled
+
+
+def test_text_stream_holds_back_what_may_begin_a_stop_string():
+    pieces = {1: "ab", 2: "ab X", 3: "ab XY", 4: "ab XYZ"}
+    ts = TextStream(lambda toks: pieces[len(toks)], [" XYZ"])
+    assert [ts.feed(t) for t in (1, 2, 3)] == ["ab", "", ""]
+    assert ts.feed(4) == "" and ts.stopped and ts.sent == "ab"
+    ts = TextStream(lambda toks: pieces[len(toks)], [" XYW"])
+    assert [ts.feed(t) for t in (1, 2, 3, 4)] == ["ab", "", "", " XYZ"]
+    assert ts.finish() == "" and not ts.stopped
+
+
+# ----------------------------------------------------------------------------- clients that leave
+def test_a_client_that_leaves_mid_stream_frees_its_pages(server, monkeypatch):
+    """A stream of 40 tokens (each step slowed to 20 ms), read to its first token and closed:
+    the request is cancelled, its pages return and the engine stops running it."""
+    s = server.engine.scheduler
+    step = s.step
+
+    def slow():
+        time.sleep(0.02)
+        return step()
+
+    before = wait_idle(server)["forwards"]
+    monkeypatch.setattr(s, "step", slow)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 40, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen = b""
+        while b"data: " not in seen:
+            seen += c.recv(4096)
+    h = wait_idle(server)
+    assert h["free_pages"] == NUM_PAGES
+    assert h["forwards"] - before < 30  # cancelled well before its 40 tokens
+    assert not s.finished and not s.cancelled  # taken and forgotten
+
+
+def test_results_do_not_accumulate(server):
+    post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
+    s = server.engine.scheduler
+    wait_idle(server)
+    assert not s.finished and not s.cancelled and not server.engine._tickets
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": [5, 6], "temperature": 0.7}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "n": 2}, "n"),
+    ("/v1/completions", {"prompt": [5, 6], "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": [5, 6], "top_p": 0.9}, "top_p"),
+    ("/v1/completions", {"prompt": [5, 6], "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": [5, 6], "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": [5, 6], "presence_penalty": 1}, "presence_penalty"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, 6], "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": [5, 6], "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": [5, 6], "stop": ""}, "stop"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["w5", "w6"]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, True]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, 1.5]}, "prompt"),
+    ("/v1/completions", {"prompt": [5, CFG.vocab_size]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 60, "max_tokens": 10}, "max_tokens"),  # > context
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "w5"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                              "temperature": 1}, "temperature"),
+])
+def test_a_bad_field_is_a_400_naming_it(server, path, body, param):
+    status, out = post(server, path, body)
+    assert status == 400, out
+    err = out["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert param.split("_")[0] in err["message"], err["message"]
+    assert "Traceback" not in err["message"]
+
+
+def test_a_request_larger_than_the_page_pool_is_refused(models, tok):
+    """A pool of 4 pages of 4 tokens: 10 + 20 tokens fit the context (64) but need 8 pages,
+    so the request could never run; refused at once, nothing queued, and the server goes on."""
+    small = make_server(models["mha"], tok, port=0, num_pages=4, page_size=4,
+                        eos_token_id=CFG.eos_token_id)
+    small.start()
+    try:
+        status, out = post(small, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 20})
+        assert status == 400 and out["error"]["param"] == "max_tokens"
+        assert "num_pages=4" in out["error"]["message"]
+        h = wait_idle(small)
+        assert h["free_pages"] == 4 and h["forwards"] == 0
+        status, out = post(small, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 6})
+        assert status == 200 and out["usage"]["completion_tokens"] >= 1
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize("raw,headers,status", [
+    (b"{not json", None, 400),
+    (b"[1, 2]", None, 400),
+    (b"\xff\xfe", None, 400),
+    (b"", None, 400),
+    (b'{"prompt": [5]}', {"Content-Length": "abc"}, 400),
+])
+def test_a_malformed_body_is_a_400_without_traceback(server, raw, headers, status):
+    server.log_lines.clear()
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for k, v in ({"Content-Length": str(len(raw))} | (headers or {})).items():
+        conn.putheader(k, v)
+    conn.endheaders(raw)
+    res = conn.getresponse()
+    out = json.loads(res.read())
+    conn.close()
+    assert res.status == status and "message" in out["error"]
+    assert not any("Traceback" in line for line in server.log_lines)
+
+
+def test_a_forward_that_raises_is_a_500_for_its_step_only(server, models, tok, monkeypatch):
+    model = server.engine.scheduler.model
+    forward = model.forward
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", failing)
+    status, out = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
+    assert status == 500 and out["error"]["type"] == "server_error"
+    assert "boom" not in out["error"]["message"]  # the reason goes to the log, not the client
+    assert any("boom" in line for line in server.log_lines)
+    status, out = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
+    assert status == 200
+    want = greedy(models["eager"], [5, 6, 7], 4)
+    assert out["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+    assert wait_idle(server)["free_pages"] == NUM_PAGES
+
+
+# ----------------------------------------------------------------------------- other endpoints
+def test_health_and_models(server):
+    status, h = get(server, "/health")
+    assert status == 200 and h["status"] == "ok" and h["num_pages"] == NUM_PAGES
+    status, m = get(server, "/v1/models")
+    assert status == 200 and [d["id"] for d in m["data"]] == ["tiny"]
+    status, out = get(server, "/v2/nothing")
+    assert status == 404 and "/v2/nothing" in out["error"]["message"]
