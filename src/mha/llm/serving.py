@@ -28,6 +28,10 @@ retried; greedy tokens do not change. A forward that raises (Ctrl-C, an error in
 preempts every running request the same way before the exception propagates, so a later
 :meth:`Scheduler.run` resumes to the same tokens.
 
+A long-running caller (:mod:`mha.llm.server`) streams each step's tokens (:meth:`Scheduler.step`
+returns them) and takes each finished or cancelled request once (:meth:`Scheduler.take`), so
+the scheduler keeps no results.
+
 Why not ``model.generate_batch`` (transformers' own continuous batching, 5.24): its
 ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (generation/continuous_batching/
 continuous_api.py) raises ValueError unless ``config._attn_implementation`` is ``"paged|eager"``,
