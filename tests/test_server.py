@@ -488,3 +488,19 @@ def test_serve_prints_its_url_answers_and_stops_at_ctrl_c(models, tok, capsys, m
         want, skip_special_tokens=True)
     assert not seen["engine"]._thread.is_alive()
     assert "stopped" in err and "Traceback" not in err
+
+
+def test_a_bug_in_the_engine_is_a_500_and_the_engine_goes_on(server, models, tok, monkeypatch):
+    """A step that hands back a token of no request (a bug's stand-in) fails the open
+    requests with 500, frees their pages, and the next request is answered."""
+    s = server.engine.scheduler
+    step = s.step
+    monkeypatch.setattr(s, "step", lambda: {**step(), 10**6: 5})
+    status, out = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
+    assert status == 500 and out["error"]["type"] == "server_error"
+    monkeypatch.setattr(s, "step", step)
+    assert wait_idle(server)["free_pages"] == NUM_PAGES and not server.engine._tickets
+    status, out = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
+    want = greedy(models["eager"], [5, 6, 7], 4)
+    assert status == 200 and out["choices"][0]["text"] == tok.decode(want,
+                                                                     skip_special_tokens=True)

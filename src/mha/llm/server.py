@@ -25,6 +25,7 @@ client that disconnects before its answer cancels its request, so its pages retu
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import queue
@@ -112,12 +113,26 @@ class Engine:
             torch.set_num_threads(self.threads)
         s = self.scheduler
         while not self._stop.is_set():
-            self._drain(wait=not (s.waiting or s.running))
-            if self._stop.is_set():
-                break
-            self._step()
+            try:
+                self._drain(wait=not (s.waiting or s.running))
+                if self._stop.is_set():
+                    break
+                self._step()
+            except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
+                self._log(f"engine error: {type(e).__name__}: {e}")
+                self._fail_all(f"internal error in the engine ({type(e).__name__})")
         for ticket in self._tickets.values():
             ticket.events.put(("error", 503, "the server is shutting down"))
+        self._tickets.clear()
+
+    def _fail_all(self, message: str) -> None:
+        """Every open request ends with a 500 and leaves the scheduler (its pages freed)."""
+        s = self.scheduler
+        for rid, ticket in list(self._tickets.items()):
+            with contextlib.suppress(ValueError):
+                s.cancel(rid)
+                s.take(rid)
+            ticket.events.put(("error", 500, message))
         self._tickets.clear()
 
     def _drain(self, wait: bool) -> None:
@@ -339,6 +354,7 @@ class Server(http.server.ThreadingHTTPServer):
 class Handler(http.server.BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
+    timeout = 120  #: seconds a socket read or write may take (a body sent short, a stuck client)
     server_version = "mha-serve"
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base's name
