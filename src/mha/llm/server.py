@@ -172,6 +172,8 @@ class Engine:
         try:
             new = s.step()
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the others go on
+            if not s.interrupted:  # not in the forward: no request to blame (see _loop)
+                raise
             self._log(f"error in a forward: {type(e).__name__}: {e}")
             for rid in s.interrupted:
                 s.cancel(rid)
