@@ -504,3 +504,54 @@ def test_a_bug_in_the_engine_is_a_500_and_the_engine_goes_on(server, models, tok
     want = greedy(models["eager"], [5, 6, 7], 4)
     assert status == 200 and out["choices"][0]["text"] == tok.decode(want,
                                                                      skip_special_tokens=True)
+
+
+def test_streams_under_preemption_give_each_token_once(models, tok):
+    """A pool of 8 pages of 4 tokens for three streams of 7 + 12 tokens (5 pages each): they
+    wait and get preempted (pages freed, recomputed later), and each stream still carries its
+    greedy tokens once each, in order."""
+    small = make_server(models["mha"], tok, port=0, num_pages=8, page_size=4, prefill_chunk=4,
+                        eos_token_id=None)
+    small.start()
+    prompts = [PROMPTS[0], [p + 1 for p in PROMPTS[0]], [p + 2 for p in PROMPTS[0]]]
+    got: dict[int, list] = {}
+    try:
+        with gated(small, 3):
+            threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, stream(
+                small, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12})))
+                for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert wait_idle(small)["preemptions"] > 0
+    finally:
+        small.close()
+    for i, p in enumerate(prompts):
+        ids = list(p)
+        with torch.no_grad():  # argmax over the whole vocabulary, eos included (no eos stop)
+            for _ in range(12):
+                ids.append(int(models["eager"](torch.tensor([ids])).logits[0, -1].argmax()))
+        want = ids[len(p):]  # (12,)
+        chunks = [e["choices"][0]["text"] for e in got[i][:-2]]
+        assert [tok.decode([t], skip_special_tokens=True) for t in want] == \
+            [c.strip() for c in chunks]
+
+
+def test_a_forward_that_raises_mid_stream_ends_the_stream_with_an_error(server, monkeypatch):
+    model = server.engine.scheduler.model
+    forward = model.forward
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", failing)
+    events = stream(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6})
+    assert [e["choices"][0]["finish_reason"] for e in events[:2]] == [None, None]
+    assert events[2]["error"]["type"] == "server_error" and events[3] == "[DONE]"
+    assert len(events) == 4
+    assert wait_idle(server)["free_pages"] == NUM_PAGES
