@@ -268,13 +268,13 @@ def test_text_stream_holds_back_what_may_begin_a_stop_string():
 
 # ----------------------------------------------------------------------------- clients that leave
 def test_a_client_that_leaves_mid_stream_frees_its_pages(server, monkeypatch):
-    """A stream of 40 tokens (each step slowed to 20 ms), read to its first token and closed:
+    """A stream of 40 tokens (each step slowed to 50 ms), read to its first token and closed:
     the request is cancelled, its pages return and the engine stops running it."""
     s = server.engine.scheduler
     step = s.step
 
     def slow():
-        time.sleep(0.02)
+        time.sleep(0.05)
         return step()
 
     before = wait_idle(server)["forwards"]
