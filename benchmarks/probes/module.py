@@ -5,7 +5,8 @@ Shape legend: B batch, T sequence length, d_model model width, h heads, d = d_mo
 For each shape and dtype: ``nn.MHA`` (eval, no_grad: torch's fast path) and
 ``mha.MultiHeadAttention`` with the same weights, then the module's pieces timed alone — the
 QKV projection ``(B T, d_model) -> (B T, 3 d_model)``, attention on ``(B, h, T, d)`` views, the
-head merge + output projection — and torch's GEMMs vs mha.linear's native tiles on the same
+head merge + output projection, the merge alone and the merge folded into W_O as one ``einsum``
+— and torch's GEMMs vs mha.linear's native tiles on the same
 products. One process, calls interleaved round-robin, medians. The line ``forward: ...`` says
 whether the module runs fused (bf16 or fp32 inference, :mod:`mha.ops.self_attention`: one
 native call) or step by step; where it runs fused, "native forced" is the fused call, "step by
@@ -53,10 +54,15 @@ def pieces(m: mha.MultiHeadAttention, x: torch.Tensor) -> dict:
     q, k, v = (t.view(B, T, h, D // h).transpose(1, 2)  # (B, T, h, d) -> (B, h, T, d)
                for t in qkv.split(D, dim=-1))
     out = mha.attention(q, k, v)  # (B, h, T, d)
+    w_o = m.out_proj.weight.view(D, h, D // h)  # (d_model, h d) -> (d_model, h, d)
     return {
         "qkv proj": lambda: m.project(x, x, x, True),
         "attention": lambda: mha.attention(q, k, v),
         "merge+out proj": lambda: m._output(out, None, _Off()),
+        "merge alone": lambda: m.merge_heads(out),  # (B, h, T, d) -> (B, T, h d)
+        # the merge folded into W_O: (B, h, T, d) x (d_model, h, d) -> (B, T, d_model)
+        "merge+out proj as einsum": lambda: torch.einsum("bhtd,nhd->btn", out, w_o)
+        + m.out_proj.bias,
     }
 
 
