@@ -6,7 +6,9 @@ GEMM and a plain streaming read of the same bytes, on SmolLM2-135M's projection 
 
 One "step" runs every projection of ``--layers`` decoder layers once (q 576x576, k/v 192x576,
 o 576x576, gate/up 1536x576, down 576x1536) plus lm_head (49152x576), each layer with weights
-of its own, so the weights do not fit in the caches and are read from memory, as in decoding.
+of its own, so the weights do not fit in the caches and are read from memory, as in decoding
+(``--no-head``: lm_head left out; with prefill-sized ``--rows`` the packed rows run torch's
+bf16 GEMM on the kept bf16 copy, beside F.linear in fp32 and bf16).
 Impls: F.linear on fp32 weights, F.linear on bf16 weights and activations, the packed bf16 and
 int8 kernels, and the native read loop (csrc/bench/stream_read.cpp) over the packed bf16 and
 int8 bytes. Prints ms per step and GB/s of weights read; the packed rows also as % of the
@@ -35,6 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1, help="M, the rows of x (tokens)")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--no-head", action="store_true",
+                    help="leave lm_head out (the layers' projections only: prefill-sized --rows)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -42,7 +46,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) * 0.05 for _ in range(args.layers) for n, k in SHAPES]
-    ws.append(torch.randn(*HEAD, generator=g) * 0.05)
+    if not args.no_head:
+        ws.append(torch.randn(*HEAD, generator=g) * 0.05)
     w16 = [w.bfloat16() for w in ws]
     pb = [gemv.pack(w, "bf16") for w in ws]
     pq = [gemv.pack(w, "int8") for w in ws]
@@ -66,7 +71,8 @@ def main() -> None:
     }
     with torch.inference_mode():
         t = interleaved({k: f for k, (f, _) in fns.items()}, args.rounds)
-    print(f"{args.layers} layers + lm_head, M={args.rows}, {torch.get_num_threads()} threads")
+    head = "" if args.no_head else " + lm_head"
+    print(f"{args.layers} layers{head}, M={args.rows}, {torch.get_num_threads()} threads")
     for name, (_, nbytes) in fns.items():
         rate = nbytes / t[name] / 1e9
         rel = ""
