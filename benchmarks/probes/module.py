@@ -12,7 +12,9 @@ whether the module runs fused (bf16 or fp32 inference, :mod:`mha.ops.self_attent
 native call) or step by step; where it runs fused, "native forced" is the fused call, "step by
 step, native forced" the step-by-step module on mha's tiles and "torch forced" the step-by-step
 module on torch's GEMMs (the pieces time the steps alone either way); the module frozen
-(``freeze()``: the fused call's weights packed once) is timed beside them.
+(``freeze()``: the fused call's weights packed once) is timed beside them. ``--faults`` also
+counts the minor page faults per call of nn.MHA, the module and the module on mha's tiles
+(``ru_minflt`` over 200 calls).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src .venv/bin/python \
         benchmarks/probes/module.py --small --dtype bf16 --threads 1 --clock cpu --pieces
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import torch
@@ -64,6 +67,20 @@ def pieces(m: mha.MultiHeadAttention, x: torch.Tensor) -> dict:
         "merge+out proj as einsum": lambda: torch.einsum("bhtd,nhd->btn", out, w_o)
         + m.out_proj.bias,
     }
+
+
+def faults(fns: dict, calls: int) -> dict:
+    """Minor page faults per call of each (``ru_minflt`` of the process over ``calls`` calls,
+    after one warm-up call): new memory first touched inside the call."""
+    out = {}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            fn()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(calls):
+                fn()
+            out[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+    return out
 
 
 class _Off:
@@ -118,7 +135,7 @@ def _unfused(fn):
 
 
 def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: bool,
-         with_causal: bool, clock) -> None:
+         with_causal: bool, clock, with_faults: bool = False) -> None:
     dtype = DTYPES[dname]
     ref = torch.nn.MultiheadAttention(D, h, batch_first=True, dtype=dtype).eval()
     m = mha.MultiHeadAttention.from_torch(ref).to(dtype).eval()
@@ -158,6 +175,12 @@ def case(B: int, T: int, D: int, h: int, dname: str, rounds: int, with_pieces: b
             print(f"    {name}: {sec * 1e3:.3f} ms = {base / sec:.2f}x nn.MHA")
         elif name not in ("nn.MHA", "mha module"):
             print(f"    {name:28s} {sec * 1e3:8.3f} ms ({sec / t['mha module']:5.1%} of the module)")
+    if with_faults:
+        per_call = faults({name: fns[name] for name in ("nn.MHA", "mha module",
+                                                        "module, native forced") if name in fns},
+                          200)
+        print("    page faults per call (ru_minflt over 200 calls): "
+              + ", ".join(f"{name} {n:.1f}" for name, n in per_call.items()))
     if with_causal:
         print(f"    causal / not causal {t['module causal'] / t['mha module']:.3f}; causal step "
               f"by step / causal {t['module causal, step by step'] / t['module causal']:.3f}x")
@@ -170,6 +193,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=tuple(DTYPES), action="append",
                     help="only these dtypes (default: all)")
     ap.add_argument("--small", action="store_true", help="only the seeds' shape")
+    ap.add_argument("--faults", action="store_true",
+                    help="also count page faults per call of nn.MHA and the module (ru_minflt)")
     ap.add_argument("--causal", action="store_true",
                     help="also time causal=True, and both calls with the fused forward off")
     ap.add_argument("--shape", action="append", metavar="B,T,D,h",
@@ -192,7 +217,7 @@ def main() -> None:
               else SHAPES[:1] if args.small else SHAPES)
     for B, T, D, h in shapes:
         for dname in args.dtype or DTYPES:
-            case(B, T, D, h, dname, args.rounds, args.pieces, args.causal, clock)
+            case(B, T, D, h, dname, args.rounds, args.pieces, args.causal, clock, args.faults)
     print(f"load average after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
