@@ -274,6 +274,12 @@ def _check_scaling(scaling) -> tuple | None:
         raise TypeError(f"scaling must be None or a dict with 'rope_type' "
                         f"{' / '.join(map(repr, SCALINGS))}, got {type(scaling).__name__}")
     kind = scaling.get("rope_type", scaling.get("type"))
+    if "rope_type" in scaling and "type" in scaling and scaling["type"] != kind:
+        raise ValueError(f"scaling: rope_type {kind!r} and type {scaling['type']!r} (its older "
+                         f"spelling) disagree; give one of them")
+    if not isinstance(kind, str | None):  # a list or dict would not even hash
+        raise ValueError(f"scaling: rope_type must be one of {sorted(SCALINGS)} (or None for "
+                         f"none), got {type(kind).__name__} {kind!r}")
     if kind in (None, "default") and set(scaling) <= {"rope_type", "type", "rope_theta",
                                                       "partial_rotary_factor"}:
         return None
