@@ -30,7 +30,13 @@ import contextlib
 
 import torch
 
-from mha.checks import check_float_dtype, check_int, check_int_tensor, check_tensor
+from mha.checks import (
+    check_float_dtype,
+    check_int,
+    check_int_tensor,
+    check_readable,
+    check_tensor,
+)
 
 #: mha.attention keywords that attend() sets from the cache (its masks), refused as arguments
 _CACHE_SETS = ("causal", "key_lengths", "mask", "window")
@@ -50,7 +56,9 @@ def _check_kv_dtype(kv_dtype) -> str | None:
 
 def _as_rows(name: str, n, B: int, device: torch.device) -> torch.Tensor:
     """An int or ``(B,)`` integer tensor/sequence -> ``(B,)`` int64 on ``device``."""
-    t = check_int_tensor(name, n, f"(B,) = ({B},) or an int", device).to(device)
+    t = check_int_tensor(name, n, f"(B,) = ({B},) or an int", device)
+    check_readable(name, t)  # its values are compared before anything changes
+    t = t.to(device)
     if t.dim() == 0:
         t = t.expand(B)
     if t.shape != (B,):
@@ -204,9 +212,12 @@ class KVCache:
 
     def positions(self, Tn: int) -> torch.Tensor:
         """``(B, Tn)`` int64: the positions (counted from each row's start) that the next
-        ``Tn`` appended tokens will take — what a model needs for its position embeddings."""
+        ``Tn`` appended tokens will take — what a model needs for its position embeddings.
+        Never below 0: a token that lands inside a row's declared left padding (never
+        attended) takes position 0."""
         Tn = check_int("Tn", Tn, low=0, what="a non-negative int")
-        return (self.lengths - self.starts).unsqueeze(1) + torch.arange(Tn, device=self.device)
+        at = (self.lengths - self.starts).unsqueeze(1) + torch.arange(Tn, device=self.device)
+        return at.clamp(min=0)  # (B, Tn)
 
     def masks(self, Tq: int) -> dict:
         """The ``mha.attention`` keyword arguments that make the last Tq cached tokens of each
@@ -278,13 +289,16 @@ class KVCache:
 
     def truncate(self, n) -> None:
         """Keep the first ``n`` positions (an int, or ``(B,)`` per row) — speculative-decoding
-        rollback, beam pruning, or cutting right padding after a batched prefill. Only
-        ``lengths`` changes; ``n`` may not exceed a row's current length."""
+        rollback, beam pruning, or cutting right padding after a batched prefill. ``lengths``
+        changes, and ``starts`` where the cut reaches into a row's left padding (the row keeps
+        ``n`` padding slots, and the next token appended is its first real one, at position
+        0); ``n`` may not exceed a row's current length (refused, the cache unchanged)."""
         n = _as_rows("n", n, self.batch_size, self.device)
         if bool((n < 0).any()) or bool((n > self.lengths).any()):
             raise ValueError(f"truncate: n must lie in [0, current length] per row; lengths are "
                              f"{self.lengths.tolist()}, got n={n.tolist()}")
         self.lengths.copy_(n)
+        torch.minimum(self.starts, n, out=self.starts)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search: row ``b`` becomes a copy of row ``index[b]`` (``index`` an integer tensor
@@ -402,14 +416,26 @@ class ConcatKVCache:
     def max_length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
+    @property
+    def batch_size(self) -> int | None:
+        """B of what is cached (None while empty: the first append sets it)."""
+        return None if self.k is None else self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self.k is None else self.k.device
+
     def positions(self, Tn: int) -> torch.Tensor:
         """``(1, Tn)``: the positions the next Tn tokens take (rows are equally long)."""
-        device = None if self.k is None else self.k.device
-        return self.max_length + torch.arange(Tn, device=device).unsqueeze(0)
+        Tn = check_int("Tn", Tn, low=0, what="a non-negative int")
+        return self.max_length + torch.arange(Tn, device=self.device).unsqueeze(0)
 
     @contextlib.contextmanager
     def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Grow by concatenation and yield ``(k_all, v_all, masks)``; undone if the body raises."""
+        """Grow by concatenation and yield ``(k_all, v_all, masks)``; undone if the body raises.
+        New K/V whose batch, heads, head dims, dtype or device differ from what is cached are
+        refused (ValueError / TypeError naming them), the cache unchanged."""
+        self._check_new(k_new, v_new)
         before = (self.k, self.v)
         if self.k is None:
             self.k, self.v = k_new, v_new
@@ -421,3 +447,25 @@ class ConcatKVCache:
         except BaseException:
             self.k, self.v = before
             raise
+
+    def _check_new(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        check_tensor("k_new", k_new, 4, "(B, h_kv, Tn, d_k)")
+        check_tensor("v_new", v_new, 4, "(B, h_kv, Tn, d_v)")
+        if v_new.shape[:3] != k_new.shape[:3]:
+            raise ValueError(f"v_new must have k_new's (B, h_kv, Tn) = {tuple(k_new.shape[:3])}, "
+                             f"got {tuple(v_new.shape)}")
+        if self.k is None:
+            return
+        B, h_kv, _, d_k = self.k.shape
+        d_v = self.v.shape[3]
+        for name, t, d, dn in (("k_new", k_new, d_k, "d_k"), ("v_new", v_new, d_v, "d_v")):
+            want = f"(B, h_kv, Tn, {dn}) = ({B}, {h_kv}, Tn, {d})"
+            if t.shape[0] != B:
+                raise ValueError(f"{name} must have batch size B={B} like the cached rows "
+                                 f"{want}, got {tuple(t.shape)}")
+            if (t.shape[1], t.shape[3]) != (h_kv, d):
+                raise ValueError(f"{name} must have h_kv={h_kv} and {dn}={d} like the cached "
+                                 f"rows {want}, got {tuple(t.shape)}")
+            if t.dtype != self.k.dtype or t.device != self.k.device:
+                raise TypeError(f"{name} must be {self.k.dtype} on {self.k.device} like the "
+                                f"cached rows, got {t.dtype} on {t.device}")
