@@ -322,3 +322,40 @@ def test_the_layers_share_one_rotary():
     m = Llama.from_config(_config())
     ropes = {id(layer.self_attn.rope) for layer in m.layers}
     assert len(m.layers) > 1 and len(ropes) == 1
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_a_left_padded_forward_equals_transformers_on_the_real_positions(rope):
+    """One pass over rows of 11, 8 and 10 real tokens, left-padded (``attention_mask``, no
+    caches): at every real position the logits are transformers' (same mask, position_ids
+    counting from each row's first real token), and those of the row run alone."""
+    hf, m = _pair(ROPES[rope])
+    mask = torch.ones(3, 11, dtype=torch.int64)
+    mask[1, :3] = 0
+    mask[2, :1] = 0
+    ids = _ids().masked_fill(mask == 0, 0)  # (B, P)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=position_ids).logits  # (B, P, V)
+        got = m(ids, attention_mask=mask)  # (B, P, V)
+        alone = m(ids[1:2, 3:])  # (1, 8, V): the short row without its padding
+    real = mask.bool()  # (B, P)
+    assert (got[real] - want[real]).abs().max().item() <= 1e-4
+    assert (got[1, 3:] - alone[0]).abs().max().item() <= 1e-5
+    assert torch.isfinite(got).all()  # padding rows too: their queries see no key (zeros)
+    with torch.no_grad():  # no padding declared: the plain forward
+        assert torch.equal(m(ids, attention_mask=torch.ones_like(mask)), m(ids))
+
+
+def test_a_padded_forward_refuses_right_padding_and_caches():
+    _, m = _pair()
+    ids = _ids()
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    with pytest.raises(ValueError, match="attention_mask must mark left padding"):
+        m(ids, attention_mask=right)
+    caches = m.new_caches(3, 16)
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask must be None with "
+                                                          "caches"):
+        m(ids, caches, attention_mask=torch.ones_like(ids))
+    assert all(int(c.lengths.sum()) == 0 for c in caches)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha.cache import KVCache
-from mha.checks import check_bool, check_int
+from mha.checks import check_bool, check_int, check_readable, check_scalar
 from mha.module import MultiHeadAttention
 from mha.rope import Rotary
 
@@ -87,19 +87,27 @@ def _config_dict(config) -> dict:
 def _rope(c: dict) -> tuple[float, dict | None]:
     """``(theta, scaling)`` from transformers' spelling: ``rope_parameters`` (v5), or
     ``rope_theta`` and ``rope_scaling`` (v4)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        if c.get(name) is not None and not isinstance(c[name], dict):
+            raise TypeError(f"config.{name} must be None or a dict (transformers' spelling, "
+                            f"e.g. {{'rope_type': 'linear', 'factor': 2.0}}), got "
+                            f"{type(c[name]).__name__}")
     params = dict(c.get("rope_parameters") or {})
     legacy = c.get("rope_scaling")
     if legacy:
         params = {**params, **legacy}
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", c.get("rope_theta"))
+    theta = 10000.0 if theta is None else check_scalar("config.rope_theta", theta, low=0.0)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ValueError(f"config.rope_parameters: rope_type {kind!r} is not served by "
                          f"mha.rope.Rotary (it serves {', '.join(ROPE_TYPES)})")
     factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
         raise ValueError(f"config.partial_rotary_factor must be 1.0 for a Llama (every head dim "
                          f"rotated), got {factor}")
+    if theta == 0.0:
+        raise ValueError("config.rope_theta must be a finite number > 0, got 0.0")
     if kind == "default":
         return float(theta), None
     scaling = {k: v for k, v in params.items()
@@ -128,9 +136,23 @@ def llama_settings(config) -> LlamaSettings:
     hidden = check_int("config.hidden_size", c.get("hidden_size"), low=1, what="a positive int")
     heads = check_int("config.num_attention_heads", c.get("num_attention_heads"), low=1,
                       what="a positive int")
-    kv = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or hidden // heads
+    kv = heads if c.get("num_key_value_heads") is None else c["num_key_value_heads"]
+    head_dim = c.get("head_dim")
+    if head_dim is None:  # transformers' default: hidden_size // num_attention_heads
+        if hidden < heads:
+            raise ValueError(f"config.hidden_size={hidden} must be at least "
+                             f"config.num_attention_heads={heads} (head_dim = hidden_size // "
+                             f"num_attention_heads), or give config.head_dim")
+        head_dim = hidden // heads
     theta, scaling = _rope(c)
+    eps = check_scalar("config.rms_norm_eps", c.get("rms_norm_eps", 1e-6), low=0.0)
+    if eps == 0.0:
+        raise ValueError("config.rms_norm_eps must be a finite number > 0, got 0.0")
+    tie = c.get("tie_word_embeddings", False)
+    tie = check_bool("config.tie_word_embeddings", False if tie is None else tie)
+    max_pos = c.get("max_position_embeddings")
+    max_pos = 2048 if max_pos is None else check_int(
+        "config.max_position_embeddings", max_pos, low=1, what="a positive int")
     return LlamaSettings(
         vocab_size=check_int("config.vocab_size", c.get("vocab_size"), low=1,
                              what="a positive int"),
@@ -142,10 +164,19 @@ def llama_settings(config) -> LlamaSettings:
         num_heads=heads, num_kv_heads=check_int("config.num_key_value_heads", kv, low=1,
                                                 what="a positive int"),
         head_dim=check_int("config.head_dim", head_dim, low=1, what="a positive int"),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        eos_token_id=c.get("eos_token_id"))
+        rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=tie,
+        max_position_embeddings=max_pos, eos_token_id=_config_eos(c.get("eos_token_id")))
+
+
+def _config_eos(eos):
+    """``config.eos_token_id``: None, an id >= 0 or a list of them (as transformers')."""
+    if eos is None:
+        return None
+    many = isinstance(eos, (list, tuple))
+    for i, t in enumerate(eos if many else [eos]):
+        check_int(f"config.eos_token_id[{i}]" if many else "config.eos_token_id", t, low=0,
+                  what="a token id (an int >= 0)")
+    return list(eos) if many else int(eos)
 
 
 # ----------------------------------------------------------------------------- the layers
@@ -191,9 +222,13 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, **kw)
         self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, **kw)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask (B, 1, 1, T)`` (True = a real key) and ``positions (B, T)``: a left-padded
+        batch without a cache (:meth:`Llama.forward`'s ``attention_mask``)."""
         h = self.input_layernorm(x)  # (B, T, d_model)
-        x = x + self.self_attn(h, causal=cache is None, cache=cache)  # (B, T, d_model)
+        x = x + self.self_attn(h, causal=cache is None, cache=cache, mask=mask,
+                               positions=positions)  # (B, T, d_model)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, d_model)
 
 
@@ -310,29 +345,75 @@ class Llama(nn.Module):
                 for layer in self.layers]
 
     def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None, *,
-                last: bool = False) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
         """``ids (B, T)`` -> logits ``(B, T, V)`` (``last=True``: only the last position's,
         ``(B, 1, V)``, sparing the LM head's ``T - 1`` other rows, as transformers'
         ``logits_to_keep=1``). Without ``caches``: one causal pass over positions
         ``0 .. T-1``. With ``caches`` (:meth:`new_caches`): the tokens are appended after what
         each layer's cache holds (in place) and take their RoPE positions from it
         (:meth:`mha.KVCache.positions`: left padding declared with ``mark_left_padding`` is
-        not counted)."""
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (
-                torch.int64, torch.int32):
-            raise ValueError(f"ids must be an integer tensor (B, T), got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)} of shape "
-                             f"{tuple(getattr(ids, 'shape', ()))}")
-        if caches is not None and len(caches) != len(self.layers):
-            raise ValueError(f"caches must hold one KVCache per layer ({len(self.layers)}), got "
-                             f"{len(caches)}")
+        not counted).
+
+        ``attention_mask (B, T)`` (without ``caches``; 1 = a real token, transformers'
+        spelling, as :meth:`generate`'s): a left-padded batch in one pass. Each row's positions
+        count from its first real token and no query attends a padding key, so the logits at
+        the real positions are those of the row alone; a padding query sees no key (its
+        attention output is zeros) and its logits mean nothing. With ``caches`` the padding
+        is declared to them instead (:meth:`mha.KVCache.mark_left_padding`, as
+        :meth:`generate` does).
+
+        Refused, nothing appended to any cache: ids outside the vocabulary ``[0, V)`` or on
+        another device than the model, caches that do not hold the same tokens in every
+        layer; a layer that refuses mid-call (a full cache) has the earlier layers' appends
+        undone."""
+        V = self.embed_tokens.num_embeddings
+        _check_ids(ids, V, self.embed_tokens.weight.device)
+        B, T = ids.shape
+        if caches is not None:
+            if not isinstance(caches, (list, tuple)) or len(caches) != len(self.layers):
+                raise ValueError(f"caches must be a list of one KVCache per layer "
+                                 f"({len(self.layers)}), got {_described(caches)}")
+            _check_same_tokens(caches)
+            if attention_mask is not None:
+                raise ValueError("attention_mask must be None with caches: declare the left "
+                                 "padding to the caches (KVCache.mark_left_padding), as "
+                                 "generate does")
         last = check_bool("last", last)
+        mask = positions = None
+        if attention_mask is not None:
+            pads = _left_padding(attention_mask, B, T, ids.device)  # (B,)
+            at = torch.arange(T, device=ids.device)  # (T,)
+            mask = (at[None] >= pads[:, None])[:, None, None]  # (B, T) -> (B, 1, 1, T)
+            positions = (at[None] - pads[:, None]).clamp(min=0)  # (B, T)
         x = self.embed_tokens(ids)  # (B, T) -> (B, T, d_model)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, None if caches is None else caches[i])  # (B, T, d_model)
+        before = None if caches is None else [_cache_state(c) for c in caches]
+        try:
+            for i, layer in enumerate(self.layers):
+                cache = None if caches is None else caches[i]
+                x = layer(x, cache, mask, positions)  # (B, T, d_model)
+        except BaseException:
+            if before is not None:  # a later layer refused: the earlier appends are undone
+                for c, state in zip(caches, before, strict=True):
+                    _restore(c, state)
+            raise
         if last:
             x = x[:, -1:]  # (B, T, d_model) -> (B, 1, d_model)
         return self.lm_head(self.norm(x))  # (B, T | 1, V)
+
+    def _allocate_caches(self, B: int, P: int, N: int, kv_dtype) -> list[KVCache]:
+        """:meth:`new_caches` of ``P + N`` positions; an allocation that fails (a huge
+        ``max_new_tokens``) is refused naming it."""
+        try:
+            return self.new_caches(B, P + N, kv_dtype)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+                raise
+            s = self.settings
+            size = 2 * s.num_layers * B * s.num_kv_heads * (P + N) * s.head_dim \
+                * self.embed_tokens.weight.element_size()
+            raise ValueError(f"max_new_tokens={N}: the caches of P + N = {P + N} positions "
+                             f"({s.num_layers} layers, B={B}) would take about "
+                             f"{size / 2**30:.3g} GiB, which could not be allocated") from None
 
     def _eos_ids(self, eos_token_id) -> list[int] | None:
         """``eos_token_id`` (an id or a list of ids) as a list of ids of the vocabulary
@@ -368,17 +449,34 @@ class Llama(nn.Module):
         positions count from its first real token. ``eos_token_id``: a row that produced it
         continues with ``pad_token_id`` (default ``eos_token_id``, the first of a list), and
         decoding stops when every row has; None runs ``max_new_tokens``; an id (or each of a
-        list) must lie in the vocabulary ``[0, V)``, else ValueError naming it. ``on_token`` receives each step's new
-        tokens ``(B,)`` (streaming, timing)."""
+        list) must lie in the vocabulary ``[0, V)``, else ValueError naming it (so must
+        ``pad_token_id``, fed back as a finished row's next token). ``on_token`` (a callable)
+        receives each step's new tokens ``(B,)`` (streaming, timing). Refused before anything
+        runs, naming the argument: ids outside ``[0, V)``, an ``attention_mask`` of other
+        values than 0 / 1 or not left padding, a ``max_new_tokens`` whose caches cannot be
+        allocated."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                    what="a positive int")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+        V = self.embed_tokens.num_embeddings
+        _check_ids(ids, V, self.embed_tokens.weight.device)
+        if ids.shape[1] < 1:
             raise ValueError(f"ids must be an integer tensor (B, P) with P >= 1, got shape "
-                             f"{tuple(getattr(ids, 'shape', ()))}")
+                             f"{tuple(ids.shape)}")
         B, P = ids.shape
         eos = self._eos_ids(eos_token_id)  # list of ids, or None
-        pads = None if attention_mask is None else _left_padding(attention_mask, B, P)  # (B,)
-        caches = self.new_caches(B, P + max_new_tokens, kv_dtype)
+        if pad_token_id is not None:
+            pad_token_id = check_int("pad_token_id", pad_token_id, low=0,
+                                     what="a token id (an int >= 0)")
+            if pad_token_id >= V:
+                raise ValueError(f"pad_token_id must be a token id of the model's vocabulary "
+                                 f"[0, {V}), got {pad_token_id} (it is fed back as the next "
+                                 f"token of a finished row)")
+        if on_token is not None and not callable(on_token):
+            raise TypeError(f"on_token must be callable (it receives each step's new tokens "
+                            f"(B,)) or None, got {type(on_token).__name__}")
+        pads = None if attention_mask is None else _left_padding(attention_mask, B, P,
+                                                                 ids.device)  # (B,)
+        caches = self._allocate_caches(B, P, max_new_tokens, kv_dtype)
         if pads is not None:
             for cache in caches:
                 cache.mark_left_padding(pads.to(cache.device))
@@ -401,12 +499,71 @@ class Llama(nn.Module):
         return torch.cat([ids, torch.stack(new, dim=1)], dim=1)  # (B, P) + (B, N) -> (B, P + N)
 
 
-def _left_padding(mask, B: int, P: int) -> torch.Tensor:
-    """``attention_mask (B, P)`` of 0 / 1 with each row's ones a suffix (left padding) ->
-    the pads per row ``(B,)`` int64."""
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, P):
+def _check_ids(ids, V: int, device: torch.device) -> None:
+    """``ids``: an int64 / int32 tensor ``(B, T)`` of token ids in ``[0, V)`` on ``device``
+    (an id outside the vocabulary would index past the embedding)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (
+            torch.int64, torch.int32):
+        raise ValueError(f"ids must be an integer tensor (B, T), got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} of shape "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
+    if ids.device != device:
+        raise ValueError(f"ids must be on {device} like the model, got {ids.device}")
+    check_readable("ids", ids)
+    if ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))  # one pass over the values
+        if lo < 0 or hi >= V:
+            raise ValueError(f"ids must be token ids of the vocabulary [0, {V}), got values "
+                             f"from {lo} to {hi}")
+
+
+def _described(x) -> str:
+    return f"{len(x)} item(s)" if isinstance(x, (list, tuple)) else type(x).__name__
+
+
+def _check_same_tokens(caches) -> None:
+    """Every layer's cache holds the same tokens (equal ``lengths`` and ``starts``, where the
+    caches have them): the tokens' positions come from each layer's cache."""
+    first = caches[0]
+    for i, c in enumerate(caches[1:], start=1):
+        for name in ("lengths", "starts"):
+            a, b = getattr(first, name, None), getattr(c, name, None)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not (
+                    a.shape == b.shape and torch.equal(a, b.to(a.device))):
+                raise ValueError(f"caches[{i}] must hold the same tokens as caches[0] (one "
+                                 f"per layer, all fed the same ids): {name} {b.tolist()} "
+                                 f"against {a.tolist()}")
+
+
+def _cache_state(cache):
+    """What a layer's call changes in ``cache`` (its lengths and starts; the storage past them
+    is never read)."""
+    return {n: t.clone() for n in ("lengths", "starts")
+            if isinstance(t := getattr(cache, n, None), torch.Tensor)}
+
+
+def _restore(cache, state: dict) -> None:
+    for n, t in state.items():
+        getattr(cache, n).copy_(t)
+
+
+def _left_padding(mask, B: int, P: int, device: torch.device) -> torch.Tensor:
+    """``attention_mask (B, P)`` of 0 / 1 (bool, integer or floating) with each row's ones a
+    suffix (left padding) -> the pads per row ``(B,)`` int64."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor (B, P) = ({B}, {P}) of 0 / 1, "
+                        f"got {type(mask).__name__}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"attention_mask must be a real tensor of 0 / 1 (bool, integer or "
+                        f"floating), got {mask.dtype}")
+    if tuple(mask.shape) != (B, P):
         raise ValueError(f"attention_mask must be a tensor (B, P) = ({B}, {P}), got "
-                         f"{tuple(getattr(mask, 'shape', ()))}")
+                         f"{tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"attention_mask must be on {device} like ids, got {mask.device}")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a real token) only, got "
+                         "other values")
     real = mask.to(torch.bool)  # (B, P)
     pads = P - real.sum(dim=1)  # (B,)
     suffix = torch.arange(P, device=mask.device)[None] >= pads[:, None]  # (B, P)
