@@ -110,6 +110,28 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # an empty or blank prompt is refused (as viz and chat refuse empty text)
     (["generate", ""], 2, ["mha generate: prompt must be a non-empty string, got ''"]),
     (["generate", " \n "], 2, ["mha generate: prompt must be a non-empty string"]),
+    # --impl mha (the model built from mha's own modules): refused before it loads
+    (["generate", "hi", "--impl", "mha", "--attn", "sdpa"], 2, [
+        "mha generate: --impl mha runs mha.MultiHeadAttention; --attn sdpa"]),
+    (["generate", "hi", "--impl", "mha", "--weights", "int8"], 2, [
+        "--impl mha keeps its projections' weights as loaded", "--weights int8"]),
+    (["generate", "hi", "--impl", "mha", "--kv", "bf16"], 2, [
+        "--kv 'bf16' is not served by --impl 'mha' in fp32"]),
+    (["generate", "hi", "--impl", "mha", "--kv", "fp32", "--dtype", "bf16"], 2, [
+        "--kv 'fp32' is not served by --impl 'mha' in bf16"]),
+    (["generate", "hi", "--impl", "MHA"], 2, ["--impl: invalid choice: 'MHA'"]),
+    (["generate", "hi", "--impl", "mha", "--max-new-tokens", "0"], 2, [
+        "--max-new-tokens must be a positive int, got 0"]),
+    # more new tokens than the whole context: no prompt fits, refused before the model loads
+    (["generate", "hi", "--impl", "mha", "--max-new-tokens", "8192"], 2, [
+        "mha generate: --max-new-tokens must be less than the model's context of 8192 tokens",
+        "got 8192"]),
+    (["generate", "hi", "--max-new-tokens", str(10**20)], 2, [
+        "--max-new-tokens must be less than the model's context"]),
+    (["chat", "--impl", "mha", "--max-new-tokens", str(10**20)], 2, [
+        "mha chat: --max-new-tokens must be less than the model's context"]),
+    (["chat", "--impl", "mha", "--attn", "eager"], 2, ["mha chat: --impl mha runs"]),
+    (["chat", "--impl", "mha", "--kv", "bf16"], 2, ["mha chat: --kv 'bf16' is not served"]),
     # viz
     (["viz", "hi"], 2, ["the following arguments are required: --out"]),
     (["viz", "hi", "--out", FILE], 2, ["mha viz: --out must be a writable directory"]),
@@ -208,6 +230,8 @@ def no_work(monkeypatch):
                          (mha.experiments.heads, "train_one"),
                          (mha.integrations.minilm, "load_minilm"),
                          (mha.cli.generate, "load_or_hint"), (mha.cli.chat, "load_or_hint"),
+                         (mha.cli.generate, "load_native_or_hint"),
+                         (mha.cli.chat, "load_native_or_hint"),
                          (mha.viz.attention_maps, "extract"), (mha.cli.shapes, "record")):
         monkeypatch.setattr(module, name, _work_started)
 

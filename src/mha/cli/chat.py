@@ -16,6 +16,7 @@ import sys
 from mha.cli.generate import (
     add_llm_options,
     check_native,
+    check_new_tokens,
     load_native_or_hint,
     load_or_hint,
     status,
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if sys.stdin is None or sys.stdin.closed:  # `mha chat <&-`: nothing to read, ever
         raise UsageError("stdin is closed: mha chat reads one message per line from it "
                          "(mha generate \"...\" answers a single prompt)")
+    check_new_tokens(args)
     if args.impl == "mha":
         check_native(args)
         load_native_or_hint(args.dtype)

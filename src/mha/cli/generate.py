@@ -16,6 +16,9 @@ import sys
 
 from mha.cli.options import MissingExtra, UsageError, positive_int, utf8_text
 
+#: SmolLM2-135M-Instruct's context (``max_position_embeddings``), prompt and reply together
+CONTEXT = 8192
+
 
 def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """The options ``mha generate`` and ``mha chat`` share (``--impl mha``: see
@@ -40,6 +43,15 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="transformers' LlamaForCausalLM with --attn (default), or mha: "
                         "mha.models.Llama, the model built from mha's own modules "
                         "(MultiHeadAttention with RoPE, mha.KVCache; docs/llm.md)")
+
+
+def check_new_tokens(args: argparse.Namespace) -> None:
+    """``--max-new-tokens`` that no prompt could fit with (the prompt takes at least one of
+    the context's positions) is refused before the model loads; the exact check, prompt
+    included, follows once the prompt is tokenized."""
+    if args.max_new_tokens >= CONTEXT:
+        raise UsageError(f"--max-new-tokens must be less than the model's context of {CONTEXT} "
+                         f"tokens (which holds the prompt too), got {args.max_new_tokens}")
 
 
 def weights_of(args: argparse.Namespace) -> str:
@@ -111,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.raw and not args.prompt.strip():  # as mha chat: an empty turn is no message
         raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
                          f"continues any text that has tokens)")
+    check_new_tokens(args)
     native = args.impl == "mha"
     if native:
         check_native(args)
