@@ -133,6 +133,8 @@ def test_missing_or_corrupt_file_is_measured_again(cache_file, monkeypatch, cont
      "shape": [math.inf, 8, 512, 64]},
     {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0,
      "shape": [math.nan, 8, 512, 64]},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": "1864"},
+    "oops", [1.0, 2.0], None,
 ])
 def test_an_insane_record_is_measured_again(cache_file, monkeypatch, record):
     """A record whose choice contradicts its times (hand-edited), or whose times or shape are
@@ -374,3 +376,13 @@ def test_measure_restores_the_thread_count_when_the_op_raises(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_directory_where_the_file_goes_is_measured_not_cached(cache_file, monkeypatch):
+    """The cache file's name taken by a directory: measured, kept in memory, nothing raised;
+    the process asks once."""
+    cache_file.mkdir()
+    asked = inject(monkeypatch, 1.0, 2.0)
+    assert flash_choice.choose(KERNEL).choice == "avx512bf16"
+    assert flash_choice.choose(KERNEL).choice == "avx512bf16" and len(asked) == 1
+    assert cache_file.is_dir()

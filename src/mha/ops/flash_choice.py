@@ -186,6 +186,8 @@ def _entry(data: dict, machine: str) -> Measured | None:
     e = data["machines"].get(machine, {}).get(NAME)
     try:
         bf16_s, f32_s = float(e["avx512bf16_s"]), float(e["avx512f_s"])
+        if not isinstance(e["shape"], list):  # a string "1864" would read as (1, 8, 6, 4)
+            return None
         shape = tuple(int(n) for n in e["shape"])
     except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
         return None

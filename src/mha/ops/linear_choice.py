@@ -427,6 +427,8 @@ def _entry(data: dict, machine: str, name: str, bf16: bool, tiles: bool) -> Meas
     e = data["machines"].get(machine, {}).get(name)
     try:
         native_s, torch_s = float(e["native_s"]), float(e["torch_s"])
+        if not isinstance(e["shape"], list):  # a string "123" would read as (1, 2, 3)
+            return None
         shape = tuple(int(n) for n in e["shape"])
     except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
         return None
