@@ -295,3 +295,23 @@ def test_num_threads_nests_and_restores_after_an_exception():
             assert torch.get_num_threads() == 1
             raise KeyError("inside")
     assert torch.get_num_threads() == before
+
+
+# ----------------------------------------------------------------------------- explain
+def test_explain_refuses_an_unknown_backend_as_attention_does():
+    import mha
+
+    q = torch.randn(1, 2, 4, 8)  # (B, h, T, d)
+    with pytest.raises(ValueError, match="backend: unknown backend 'nope'"):
+        mha.attention(q, q, q, backend="nope")
+    with pytest.raises(ValueError, match="backend: unknown backend 'nope'"):
+        mha.explain(q, q, q, backend="nope")
+    assert mha.explain(q, q, q, backend="math").chosen == mha.explain(q, q, q).chosen
+
+
+def test_explain_refuses_an_unknown_argument_by_name():
+    import mha
+
+    q = torch.randn(1, 2, 4, 8)  # (B, h, T, d)
+    with pytest.raises(TypeError, match=r"explain: unknown argument\(s\) \['casual'\]"):
+        mha.explain(q, q, q, casual=True)

@@ -6,11 +6,12 @@ Tq query length, Tk key length, d_k query/key head dim, d_v value head dim.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
-from mha import dispatch, trace
+from mha import backends, dispatch, trace
 from mha.backends.base import AttentionCall
 from mha.checks import (
     check_alibi_slopes,
@@ -175,10 +176,22 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> disp
     """Every backend's verdict on ``attention(q, k, v, **kwargs)``, with reasons in words.
 
     ``print(mha.explain(q, k, v, causal=True))`` shows which backend would run and why the
-    others would not.
+    others would not. ``backend`` is accepted (every backend's verdict is shown, the forced
+    one's included) but must name a backend, as in :func:`attention` (ValueError otherwise);
+    an argument :func:`attention` does not take is refused naming it (TypeError).
     """
-    kwargs.pop("backend", None)
+    backend = kwargs.pop("backend", None)
+    if backend is not None:
+        backends.get(backend)  # an unknown name: the ValueError attention() raises
+    unknown = sorted(set(kwargs) - _EXPLAINED)
+    if unknown:
+        raise TypeError(f"explain: unknown argument(s) {unknown}; it takes attention()'s "
+                        f"keyword arguments ({', '.join(sorted(_EXPLAINED | {'backend'}))})")
     return dispatch.verdicts(make_call(q, k, v, **kwargs))
+
+
+#: the keyword arguments of attention() that explain() passes on to make_call
+_EXPLAINED = frozenset(inspect.signature(make_call).parameters) - {"q", "k", "v"}
 
 
 def _check_mods_exportable(mask_mod, score_mod) -> None:
