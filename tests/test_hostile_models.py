@@ -315,3 +315,64 @@ def test_explain_refuses_an_unknown_argument_by_name():
     q = torch.randn(1, 2, 4, 8)  # (B, h, T, d)
     with pytest.raises(TypeError, match=r"explain: unknown argument\(s\) \['casual'\]"):
         mha.explain(q, q, q, casual=True)
+
+
+# ----------------------------------------------------------------------------- loading weights
+def _hf_state(m: Llama) -> dict:
+    """``m``'s weights under transformers' names (q / k / v split out of ``in_proj``)."""
+    s, out = m.settings, {}
+    sizes = [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+    for k, v in m.state_dict().items():
+        if k.endswith("in_proj.weight"):
+            a = k.removesuffix("in_proj.weight")
+            for n, part in zip("qkv", v.split(sizes), strict=True):  # (h d_k | h_kv d_k, d_model)
+                out[f"model.{a}{n}_proj.weight"] = part.clone()
+        elif k.startswith("lm_head"):
+            out[k] = v.clone()
+        else:
+            out["model." + k.replace("out_proj", "o_proj")] = v.clone()
+    return out
+
+
+def _weights(m: Llama) -> dict:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_hf_state_round_trip_loads(model):
+    other = Llama.from_config(_config())
+    other.load_hf_state_dict(_hf_state(model))
+    with torch.no_grad():
+        assert torch.equal(other(_ids()), model(_ids()))
+
+
+@pytest.mark.parametrize("key,value,error,words", [
+    ("lm_head.weight", "meta", ValueError, r"state\['lm_head.weight'\] is a meta tensor"),
+    ("model.norm.weight", np.ones(32, dtype=np.float32), TypeError, "must be a torch.Tensor"),
+    ("model.norm.weight", [1.0] * 32, TypeError, "must be a torch.Tensor, got list"),
+    ("model.norm.weight", None, TypeError, "must be a torch.Tensor, got NoneType"),
+    ("model.norm.weight", torch.ones(32, dtype=torch.bool), TypeError, "floating tensor"),
+    ("model.norm.weight", torch.ones(32, dtype=torch.complex64), TypeError, "floating tensor"),
+    ("model.embed_tokens.weight", torch.ones(V, 32, dtype=torch.int64), TypeError,
+     "floating tensor"),
+    (3, torch.zeros(1), TypeError, "keys must be parameter names"),
+])
+def test_a_bad_value_in_the_hf_state_loads_nothing(model, key, value, error, words):
+    state = _hf_state(model)
+    state[key] = state[key].to("meta") if isinstance(value, str) else value
+    target = Llama.from_config(_config())
+    before = _weights(target)
+    with pytest.raises(error, match=words):
+        target.load_hf_state_dict(state)
+    after = _weights(target)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_state_that_is_not_a_mapping_is_refused():
+    with pytest.raises(TypeError, match="state must be a mapping"):
+        Llama.from_config(_config()).load_hf_state_dict([1, 2])
+
+
+@pytest.mark.parametrize("bad", ["x", torch.nn.Linear(2, 2)])
+def test_from_hf_refuses_what_is_not_a_transformers_model(bad):
+    with pytest.raises(TypeError, match="model must be a loaded transformers LlamaForCausalLM"):
+        Llama.from_hf(bad)

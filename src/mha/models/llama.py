@@ -35,7 +35,7 @@ a greedy :meth:`Llama.generate` that takes left-padded prompts of different leng
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,6 +259,9 @@ class Llama(nn.Module):
     def from_hf(cls, model: nn.Module) -> Llama:
         """The same model as a loaded transformers ``LlamaForCausalLM`` (its weights copied),
         in its dtype and on its device, in eval mode."""
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a loaded transformers LlamaForCausalLM, got "
+                            f"{type(model).__name__}")
         p = next(model.parameters())
         out = cls._empty(model.config, p.device, p.dtype)
         out.load_hf_state_dict(model.state_dict())
@@ -302,8 +305,10 @@ class Llama(nn.Module):
 
     def load_hf_state_dict(self, state: dict) -> None:
         """Load transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...), q / k / v
-        packed into each layer's ``in_proj``. Every key and shape is checked first: a refused
+        packed into each layer's ``in_proj``. Every key, shape and value is checked first
+        (string keys; floating tensors with data, copied into the model's dtype): a refused
         load names the keys and changes nothing."""
+        _check_state(state)
         state = {k.removeprefix("model."): v for k, v in state.items()
                  if not k.endswith("rotary_emb.inv_freq")}
         ours = {}
@@ -497,6 +502,26 @@ class Llama(nn.Module):
                 break
             logits = self(token[:, None], caches, last=True)[:, -1]  # (B, 1) -> (B, V)
         return torch.cat([ids, torch.stack(new, dim=1)], dim=1)  # (B, P) + (B, N) -> (B, P + N)
+
+
+def _check_state(state) -> None:
+    """A mapping of string keys to floating tensors that hold data (a meta tensor, an array or
+    an integer / bool / complex tensor would fail or change meaning halfway through the copy)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to tensors (a state dict), got "
+                        f"{type(state).__name__}")
+    for k, v in state.items():
+        if not isinstance(k, str):
+            raise TypeError(f"state: keys must be parameter names (str), got {k!r}")
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"state[{k!r}] must be a torch.Tensor, got {type(v).__name__} "
+                            f"(nothing was loaded)")
+        if not v.dtype.is_floating_point:
+            raise TypeError(f"state[{k!r}] must be a floating tensor (weights), got {v.dtype} "
+                            f"(nothing was loaded)")
+        if v.is_meta:
+            raise ValueError(f"state[{k!r}] is a meta tensor: it holds no values to load "
+                             f"(nothing was loaded)")
 
 
 def _check_ids(ids, V: int, device: torch.device) -> None:
