@@ -376,3 +376,20 @@ def test_a_state_that_is_not_a_mapping_is_refused():
 def test_from_hf_refuses_what_is_not_a_transformers_model(bad):
     with pytest.raises(TypeError, match="model must be a loaded transformers LlamaForCausalLM"):
         Llama.from_hf(bad)
+
+
+# ----------------------------------------------------------------------------- mha.llm.native
+@pytest.mark.parametrize("ids,error,words", [
+    (torch.tensor([1, 2, 3]), ValueError, r"ids must have shape \(1, P\) \(one prompt\), got \(3,\)"),
+    (torch.tensor([[1, 2], [3, 4]]), ValueError, r"got \(2, 2\)"),  # a second row: dropped
+    (torch.tensor([[1.0, 2.0]]), TypeError, "ids must be an integer tensor"),
+    ([[1, 2]], TypeError, "ids must be an integer tensor .* got list"),
+    (torch.tensor([[1, V]]), ValueError, r"ids must be token ids of the vocabulary \[0, 50\)"),
+])
+def test_run_native_refuses_ids_that_are_not_one_prompt(model, ids, error, words):
+    from mha.llm.model import Loaded
+    from mha.llm.native import run_native
+
+    loaded = Loaded(model=model, tokenizer=None, dtype=torch.float32, attn="mha", impl="mha")
+    with pytest.raises(error, match=words):
+        run_native(loaded, ids, 2, stop_at_eos=False)

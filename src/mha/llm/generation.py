@@ -28,7 +28,7 @@ import torch
 
 from mha.checks import check_int, check_text
 from mha.llm.model import Loaded, load
-from mha.llm.runs import Result, check_fits, streamer
+from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
 
 KV = ("fp32", "bf16", "int8")  #: the K/V storages ``kv`` names
 
@@ -56,7 +56,7 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
 
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     kv = check_kv(kv, loaded.attn)
-    P = ids.shape[1]
+    P = check_prompt_ids(ids)
     check_fits(P, max_new_tokens, loaded.context)
     model, tok = loaded.model, loaded.tokenizer
     marks: list[float] = []

@@ -21,7 +21,7 @@ import torch
 
 from mha.checks import check_int
 from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
-from mha.llm.runs import Result, check_fits, streamer
+from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
 
 KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
 
@@ -62,7 +62,7 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     ``stop_at_eos=False``."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     kv = check_native_kv(kv, loaded.dtype)
-    P = ids.shape[1]
+    P = check_prompt_ids(ids)
     check_fits(P, max_new_tokens, loaded.context)
     tok = loaded.tokenizer
     marks: list[float] = []

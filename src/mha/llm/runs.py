@@ -64,6 +64,20 @@ def streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float
     return _Timed(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def check_prompt_ids(ids) -> int:
+    """``ids``: one prompt of token ids, an integer tensor ``(1, P)``; returns P. A batch of
+    several rows is refused (a run reports one reply: the other rows would be dropped)."""
+    import torch
+
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point \
+            or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"ids must be an integer tensor (1, P) of token ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids must have shape (1, P) (one prompt), got {tuple(ids.shape)}")
+    return ids.shape[1]
+
+
 def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
     """Refuse a prompt of no tokens, or one that, with ``max_new_tokens`` more, exceeds the
     model's context."""
