@@ -393,3 +393,15 @@ def test_run_native_refuses_ids_that_are_not_one_prompt(model, ids, error, words
     loaded = Loaded(model=model, tokenizer=None, dtype=torch.float32, attn="mha", impl="mha")
     with pytest.raises(error, match=words):
         run_native(loaded, ids, 2, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 1e-320},
+    {"rope_type": "llama3", "factor": 1e-320, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+])
+def test_a_scaling_whose_frequencies_overflow_is_refused(scaling):
+    """A subnormal factor divides the frequencies to inf: every angle, and so every rotated
+    value, would be NaN from finite inputs."""
+    with pytest.raises(ValueError, match="scaling: the frequencies .* overflow"):
+        Rotary(8, scaling=scaling)

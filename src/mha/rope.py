@@ -107,6 +107,12 @@ class Rotary:
         object.__setattr__(self, "interleaved", check_bool("interleaved", self.interleaved))
         object.__setattr__(self, "scaling", _check_scaling(self.scaling))
         object.__setattr__(self, "_tables", {})
+        w = self.inv_freq()  # (r/2,)
+        if not bool(torch.isfinite(w).all()):  # e.g. a subnormal factor: w / f overflows
+            name = "theta" if self.scaling is None else "scaling"
+            raise ValueError(f"{name}: the frequencies theta^(-2i/dim) (scaled) overflow to "
+                             f"inf with theta={theta}, scaling={dict(self.scaling or {})}; "
+                             f"every angle would be NaN")
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of a module, copies) without the cached tables."""
@@ -120,7 +126,7 @@ class Rotary:
     # ------------------------------------------------------------------ frequencies
     def inv_freq(self) -> torch.Tensor:
         """``(r/2,)`` float64 on the CPU: ``w_i = theta^(-2i/r)``, scaled."""
-        i = torch.arange(0, self.dim, 2, dtype=torch.float64)  # (r/2,): 2i
+        i = torch.arange(0, self.dim, 2, dtype=torch.float64, device="cpu")  # (r/2,): 2i
         w = 1.0 / self.theta ** (i / self.dim)  # (r/2,)
         if self.scaling is None:
             return w
