@@ -405,3 +405,12 @@ def test_a_scaling_whose_frequencies_overflow_is_refused(scaling):
     value, would be NaN from finite inputs."""
     with pytest.raises(ValueError, match="scaling: the frequencies .* overflow"):
         Rotary(8, scaling=scaling)
+
+
+@pytest.mark.parametrize("B,T", [(2, 0), (0, 3), (0, 0)])
+def test_an_empty_padded_forward_is_empty(model, B, T):
+    """No tokens (or no rows): the empty logits, as without attention_mask."""
+    ids = torch.zeros(B, T, dtype=torch.int64)  # (B, T)
+    with torch.no_grad():
+        got = model(ids, attention_mask=torch.ones(B, T, dtype=torch.int64))
+    assert got.shape == (B, T, V)

@@ -592,7 +592,7 @@ def _left_padding(mask, B: int, P: int, device: torch.device) -> torch.Tensor:
     real = mask.to(torch.bool)  # (B, P)
     pads = P - real.sum(dim=1)  # (B,)
     suffix = torch.arange(P, device=mask.device)[None] >= pads[:, None]  # (B, P)
-    if not bool((real == suffix).all()) or bool((pads >= P).any()):
+    if not bool((real == suffix).all()) or (P > 0 and bool((pads >= P).any())):
         raise ValueError("attention_mask must mark left padding: in each row 0s, then 1s "
                          "(at least one real token); right padding or holes are not served")
     return pads
