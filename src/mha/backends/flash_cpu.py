@@ -91,8 +91,9 @@ def _forward(call: AttentionCall):
     out, lse = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
                                      key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
                                      window=m.window, softcap=sc.softcap, sinks=sc.sinks,
-                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes, plan=plan)
-    return out, (lse if call.return_lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
+                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes, plan=plan,
+                                     lse=call.return_lse)
+    return out, lse  # (B, h, Tq, d_v), (B, h, Tq) or None
 
 
 AMX_SMALL_MAX_TK = 32  # up to this Tk, bf16 calls of an AMX build take the small path

@@ -12,7 +12,12 @@ Three layers, as in flash-attention's interface:
    the fused native kernel (``csrc/flash/flash_attn_bwd.cpp``, extension ``mha_flash_bwd``) or, if
    that cannot be built, :func:`flash_attention_bwd_torch`; both recompute the softmax weights
    from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
-3. :func:`flash_attention` — the typed public function.
+3. :func:`flash_attention` — the typed public function. In eager code it calls the op's CPU
+   kernel below the Autograd key (``register_autograd``'s Python wrapper costs ~4 µs per call
+   without grad and ~40 µs with it at ``(2, 8, 16, 64)``), through :class:`_FlashFunction` (the
+   same setup and backward as ``register_autograd``) when an input requires grad; under
+   ``torch.compile`` / ``torch.export``, ``torch.func`` transforms and ``__torch_function__``
+   overrides it calls the registered op itself (``benchmarks/probes/call_overhead.py``).
 
 NaN / Inf semantics (the rule every backend follows):
 
@@ -448,8 +453,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None,
                     alibi_slopes: torch.Tensor | None = None,
-                    plan: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    plan: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``softmax(q k^T * scale) v`` on the CPU with the native kernel, and its log-sum-exp.
 
     Internal: the backends and tests call it with arguments ``mha.attention`` has validated
@@ -482,6 +487,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             :meth:`mha.blockplan.BlockPlan.kernel_tensors` (built with ``block_q=48,
             block_k=128``): EMPTY key blocks are never read, FULL ones run with no mask,
             PARTIAL ones with the mask_mod's cached bits; ANDed with every other mask.
+        lse: False returns None in place of the log-sum-exp (not converted to float32).
 
     Returns:
         ``out (B, h, Tq, d_v)`` in q's dtype (memory laid out as ``(B, Tq, h, d_v)``) and
@@ -508,10 +514,52 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     # The op's lse is float64: the backward recomputes P from it, and at scores in the hundreds
     # (T5's unscaled logits) an fp32 lse would put ~1e-4 relative error into every P.
     index, bits = (None, None) if plan is None else plan
-    out, lse = torch.ops.mha.flash_attention_fwd(q, k, v, key_lengths, mask, bool(causal), scale,
-                                                 int(window or 0), float(softcap or 0.0), sinks,
-                                                 bias, alibi_slopes, index, bits)
-    return out, lse.float()  # (B, h, Tq, d_v), (B, h, Tq)
+    args = (q, k, v, key_lengths, mask, bool(causal), scale, int(window or 0),
+            float(softcap or 0.0), sinks, bias, alibi_slopes, index, bits)
+    out, lse64 = _run_forward(args)
+    return out, (lse64.float() if lse else None)  # (B, h, Tq, d_v), (B, h, Tq)
+
+
+class _FlashFunction(torch.autograd.Function):
+    """The forward op with ``register_autograd``'s setup and backward (:func:`_setup_context`,
+    :func:`_backward`), as an autograd.Function: eager calls that need grad skip the
+    registered Python Autograd kernel. ``apply`` takes the op's 14 arguments in its order.
+    (The classic ``forward(ctx, ...)`` form: a separate ``setup_context`` makes ``apply`` bind
+    the arguments with ``inspect`` on every call, ~10 µs.)"""
+
+    @staticmethod
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.mha.flash_attention_fwd.default(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+# Function.apply without its Python wrapper, which binds default arguments and unwraps dead
+# torch.func wrappers (~2.5 µs): used only when no transform is active and no argument is a
+# torch.func wrapper, where the wrapper does nothing else.
+_apply_unwrapped = functools.partial(super(torch.autograd.Function, _FlashFunction).apply)
+
+
+def _run_forward(args: tuple):
+    """``torch.ops.mha.flash_attention_fwd(*args)`` -> ``(out, lse float64)``, on the cheapest
+    path that keeps the op's meaning: the registered op under a trace (compile, export), a
+    ``torch.func`` transform or a ``__torch_function__`` override; else the CPU kernel below
+    the Autograd key, through :class:`_FlashFunction` when autograd must record the call."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._has_torch_function(args)):
+        return torch.ops.mha.flash_attention_fwd(*args)
+    if torch.is_grad_enabled():
+        # the float inputs: q, k, v, sinks, bias, alibi (the others are integer or bool)
+        floats = [t for t in args[:3] + args[9:12] if t is not None]
+        if any(t.requires_grad for t in floats):
+            if any(map(torch._C._functorch.is_functorch_wrapped_tensor, floats)):
+                return _FlashFunction.apply(*args)
+            return _apply_unwrapped(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.mha.flash_attention_fwd.default(*args)
 
 
 def _paged_fake(q, k_pages, v_pages, block_table, cu_seqlens_q, key_lengths, causal, scale,
