@@ -16,26 +16,28 @@ from pathlib import Path
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, min_time: float = 0.0,
-                warmup: int = 1, clock: Callable[[], float] = time.perf_counter
-                ) -> dict[str, float]:
-    """Median seconds per call of each function in ``fns``, timed round-robin with ``clock``
-    (wall time; ``time.thread_time`` counts only the calling thread's CPU time, which keeps a
-    busy machine's descheduling out of one-thread timings)."""
-    inner = {}
+                warmup: int = 1, clock: Callable[[], float] = time.perf_counter,
+                inner: int | None = None,
+                stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """Median (or ``stat``, e.g. ``min``) seconds per call of each function in ``fns``, timed
+    round-robin with ``clock`` (wall time; ``time.thread_time`` counts only the calling
+    thread's CPU time, which keeps a busy machine's descheduling out of one-thread timings).
+    A round calls each function ``inner`` times, or as often as fills ``min_time``."""
+    calls = {}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()  # warm-up (and native builds)
         t0 = clock()
         fn()
-        inner[name] = max(1, int(min_time / max(clock() - t0, 1e-7)))
+        calls[name] = inner or max(1, int(min_time / max(clock() - t0, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = clock()
-            for _ in range(inner[name]):
+            for _ in range(calls[name]):
                 fn()
-            samples[name].append((clock() - t0) / inner[name])
-    return {name: statistics.median(v) for name, v in samples.items()}
+            samples[name].append((clock() - t0) / calls[name])
+    return {name: stat(v) for name, v in samples.items()}
 
 
 def add_variant_argument(ap: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
+
 from mha import backends
 from mha.backends.base import AttentionCall, Backend
 
@@ -86,21 +88,33 @@ def use_backend(name: str):
 
 def choose(call: AttentionCall, backend: str | None = None) -> Backend:
     """The backend that will serve ``call``: ``backend`` if given and capable, else the first
-    capable one. Raises :class:`BackendError` listing the reasons otherwise."""
+    capable one. Raises :class:`BackendError` listing the reasons otherwise.
+
+    In eager code each backend's capability-table verdict is cached by the call's
+    :meth:`~mha.backends.base.AttentionCall.signature` (:meth:`Backend.rejects`); a trace
+    (torch.compile, export) asks for the reasons themselves, as :func:`verdicts` does."""
     if backend is None:
         backend = _preferred
+    if torch.compiler.is_compiling():
+        def rejects(b: Backend) -> bool:
+            return bool(b.not_supported_reasons(call))
+    else:
+        signature = call.signature()
+
+        def rejects(b: Backend) -> bool:
+            return b.rejects(call, signature)
     if backend is not None:
         b = backends.get(backend)
-        reasons = b.not_supported_reasons(call)
-        if reasons:
-            why = "; ".join(reasons)  # one f-string: torch.compile / strict export trace it
+        if rejects(b):
+            why = "; ".join(b.not_supported_reasons(call))  # one f-string: torch.compile /
+            # strict export trace it
             raise BackendError(f"backend={backend!r} cannot serve this call ({call.describe()}): "
                                f"{why}. Pass backend=None to choose automatically, or see "
                                f"mha.explain(q, k, v, ...).")
         return b
     first = None
     for b in backends.all_backends():
-        if not b.not_supported_reasons(call):
+        if not rejects(b):
             if not b.defers(call):
                 return b
             first = first or b

@@ -49,8 +49,25 @@ class AttentionCall:
 
     @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(
-            t.requires_grad for t in (self.q, self.k, self.v, *self.scores.grad_tensors()))
+        if not torch.is_grad_enabled():
+            return False
+        if self.q.requires_grad or self.k.requires_grad or self.v.requires_grad:
+            return True
+        return bool(self.scores.kinds) and any(t.requires_grad for t in self.scores.grad_tensors())
+
+    def signature(self) -> tuple:
+        """Every property of the call a backend's capability table reads (:meth:`Backend.rejects`
+        caches its verdict by it): dtype, device type, mask and variant kinds, score_mod or
+        not, head dims, grouped heads or not, dropout or not, what is returned, grad needed,
+        ALiBi slopes that require grad. Not the batch, the lengths nor the tensors' values:
+        the table never reads them (the backends' own checks, which may, run every call)."""
+        sc = self.scores
+        alibi_grad = (sc.alibi_slopes is not None and sc.alibi_slopes.requires_grad
+                      and torch.is_grad_enabled())
+        return (self.dtype, self.device.type, self.masks.kinds, sc.kinds,
+                self.score_mod is not None, self.d_k, self.d_v, self.h_kv == self.h,
+                self.dropout_p > 0, self.return_weights, self.return_lse, self.needs_grad,
+                alibi_grad)
 
     def describe(self) -> str:
         """One line naming the inputs, for error messages."""
@@ -61,6 +78,9 @@ class AttentionCall:
                 f"dropout_p={self.dropout_p}, "
                 f"return_weights={self.return_weights}, return_lse={self.return_lse}, "
                 f"grad={self.needs_grad}")
+
+
+_TABLE_CACHE_SIZE = 1024  # signatures kept per backend (cleared when full)
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,7 @@ class Backend:
     extra_reasons: Callable[[AttentionCall], list[str]] = field(default=lambda call: [])
     defers: Callable[[AttentionCall], str | None] = field(default=lambda call: None)
     note: Callable[[AttentionCall], str | None] = field(default=lambda call: None)
+    _table: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Whether a native build loaded does not change within a process: under torch.compile
@@ -123,13 +144,40 @@ class Backend:
 
         self.unavailable = torch.compiler.assume_constant_result(unavailable)
 
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name == "caps" and "_table" in self.__dict__:
+            self._table.clear()  # verdicts of the old table
+
+    def rejects(self, call: AttentionCall, signature: tuple) -> bool:
+        """Whether :meth:`not_supported_reasons` would give any reason, without building them:
+        the capability table's verdict is cached by ``signature`` (:meth:`AttentionCall.signature`,
+        every property the table reads; dropped when ``caps`` is replaced); ``unavailable`` and
+        ``extra_reasons`` are asked every call (they may read sizes or change, e.g. a build
+        forgotten by a test)."""
+        if self.unavailable():
+            return True
+        table = self._table.get(signature)
+        if table is None:
+            if len(self._table) >= _TABLE_CACHE_SIZE:
+                self._table.clear()
+            table = self._table[signature] = bool(self._table_reasons(call))
+        return table or bool(self.extra_reasons(call))
+
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         """Every reason, in words, why this backend cannot serve ``call`` (empty: it can)."""
-        c = self.caps
-        reasons: list[str] = []
         why = self.unavailable()
         if why:
             return [why]
+        reasons = self._table_reasons(call)
+        reasons.extend(self.extra_reasons(call))
+        return reasons
+
+    def _table_reasons(self, call: AttentionCall) -> list[str]:
+        """The capability table's reasons: they read only what :meth:`AttentionCall.signature`
+        holds."""
+        c = self.caps
+        reasons: list[str] = []
         if call.device.type not in c.devices:
             reasons.append(f"device {call.device.type} not supported (supports {sorted(c.devices)})")
         if call.dtype not in c.dtypes:
@@ -167,5 +215,4 @@ class Backend:
               and call.scores.alibi_slopes is not None and call.scores.alibi_slopes.requires_grad):
             reasons.append("no gradient for alibi_slopes (they require grad; the kernel reads "
                            "them as constants: pass alibi_slopes.detach() to keep them fixed)")
-        reasons.extend(self.extra_reasons(call))
         return reasons

@@ -88,11 +88,9 @@ def _forward(call: AttentionCall):
         bq, bk = PLAN_BLOCKS
         plan = block_plan(m.mask_mod, call.B, call.h, call.Tq, call.Tk, block_q=bq,
                           block_k=bk, device=call.device).kernel_tensors()
-    out, lse = flash.flash_attention(call.q, call.k, call.v, causal=m.causal,
-                                     key_lengths=m.key_lengths, mask=m.mask, scale=call.scale,
-                                     window=m.window, softcap=sc.softcap, sinks=sc.sinks,
-                                     bias=sc.bias, alibi_slopes=sc.alibi_slopes, plan=plan,
-                                     lse=call.return_lse)
+    out, lse = flash.forward(call.q, call.k, call.v, m.causal, m.key_lengths, m.mask,
+                             call.scale, m.window, sc.softcap, sc.sinks, sc.bias,
+                             sc.alibi_slopes, plan, call.return_lse)
     return out, lse  # (B, h, Tq, d_v), (B, h, Tq) or None
 
 
