@@ -12,6 +12,8 @@ records the call). Columns:
 * ``op`` — ``mha.ops.flash.flash_attention`` (the native op's Python function: no validation,
   no dispatch);
 * ``kernel`` — the op's CPU kernel called below the Autograd key (no autograd, no Python);
+* ``decode op`` — ``mha.ops.decode.call_op``, flash_decode's op (what ``auto`` runs for
+  Tq <= 16 without grad; inference only, so not timed with grad);
 * ``sdpa`` — ``torch.nn.functional.scaled_dot_product_attention``.
 
 ``--stages`` adds where ``forced`` spends its time: validation (``make_call``), dispatch
@@ -35,7 +37,7 @@ import mha
 from _timing import interleaved
 from mha import backends, dispatch
 from mha.functional import make_call
-from mha.ops import flash
+from mha.ops import decode, flash
 
 # (name, q shape, k/v shape, causal): the seeds' small problem and a decode-like step (GQA)
 CASES = (("dense", (2, 8, 16, 64), (2, 8, 16, 64), False),
@@ -55,13 +57,18 @@ def _kernel(q, k, v, causal: bool):
 
 def _contenders(q, k, v, causal: bool, backend: str) -> dict:
     gqa = k.shape[1] != q.shape[1]
-    return {
+    fns = {
         "auto": lambda: mha.attention(q, k, v, causal=causal),
         "forced": lambda: mha.attention(q, k, v, causal=causal, backend=backend),
         "op": lambda: flash.flash_attention(q, k, v, causal=causal),
         "kernel": _kernel(q, k, v, causal),
+        "decode op": lambda: decode.call_op(q, k, v, key_lengths=None, mask=None, causal=causal,
+                                            scale=q.shape[-1] ** -0.5),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
     }
+    if q.requires_grad:
+        del fns["decode op"]
+    return fns
 
 
 def _stages(q, k, v, causal: bool, backend: str) -> dict:
@@ -86,12 +93,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     assert flash.unavailable() is None, flash.unavailable()
+    assert decode.unavailable() is None, decode.unavailable()
     flash.load_backward()
     load = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, load average {load:.2f}, microseconds per call "
           f"(fastest of {args.rounds} batches of {args.calls}, thread CPU time)")
-    names = ("auto", "forced", "op", "kernel", "sdpa")
-    print(f"{'case':<22} " + " ".join(f"{n:>8}" for n in names)
+    names = ("auto", "forced", "op", "kernel", "decode op", "sdpa")
+    print(f"{'case':<22} " + " ".join(f"{n:>9}" for n in names)
           + f"  {'auto/sdpa':>9} {'forced/sdpa':>11}  auto's pick")
     staged = []
     for name, qs, kvs, causal in CASES:
@@ -109,7 +117,8 @@ def main() -> None:
                 t = {n: s * 1e6 for n, s in secs.items()}
                 pick = mha.explain(q, k, v, causal=causal).chosen
                 label = f"{name} {str(dtype)[6:]}{' grad' if grad else ''}"
-                print(f"{label:<22} " + " ".join(f"{t[n]:8.1f}" for n in names)
+                print(f"{label:<22} " + " ".join(f"{t[n]:9.1f}" if n in t else f"{'-':>9}"
+                                                  for n in names)
                       + f"  {t['auto'] / t['sdpa']:9.2f} {t['forced'] / t['sdpa']:11.2f}  {pick}")
                 if args.stages:
                     st = interleaved(_stages(q, k, v, causal, args.backend), args.rounds,

@@ -52,29 +52,41 @@ def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> Non
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 
 
-def _plain_qkv(q, k, v) -> bool:
-    """Whether q, k, v are dense 4-D floating tensors of one dtype and one device with
-    ``k (B, h_kv, Tk, d_k)``, ``v (B, h_kv, Tk, d_v)``, ``d_k >= 1`` and ``h_kv | h``: every
-    condition of :func:`check_qkv`, asked once each, with no message built (the common case)."""
+def _plain_qkv(q, k, v) -> tuple[int, ...] | None:
+    """``(B, h, Tq, d_k, h_kv, Tk, d_v)`` when q, k, v are dense 4-D floating tensors of one
+    dtype and one device with ``k (B, h_kv, Tk, d_k)``, ``v (B, h_kv, Tk, d_v)``, ``d_k >= 1``
+    and ``h_kv | h``: every condition of :func:`check_qkv`, asked once each, with no message
+    built (the common case); else None."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
-        return False
+        return None
     dtype, strided = q.dtype, torch.strided
     if (dtype not in _FLOAT_DTYPE_SET or k.dtype != dtype or v.dtype != dtype
             or q.layout != strided or k.layout != strided or v.layout != strided
             or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.device != k.device
             or q.device != v.device):
-        return False
-    B, h, _, d_k = q.shape
+        return None
+    B, h, Tq, d_k = q.shape
     kB, h_kv, Tk, kd = k.shape
-    vB, vh, vT, _ = v.shape
-    return (d_k != 0 and kB == B and vB == B and kd == d_k and vh == h_kv and vT == Tk
-            and h_kv != 0 and h % h_kv == 0)
+    vB, vh, vT, d_v = v.shape
+    if (d_k != 0 and kB == B and vB == B and kd == d_k and vh == h_kv and vT == Tk
+            and h_kv != 0 and h % h_kv == 0):
+        return B, h, Tq, d_k, h_kv, Tk, d_v
+    return None
+
+
+def qkv_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """:func:`check_qkv`, then ``(B, h, Tq, d_k, h_kv, Tk, d_v)``."""
+    sizes = _plain_qkv(q, k, v)
+    if sizes is None:
+        check_qkv(q, k, v)  # raises, naming what is wrong
+        sizes = (*q.shape, k.shape[1], k.shape[2], v.shape[3])
+    return sizes
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q ``(B, h, Tq, d_k)``, k ``(B, h_kv, Tk, d_k)``, v ``(B, h_kv, Tk, d_v)``, h_kv | h."""
-    if _plain_qkv(q, k, v):
+    if _plain_qkv(q, k, v) is not None:
         return  # else the checks one by one, each with its message
     check_tensor("q", q, 4, "(B, h, Tq, d_k)")
     check_tensor("k", k, 4, "(B, h_kv, Tk, d_k)")

@@ -95,17 +95,10 @@ def choose(call: AttentionCall, backend: str | None = None) -> Backend:
     (torch.compile, export) asks for the reasons themselves, as :func:`verdicts` does."""
     if backend is None:
         backend = _preferred
-    if torch.compiler.is_compiling():
-        def rejects(b: Backend) -> bool:
-            return bool(b.not_supported_reasons(call))
-    else:
-        signature = call.signature()
-
-        def rejects(b: Backend) -> bool:
-            return b.rejects(call, signature)
+    signature = None if torch.compiler.is_compiling() else call.signature()
     if backend is not None:
         b = backends.get(backend)
-        if rejects(b):
+        if b.rejects(call, signature):
             why = "; ".join(b.not_supported_reasons(call))  # one f-string: torch.compile /
             # strict export trace it
             raise BackendError(f"backend={backend!r} cannot serve this call ({call.describe()}): "
@@ -114,7 +107,7 @@ def choose(call: AttentionCall, backend: str | None = None) -> Backend:
         return b
     first = None
     for b in backends.all_backends():
-        if not rejects(b):
+        if not b.rejects(call, signature):
             if not b.defers(call):
                 return b
             first = first or b

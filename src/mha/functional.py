@@ -19,11 +19,11 @@ from mha.checks import (
     check_bool,
     check_key_lengths,
     check_mask,
-    check_qkv,
     check_scalar,
     check_sinks,
     check_softcap,
     check_window,
+    qkv_sizes,
 )
 from mha.masks import MaskSpec
 from mha.mods import check_mod
@@ -51,9 +51,8 @@ def _make_call(q, k, v, mask, causal, key_lengths, scale, dropout_p, return_weig
                return_lse) -> AttentionCall:
     """:func:`make_call` with its arguments in order (``attention`` calls it per call: 17
     keyword arguments cost ~0.4 µs more to pass)."""
-    check_qkv(q, k, v)
-    B, h, Tq, d_k = q.shape
-    Tk = k.shape[2]
+    sizes = qkv_sizes(q, k, v)  # validated q, k, v: (B, h, Tq, d_k, h_kv, Tk, d_v)
+    B, h, Tq, d_k, _, Tk, _ = sizes
     # (a bool, or a float in range, passes without the helper's call: the common case)
     if causal is not True and causal is not False:
         causal = check_bool("causal", causal)
@@ -94,7 +93,7 @@ def _make_call(q, k, v, mask, causal, key_lengths, scale, dropout_p, return_weig
     else:
         masks = MaskSpec(causal, kl, m, window, mask_mod)
     return AttentionCall(q, k, v, masks, scale, dropout_p, return_weights, scores,
-                         score_mod=score_mod, return_lse=return_lse)
+                         score_mod=score_mod, return_lse=return_lse, sizes=sizes)
 
 
 _NO_MASKS, _CAUSAL = MaskSpec(), MaskSpec(causal=True)

@@ -37,14 +37,15 @@ class AttentionCall:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskSpec,
                  scale: float, dropout_p: float = 0.0, return_weights: bool = False,
                  scores: ScoreSpec | None = None, score_mod=None,
-                 return_lse: bool = False) -> None:
+                 return_lse: bool = False, sizes: tuple[int, ...] | None = None) -> None:
         self.q, self.k, self.v, self.masks = q, k, v, masks
         self.return_lse = return_lse  # the backend returns the log-sum-exp instead of weights
         self.scores = NO_SCORES if scores is None else scores  # softcap, sinks, bias, ALiBi
         self.score_mod = score_mod  # (score, b, h, q_idx, kv_idx) -> score (mha.mods)
         self.scale, self.dropout_p, self.return_weights = scale, dropout_p, return_weights
-        self.B, self.h, self.Tq, self.d_k = q.shape
-        self.h_kv, self.Tk, self.d_v = k.shape[1], k.shape[2], v.shape[3]
+        if sizes is None:  # (B, h, Tq, d_k, h_kv, Tk, d_v), when the caller has read them
+            sizes = (*q.shape, k.shape[1], k.shape[2], v.shape[3])
+        self.B, self.h, self.Tq, self.d_k, self.h_kv, self.Tk, self.d_v = sizes
         self.dtype, self.device = q.dtype, q.device
 
     @property
@@ -149,12 +150,14 @@ class Backend:
         if name == "caps" and "_table" in self.__dict__:
             self._table.clear()  # verdicts of the old table
 
-    def rejects(self, call: AttentionCall, signature: tuple) -> bool:
+    def rejects(self, call: AttentionCall, signature: tuple | None) -> bool:
         """Whether :meth:`not_supported_reasons` would give any reason, without building them:
         the capability table's verdict is cached by ``signature`` (:meth:`AttentionCall.signature`,
         every property the table reads; dropped when ``caps`` is replaced); ``unavailable`` and
         ``extra_reasons`` are asked every call (they may read sizes or change, e.g. a build
-        forgotten by a test)."""
+        forgotten by a test). ``signature`` None (a trace): the reasons themselves, uncached."""
+        if signature is None:
+            return bool(self.not_supported_reasons(call))
         if self.unavailable():
             return True
         table = self._table.get(signature)

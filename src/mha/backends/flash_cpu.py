@@ -17,6 +17,7 @@ import functools
 import torch
 
 from mha.backends.base import MOD_MASK_KINDS, AttentionCall, Backend, Capabilities
+from mha.ops import flash
 from mha.scores import VARIANT_KINDS
 from mha.symbolic import size_below
 
@@ -24,9 +25,7 @@ PLAN_BLOCKS = (48, 128)  # (block_q, block_k) of the plans the kernel walks (csr
 
 
 def _unavailable() -> str | None:
-    from mha.ops import flash
-
-    return flash.unavailable()
+    return flash.unavailable()  # looked up per call: tests replace it
 
 
 PORTABLE_MIN_TK = 512  # from here on SDPA's fused kernel beats the portable loops (below)
@@ -37,8 +36,6 @@ def _portable_kernel(dtype: torch.dtype) -> bool:
     """Whether ``dtype``'s tile kernel is the portable C++ loops on this CPU (no AVX-512). Only
     bf16 asks for the bf16 choice (a ``MHA_FLASH_BF16`` this build cannot run fails bf16 calls,
     never fp32 ones)."""
-    from mha.ops import flash
-
     if dtype == torch.float32:
         return "avx512f" not in flash.isa().split(",")
     return flash.kernels()["bfloat16"] == "portable"  # e.g. "avx512bf16", "amx"
@@ -78,8 +75,6 @@ def _score_mod_reason(call: AttentionCall) -> list[str]:
 
 
 def _forward(call: AttentionCall):
-    from mha.ops import flash
-
     m, sc = call.masks, call.scores
     plan = None
     if m.mask_mod is not None:  # walked natively; causal / window / lengths / mask ANDed in
@@ -104,7 +99,7 @@ def _note(call: AttentionCall) -> str | None:
     refuses, they run the next kernel, and say why; the vdpbf16ps or the widened fp32 tiles
     say that they were measured faster on this CPU, and the two rates
     (:func:`mha.ops.flash.bf16_choice`)."""
-    from mha.ops import flash, flash_choice
+    from mha.ops import flash_choice
 
     if call.dtype != torch.bfloat16:
         return None
