@@ -11,6 +11,8 @@ records the call). Columns:
 * ``forced`` — ``mha.attention(..., backend=--backend)``;
 * ``op`` — ``mha.ops.flash.flash_attention`` (the native op's Python function: no validation,
   no dispatch);
+* ``torch.ops`` — the registered op ``torch.ops.mha.flash_attention_fwd`` called as torch.compile
+  calls it (through the Python Autograd kernel of ``register_autograd``);
 * ``kernel`` — the op's CPU kernel called below the Autograd key (no autograd, no Python);
 * ``decode op`` — ``mha.ops.decode.call_op``, flash_decode's op (what ``auto`` runs for
   Tq <= 16 without grad; inference only, so not timed with grad);
@@ -45,14 +47,15 @@ CASES = (("dense", (2, 8, 16, 64), (2, 8, 16, 64), False),
          ("decode", (1, 9, 1, 64), (1, 3, 256, 64), False))
 
 
-def _kernel(q, k, v, causal: bool):
-    scale = q.shape[-1] ** -0.5
-    op = torch.ops.mha.flash_attention_fwd.default
+def _kernel(q, k, v, causal: bool, below_autograd: bool):
+    args = (q, k, v, None, None, causal, q.shape[-1] ** -0.5, 0, 0.0, None, None, None, None,
+            None)
+    op = torch.ops.mha.flash_attention_fwd
 
     def run():
         with torch._C._AutoDispatchBelowAutograd():
-            return op(q, k, v, None, None, causal, scale, 0, 0.0, None, None, None, None, None)
-    return run
+            return op.default(*args)
+    return run if below_autograd else (lambda: op(*args))
 
 
 def _contenders(q, k, v, causal: bool, backend: str) -> dict:
@@ -61,7 +64,8 @@ def _contenders(q, k, v, causal: bool, backend: str) -> dict:
         "auto": lambda: mha.attention(q, k, v, causal=causal),
         "forced": lambda: mha.attention(q, k, v, causal=causal, backend=backend),
         "op": lambda: flash.flash_attention(q, k, v, causal=causal),
-        "kernel": _kernel(q, k, v, causal),
+        "torch.ops": _kernel(q, k, v, causal, below_autograd=False),
+        "kernel": _kernel(q, k, v, causal, below_autograd=True),
         "decode op": lambda: decode.call_op(q, k, v, key_lengths=None, mask=None, causal=causal,
                                             scale=q.shape[-1] ** -0.5),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
@@ -98,7 +102,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, load average {load:.2f}, microseconds per call "
           f"(fastest of {args.rounds} batches of {args.calls}, thread CPU time)")
-    names = ("auto", "forced", "op", "kernel", "decode op", "sdpa")
+    names = ("auto", "forced", "op", "torch.ops", "kernel", "decode op", "sdpa")
     print(f"{'case':<22} " + " ".join(f"{n:>9}" for n in names)
           + f"  {'auto/sdpa':>9} {'forced/sdpa':>11}  auto's pick")
     staged = []
