@@ -14,7 +14,7 @@ Three layers, as in flash-attention's interface:
    from the saved log-sum-exp (never the whole ``(Tq, Tk)`` matrix for long sequences).
 3. :func:`flash_attention` — the typed public function. In eager code it calls the op's CPU
    kernel below the Autograd key (``register_autograd``'s Python wrapper costs ~4 µs per call
-   without grad and ~40 µs with it at ``(2, 8, 16, 64)``), through :class:`_FlashFunction` (the
+   without grad and ~45 µs with it at ``(2, 8, 16, 64)``: docs/kernel.md), through :class:`_FlashFunction` (the
    same setup and backward as ``register_autograd``) when an input requires grad; under
    ``torch.compile`` / ``torch.export``, ``torch.func`` transforms and ``__torch_function__``
    overrides it calls the registered op itself (``benchmarks/probes/call_overhead.py``).
@@ -502,7 +502,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def forward(q, k, v, causal, key_lengths, mask, scale, window, softcap, sinks, bias,
             alibi_slopes, plan, lse) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`flash_attention` with every argument in its order (what the backend calls per
-    call: 14 keyword arguments cost ~0.4 µs more to pass)."""
+    call: 14 keyword arguments cost more to pass than 14 in order)."""
     _ready()
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, h|1, Tq|1, Tk|1)
@@ -533,7 +533,7 @@ class _FlashFunction(torch.autograd.Function):
     :func:`_backward`), as an autograd.Function: eager calls that need grad skip the
     registered Python Autograd kernel. ``apply`` takes the op's 14 arguments in its order.
     (The classic ``forward(ctx, ...)`` form: a separate ``setup_context`` makes ``apply`` bind
-    the arguments with ``inspect`` on every call, ~10 µs.)"""
+    the arguments with ``inspect`` on every call.)"""
 
     @staticmethod
     def forward(ctx, *args):
@@ -546,7 +546,7 @@ class _FlashFunction(torch.autograd.Function):
 
 
 # Function.apply without its Python wrapper, which binds default arguments and unwraps dead
-# torch.func wrappers (~2.5 µs): used only when no transform is active and no argument is a
+# torch.func wrappers: used only when no transform is active and no argument is a
 # torch.func wrapper, where the wrapper does nothing else.
 _apply_unwrapped = functools.partial(super(torch.autograd.Function, _FlashFunction).apply)
 
