@@ -60,6 +60,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flash/bwd_small.h"
 #include "flash/bwd_unit.h"
 
 namespace mha_flash_bwd {
@@ -134,9 +135,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     int64_t window, const mha_common::ScoreMods& mods = {},
     const std::optional<at::Tensor>& bias = std::nullopt, bool bias_grad = false,
     const mha_common::PlanView& plan = {}) {
-  TORCH_CHECK(math == "auto" || math == "amx" || math == "bf16" || math == "fp32",
-              "flash_attention_bwd: math must be 'auto', 'amx', 'bf16' or 'fp32', got '", math,
-              "'");
+  TORCH_CHECK(math == "auto" || math == "amx" || math == "bf16" || math == "fp32" ||
+                  math == "small",
+              "flash_attention_bwd: math must be 'auto', 'amx', 'bf16', 'fp32' or 'small', got '",
+              math, "'");
   const mha_ops::QkvDims dims = mha_ops::check_qkv(q, k, v, "flash_attention_bwd");
   const int64_t B = dims.B, h = dims.h, Tq = dims.Tq, dk = dims.dk;
   const int64_t hkv = dims.hkv, Tk = dims.Tk, dv = dims.dv;
@@ -232,6 +234,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
       P.dbias = dbias.data_ptr<float>();
       fill_strides(dbias, P.dbs, 4, true);
     }
+    // Few keys: every key of a head in one block, scores transposed (flash/bwd_small.h), for
+    // the shapes it serves and, by itself, below its measured crossover.
+#if defined(MHA_BWD_SMALL)
+    if (math == "small" || (math == "auto" && small_bwd_chosen(P))) {
+      TORCH_CHECK(small_bwd_serves(P), "flash_attention_bwd: the small path serves Tk <= ",
+                  kSmallBwdMaxKeys, " and head dims <= ", kSmallBwdMaxDim,
+                  " without a window, score variants or block plans; got Tk=", Tk, ", d_k=", dk,
+                  ", d_v=", dv);
+      return run_small_bwd(P);
+    }
+#else
+    TORCH_CHECK(math != "small", "flash_attention_bwd: the small path needs an AVX-512F build");
+#endif
     // bf16 products pay for their packing from one whole block each way on (measured: at
     // 32 x 8 x 20 x 64 they were ~15 % slower than fp32, at 4 x 8 x 512 x 64 ~30 % faster)
     const bool big = Tq >= kBr && Tk >= kBc;
@@ -288,7 +303,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_f
                        "auto", window, mods, bias, bias_grad, pv);
 }
 
-// The backward with the products' arithmetic named ("auto", "amx", "bf16", "fp32"), for tests.
+// The backward with the products' arithmetic named ("auto", "amx", "bf16", "fp32"), or
+// "small" (the small-problem path of flash/bwd_small.h), for tests.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_bwd_fused_math(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
