@@ -19,6 +19,9 @@ variant's time over the first variant's (< 1: faster). Builds are cached under
     # the fused backward instead (flash/flash_attn_bwd.cpp; out and lse from the package's
     # forward, grad_out contiguous; GFLOP/s counts its five products, 10 B h Tq Tk d):
     ... flash_ab.py --backward --dtype bf16 --variant old=... --variant new=src/mha/csrc
+    # a training step's two native calls: the package's forward, then each variant's backward
+    # (GFLOP/s counts 14 B h Tq Tk d):
+    ... flash_ab.py --backward --train --variant old=... --variant new=src/mha/csrc
 """
 
 from __future__ import annotations
@@ -139,6 +142,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="print max |difference| to the first")
     ap.add_argument("--backward", action="store_true",
                     help="time the fused backward (flash/flash_attn_bwd.cpp) instead")
+    ap.add_argument("--train", action="store_true",
+                    help="with --backward: time the package's forward, then the variant's backward")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
     if args.threads:
@@ -161,6 +166,8 @@ def main() -> None:
             out, lse = flash.flash_attention(q, k, v, causal=causal, scale=scale)
 
             def call(n, q=q, k=k, v=v, go=go, out=out, lse=lse, causal=causal, scale=scale):
+                if args.train:  # the step's forward, then the backward of its out and lse
+                    out, lse = flash.flash_attention(q, k, v, causal=causal, scale=scale)
                 return getattr(torch.ops, f"mha_ab_{n}").flash_attention_bwd_fused(
                     go, None, q, k, v, out, lse, None, None, causal, scale)
         else:
@@ -178,7 +185,7 @@ def main() -> None:
         with torch.no_grad():
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
             secs = _interleaved(fns, args.repeats, args.min_time, clock, args.idle, args.hold)
-        flops = (10.0 if args.backward else 4.0) * B * h * T * T * d * (0.5 if causal else 1.0)
+        flops = (14.0 if args.train else 10.0 if args.backward else 4.0) * B * h * T * T * d * (0.5 if causal else 1.0)
         base = secs[names[0]]
         row = "  ".join(f"{n} {flops / s / 1e9:6.1f} GF/s ({s / base:.3f})" for n, s in secs.items())
         print(f"{spec:>22}  {row}  load={os.getloadavg()[0]:.2f}", flush=True)

@@ -11,12 +11,14 @@ ratio columns (SDPA time / mha time: above 1 means mha is faster).
     flock -x /tmp/mha-bench.lock env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
         .venv/bin/python benchmarks/probes/train_step.py --torch-bwd
     .venv/bin/python benchmarks/probes/train_step.py --cases 1,8,2048,64,fp32,causal
+    .venv/bin/python benchmarks/probes/train_step.py --threads 1 --clock cpu --cases 32,8,20,64,fp32,dense
     .venv/bin/python benchmarks/probes/train_step.py --backward-only --cases 4,8,512,64,fp32,causal
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", nargs="*", default=list(CASES), help="B,h,T,d,fp32|bf16,causal|dense")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the calling thread's CPU time (with --threads 1, for a shared machine)")
     ap.add_argument("--torch-bwd", action="store_true", help="also time the PyTorch backward")
     ap.add_argument("--backward-only", action="store_true",
                     help="time the backward op alone: fused vs PyTorch (chunks 2^20 and 2^23)")
@@ -116,9 +120,11 @@ def main(argv=None) -> None:
             print(f"{case:28s} {cols}   torch 2^20 / fused {t['torch 2^20'] / t['fused']:5.2f}x",
                   flush=True)
         return
-    print(f"threads {torch.get_num_threads()}; ms per fwd+bwd step (median of {args.repeats})")
+    print(f"threads {torch.get_num_threads()}; ms per fwd+bwd step (median of {args.repeats}, "
+          f"{args.clock} clock)")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     for case in args.cases:
-        t = interleaved(contenders(case, args.torch_bwd), args.repeats, min_time=0.2)
+        t = interleaved(contenders(case, args.torch_bwd), args.repeats, min_time=0.2, clock=clock)
         cols = "  ".join(f"{name} {1e3 * s:8.2f}" for name, s in t.items())
         ratios = "  ".join(f"sdpa/{name} {t['sdpa'] / s:5.2f}x" for name, s in t.items()
                            if name != "sdpa")

@@ -37,7 +37,8 @@
 // Files: flash/bwd_problem.h (Problem, Scratch, block sizes), flash/bwd_rows.h (P and dS of
 // a row block; packing the group's rows), flash/bwd_bf16_pack.h (bf16 operands),
 // flash/bwd_unit.h (one unit, in named stages), amx/flash_amx_bwd.h (the products on AMX
-// tiles); this file: checks, the parallel driver and the op registration.
+// tiles), flash/bwd_small.h (the small-problem path: Tk <= 64, scores transposed); this file:
+// checks, the parallel drivers' choice and the op registration.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
