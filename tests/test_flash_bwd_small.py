@@ -21,8 +21,9 @@ from kernel_inputs import key_lengths, layout_tensor, qkv
 from mha import reference
 from mha.masks import MaskSpec
 from mha.ops import flash
-from oracle import FLOOR, max_err
 from test_hostile_nan_backward import _assert_rule, rule_reference
+
+from oracle import FLOOR, max_err
 
 MAX_KEYS = 64  # kSmallBwdMaxKeys in bwd_small.h
 MAX_ROWS = 64  # kSmallBwdMaxRows: the auto choice's largest Tq

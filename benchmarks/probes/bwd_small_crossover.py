@@ -49,9 +49,9 @@ def main() -> None:
         k, v = (torch.randn(B, h, Tk, d, generator=g).to(dtype) for _ in range(2))  # (B, h, Tk, d)
         go = torch.randn(B, h, Tq, d, generator=g).to(dtype)  # (B, h, Tq, d)
         out, lse = flash.flash_attention(q, k, v, causal=args.causal, scale=d ** -0.5)
-        fns = {m: (lambda m=m: torch.ops.mha._flash_attention_bwd_fused_math(
-            go, None, q, k, v, out, lse, None, None, args.causal, d ** -0.5, m))
-            for m in ("fp32", "small")}
+        inputs = (go, None, q, k, v, out, lse, None, None, args.causal, d ** -0.5)
+        fns = {m: (lambda m=m, inputs=inputs: torch.ops.mha._flash_attention_bwd_fused_math(
+            *inputs, m)) for m in ("fp32", "small")}
         secs = interleaved(fns, args.repeats, min_time=0.2, clock=clock)
         print(f"{spec:>16}  block {secs['fp32'] * 1e3:8.3f} ms  small {secs['small'] * 1e3:8.3f} ms"
               f"  small/block {secs['small'] / secs['fp32']:.3f}  load={os.getloadavg()[0]:.2f}",
