@@ -18,6 +18,7 @@ ratio columns (SDPA time / mha time: above 1 means mha is faster).
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -107,6 +108,8 @@ def main(argv=None) -> None:
     ap.add_argument("--torch-bwd", action="store_true", help="also time the PyTorch backward")
     ap.add_argument("--backward-only", action="store_true",
                     help="time the backward op alone: fused vs PyTorch (chunks 2^20 and 2^23)")
+    ap.add_argument("--faults", action="store_true",
+                    help="also count each step's minor page faults (ru_minflt over 50 steps)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,6 +132,22 @@ def main(argv=None) -> None:
         ratios = "  ".join(f"sdpa/{name} {t['sdpa'] / s:5.2f}x" for name, s in t.items()
                            if name != "sdpa")
         print(f"{case:28s} {cols}   {ratios}", flush=True)
+        if args.faults:
+            print(f"{'':28s} page faults per step: " + "  ".join(
+                f"{name} {n:.0f}" for name, n in faults(contenders(case, False)).items()))
+
+
+def faults(fns: dict, steps: int = 50) -> dict[str, float]:
+    """Minor page faults per call of each function (after one warm-up call): the first
+    touches of memory the allocator took back from the kernel since the last call."""
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(steps):
+            fn()
+        out[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+    return out
 
 
 if __name__ == "__main__":
