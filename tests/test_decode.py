@@ -137,7 +137,12 @@ def test_backend_reasons_in_words():
     q, k, v, _ = _problem((1, 2, 2, 17, 20, 16, 16), torch.float32, "none")
     verdicts = {vd.backend: vd for vd in mha.explain(q, k, v, causal=True)}
     assert "Tq=17 > 16" in "; ".join(verdicts["flash_decode"].reasons)
-    assert mha.explain(q[:, :, :16], k, v).chosen == "flash_decode"
+    assert mha.explain(q[:, :, :8], k, v).chosen == "flash_decode"
+    # 16 query rows per K/V head against 20 keys: it can serve, and leaves it to the tiles
+    at16 = mha.explain(q[:, :, :16], k, v)
+    decode_verdict = next(x for x in at16 if x.backend == "flash_decode")
+    assert decode_verdict.ok and "16 query rows per K/V head" in decode_verdict.defers
+    assert at16.chosen == "flash_cpu"
     r64 = {vd.backend: vd for vd in mha.explain(q.double(), k.double(), v.double())}
     assert any("dtype float64" in r for r in r64["flash_decode"].reasons)
     with pytest.raises(mha.BackendError, match="flash_decode"):
@@ -211,3 +216,27 @@ def test_ort_gqa_decode_peer_computes_the_same_step(dtype, tol, h_kv):
         fn()
         assert (fn.result() - ref).abs().max().item() <= tol
     assert ("fp16" in fn.note) == (dtype == torch.bfloat16)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize(("dtype", "h", "h_kv", "Tq", "Tk", "chosen"), [
+    (torch.float32, 8, 8, 8, 20, "flash_decode"),     # 8 rows per K/V head
+    (torch.float32, 8, 8, 16, 20, "flash_cpu"),       # 16 rows, short keys
+    (torch.float32, 8, 8, 16, 256, "flash_decode"),   # one query head per K/V head, long keys
+    (torch.float32, 9, 3, 8, 256, "flash_cpu"),       # 24 rows with GQA, long keys too
+    (torch.float32, 9, 3, 4, 256, "flash_decode"),    # 12 rows
+    (torch.bfloat16, 8, 8, 16, 20, "flash_decode"),   # bf16: from 32 rows
+    (torch.bfloat16, 9, 3, 16, 64, "flash_cpu"),      # 48 rows
+])
+def test_few_query_rows_go_to_the_measured_kernel(dtype, h, h_kv, Tq, Tk, chosen):
+    """Inference with Tq <= 16: flash_decode leaves calls of many query rows per K/V head to
+    the tile kernel (mha.backends.flash_decode.DEFER_ROWS), and both agree with the oracle."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, Tq, 64, generator=g).to(dtype)  # (B, h, Tq, d)
+    k, v = (torch.randn(1, h_kv, Tk, 64, generator=g).to(dtype) for _ in range(2))
+    assert mha.explain(q, k, v).chosen == chosen
+    ref = mha.attention(q.double(), k.double(), v.double(), backend="reference")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for backend in (None, "flash_decode", "flash_cpu"):
+        torch.testing.assert_close(mha.attention(q, k, v, backend=backend).double(), ref,
+                                   atol=tol, rtol=tol)

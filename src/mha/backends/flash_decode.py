@@ -1,4 +1,5 @@
-"""Backend ``flash_decode``: the native decode kernel (:mod:`mha.ops.decode`), for Tq <= 16.
+"""Backend ``flash_decode``: the native decode kernel (:mod:`mha.ops.decode`), for Tq <= 16
+with few query rows per K/V head (from 16 in fp32, 32 in bf16 it defers to flash_cpu).
 
 Shape legend: B batch, h query heads, h_kv K/V heads, Tq/Tk lengths, d_k/d_v head dims.
 Listed first in dispatch: it serves inference calls with few queries (decoding steps against
@@ -34,6 +35,29 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
     return reasons
 
 
+# Query rows per K/V head (g * Tq) from which the tile kernel (flash_cpu) is the faster one
+# without grad, by dtype; and the key length from which flash_decode keeps a call with one query
+# head per K/V head all the same (docs/kernel.md "Few query rows: decode kernel or tiles").
+DEFER_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+KEEP_MHA_TK = 256
+
+
+def _defers(call: AttentionCall) -> str | None:
+    """flash_decode keeps every query row of a K/V group in flight against each key; the tile
+    kernel fills its register tiles from about 16 rows (fp32) or 32 rows (bf16) per K/V head
+    on, and measured faster there except with one query head per K/V head against 256 keys or
+    more (there flash_decode led with many heads). Fewer rows stay on the decode kernel."""
+    limit = DEFER_ROWS.get(call.dtype)
+    g = call.h // call.h_kv
+    rows = g * call.Tq
+    if limit is None or size_below(rows, limit, unsettled=True):
+        return None  # (torch.export: a Tq range across the threshold stays on flash_decode)
+    if g == 1 and not size_below(call.Tk, KEEP_MHA_TK, unsettled=False):
+        return None
+    return (f"{rows} query rows per K/V head (h / h_kv x Tq) >= {limit}: the tile kernel "
+            f"(flash_cpu) is faster from there, measured")
+
+
 def _note(call: AttentionCall) -> str | None:
     """bf16 q.k on the AMX tiles of a ``MHA_AMX_EMULATE=1`` build runs in software (where they
     fit: G = h / h_kv * Tq <= 16 query rows, d_k % 32 == 0, d_k <= 128, runs of 32 keys); where
@@ -66,5 +90,6 @@ BACKEND = Backend(
     forward=_forward,
     unavailable=decode.unavailable,
     extra_reasons=_extra_reasons,
+    defers=_defers,
     note=_note,
 )
