@@ -20,7 +20,7 @@ import socket
 import sys
 
 from mha.cli.generate import load_or_hint, weights_of
-from mha.cli.options import UsageError, int_between, positive_int, thread_count
+from mha.cli.options import UsageError, int_between, positive_float, positive_int, thread_count
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                    help="requests running at once (default 16; others wait)")
     p.add_argument("--prefill-chunk", type=positive_int, default=64,
                    help="prompt tokens per request per step (default 64)")
+    p.add_argument("--request-timeout", type=positive_float, default=30.0,
+                   help="seconds a client may keep the server waiting for its request's "
+                        "bytes before it is dropped (default 30)")
     p.add_argument("--threads", type=thread_count, default=None,
                    help="torch threads of the engine (default: torch's)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                              max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
                              kv_dtype=args.kv,
                              eos_token_id=loaded.tokenizer.eos_token_id, threads=args.threads,
-                             model_name=MODEL_NAME, log=log, debug=args.debug)
+                             model_name=MODEL_NAME, log=log, debug=args.debug,
+                             request_timeout=args.request_timeout)
     except OSError as e:  # the port was taken while the model loaded
         raise UsageError(f"--host {args.host} --port {args.port} cannot be listened on: "
                          f"{e.strerror or e}") from e

@@ -21,6 +21,12 @@ request the page pool can never hold or past the model's context (refused when a
 queued for ever). Fields the server does not know are ignored (clients send many). An error
 inside a forward answers 500 to the requests of that step; the engine serves the others. A
 client that disconnects before its answer cancels its request, so its pages return to the pool.
+
+Every answer is JSON, the standard library's own errors too (a malformed request line or
+header, an unknown method): 404 for an unknown path, 405 for a known one with another method
+(query strings are ignored). A client that keeps a worker waiting for its request's bytes past
+``request_timeout`` is dropped (408 when its body came short of its Content-Length). After
+:meth:`Engine.stop`, every open request and every later one gets a 503.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import math
 import queue
+import re
 import select
 import socket
 import sys
@@ -37,10 +45,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from mha.llm.serving import Scheduler
 
 MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
+#: The method each endpoint takes (another method there: 405; another path: 404).
+ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST",
+          "/v1/chat/completions": "POST"}
 
 #: Sampling fields a greedy server refuses unless they hold one of these (greedy) values.
 GREEDY = {"temperature": (None, 0), "top_p": (None, 1), "n": (None, 1), "best_of": (None, 1),
@@ -84,6 +96,8 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._tickets: dict[int, Ticket] = {}
         self._stop = threading.Event()
+        self._closed = False  #: set once the engine takes no more requests (under _lock)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="mha-serve-engine", daemon=True)
         self.stats = self._snapshot()
 
@@ -91,15 +105,22 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the current step; requests still open get a 503 error event."""
+        """Stop after the current step; requests still open or submitted later get a 503
+        error event."""
         self._stop.set()
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # (never started: nothing else closes the inbox)
+            self._close()
 
     def submit(self, prompt: list[int], max_tokens: int) -> Ticket:
         ticket = Ticket(prompt, max_tokens)
-        self._inbox.put(("add", ticket))
+        with self._lock:
+            if self._closed:
+                ticket.events.put(("error", 503, "the server is shutting down"))
+            else:
+                self._inbox.put(("add", ticket))
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -121,9 +142,22 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
                 self._log(f"engine error: {type(e).__name__}: {e}")
                 self._fail_all(f"internal error in the engine ({type(e).__name__})")
+        self._close()
+
+    def _close(self) -> None:
+        """Take no more requests; every open or submitted one gets a 503."""
+        with self._lock:
+            self._closed = True
         for ticket in self._tickets.values():
             ticket.events.put(("error", 503, "the server is shutting down"))
         self._tickets.clear()
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is not None and msg[0] == "add":
+                msg[1].events.put(("error", 503, "the server is shutting down"))
 
     def _fail_all(self, message: str) -> None:
         """Every open request ends with a 500 and leaves the scheduler (its pages freed)."""
@@ -157,6 +191,10 @@ class Engine:
             except (TypeError, ValueError) as e:
                 text = str(e).replace("max_new_tokens", "max_tokens")
                 ticket.events.put(("error", 400, text))
+                return
+            except Exception as e:  # noqa: BLE001 - a bug refuses this request, not the others
+                self._log(f"error adding a request: {type(e).__name__}: {e}")
+                ticket.events.put(("error", 500, f"internal error ({type(e).__name__})"))
                 return
             self._tickets[ticket.rid] = ticket
         elif kind == "cancel" and ticket.rid in self._tickets:
@@ -294,13 +332,19 @@ class Server(http.server.ThreadingHTTPServer):
         model_name: what ``/v1/models`` lists and answers carry.
         log: where one line per request and per error goes (None: nowhere).
         debug: also log the traceback of a 500.
+        request_timeout: seconds a socket read or write may wait (a client that sends
+            nothing, or less body than its Content-Length, is dropped after it: 408 when a
+            body was announced).
     """
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  #: connections the kernel holds before accept (the base: 5)
 
     def __init__(self, address, engine: Engine, *, tokenizer=None, model_name: str = "mha",
-                 log: Callable[[str], None] | None = None, debug: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, debug: bool = False,
+                 request_timeout: float = 30.0) -> None:
+        self.request_timeout = _check_timeout(request_timeout)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.log, self.debug = log, debug
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not for concurrent use
@@ -353,28 +397,56 @@ class Server(http.server.ThreadingHTTPServer):
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+def _check_timeout(value) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)):
+        raise ValueError(f"request_timeout must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
-    timeout = 120  #: seconds a socket read or write may take (a body sent short, a stuck client)
     server_version = "mha-serve"
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout  # (the base applies it to the socket)
+        super().setup()
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        """The base's errors (a malformed request line or header, an unknown method) as JSON
+        rather than HTML; the connection closes after them."""
+        self.close_connection = True
+        if self.request_version in ("", "HTTP/0.9"):  # unparsed: answer with a status line
+            self.request_version = "HTTP/1.0"
+        text = message or self.responses.get(code, ("error",))[0]
+        try:
+            self._send_error(code, text)
+        except OSError:
+            pass
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base's name
         self.server.write_log(f"{self.address_string()} {format % args}")
 
     # -- answers
-    def _send_json(self, status: int, obj: dict) -> None:
+    def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
-    def _send_error(self, status: int, message: str, param: str | None = None) -> None:
+    def _send_error(self, status: int, message: str, param: str | None = None,
+                    headers: dict | None = None) -> None:
         kind = "invalid_request_error" if status < 500 else "server_error"
         self._send_json(status, {"error": {"message": message, "type": kind, "param": param,
-                                           "code": None}})
+                                           "code": None}}, headers)
 
     def _event(self, obj) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj)
@@ -382,23 +454,55 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
 
     # -- routes
+    def _route(self) -> str | None:
+        """The endpoint of this request (its path without a query string), or None once a
+        404 / 405 is sent (the connection then closes: a body may be unread)."""
+        path = urlsplit(self.path).path
+        if ROUTES.get(path) == self.command:
+            return path
+        self.close_connection = True
+        if path not in ROUTES:
+            self._send_error(404, f"no such endpoint: {self.command} {self.path}")
+        else:
+            self._send_error(405, f"{self.command} is not allowed on {self.path} (it takes "
+                             f"{ROUTES[path]})", headers={"Allow": ROUTES[path]})
+        return None
+
+    def do_PUT(self) -> None:  # noqa: N802 - the base's name
+        self._route()
+
+    do_DELETE = do_PATCH = do_OPTIONS = do_PUT  # noqa: N815 - the base's names
+
     def do_GET(self) -> None:  # noqa: N802 - the base's name
-        if self.path == "/health":
+        path = self._route()
+        if path is None:
+            return
+        if self.headers.get("Content-Length", "0").strip() not in ("", "0"):
+            self._skip_body()
+        if path == "/health":
             self._send_json(200, {"status": "ok", **self.server.engine.stats})
-        elif self.path == "/v1/models":
+        else:
             self._send_json(200, {"object": "list", "data": [
                 {"id": self.server.model_name, "object": "model", "created": 0,
                  "owned_by": "mha"}]})
-        else:
-            self._send_error(404, f"no such endpoint: GET {self.path}")
+
+    def _skip_body(self) -> None:
+        """Read and drop a body a GET carried, so it is never taken for the next request
+        (one that cannot be read whole: the connection closes after the answer)."""
+        try:
+            n = self._length()
+            if len(self.rfile.read(n)) == n:
+                return
+        except (BadRequest, OSError):
+            pass
+        self.close_connection = True
 
     def do_POST(self) -> None:  # noqa: N802 - the base's name
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self.close_connection = True
-            self._send_error(404, f"no such endpoint: POST {self.path}")
+        path = self._route()
+        if path is None:
             return
         try:
-            job = self._job(self._body(), chat=self.path == "/v1/chat/completions")
+            job = self._job(self._body(), chat=path == "/v1/chat/completions")
         except BadRequest as e:
             self.close_connection = True  # the body may be unread
             self._send_error(e.status, str(e), e.param)
@@ -417,19 +521,33 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 pass
 
-    def _body(self) -> dict:
+    def _length(self) -> int:
         length = self.headers.get("Content-Length")
-        if length is None or not length.strip().isdigit():
+        if length is None or not re.fullmatch(r"[0-9]+", length.strip()):
             raise BadRequest("the body needs a Content-Length header (a byte count), got "
                              f"{length!r}", status=411 if length is None else 400)
         n = int(length)
         if n > MAX_BODY:
             raise BadRequest(f"the body is {n} bytes, more than {MAX_BODY}", status=413)
-        raw = self.rfile.read(n)
+        return n
+
+    def _body(self) -> dict:
+        n = self._length()
+        try:
+            raw = self.rfile.read(n)
+        except TimeoutError:
+            raise BadRequest(f"the body was not received: Content-Length said {n} bytes and "
+                             f"they did not come within {self.server.request_timeout:g} s",
+                             status=408) from None
+        if len(raw) < n:
+            raise BadRequest(f"the body ended after {len(raw)} of its {n} bytes")
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BadRequest(f"the body must be a JSON object: {e}") from None
+        except (RecursionError, ValueError) as e:  # nested too deep; an int of many digits
+            raise BadRequest(f"the body must be a JSON object that Python's json reads: "
+                             f"{type(e).__name__}: {str(e)[:120]}") from None
         if not isinstance(body, dict):
             raise BadRequest(f"the body must be a JSON object, got a {type(body).__name__}")
         return body
@@ -468,6 +586,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(str(e), "messages" if chat else "prompt") from None
         if not prompt:
             raise BadRequest("the prompt has no tokens", "messages" if chat else "prompt")
+        context = self.server.engine.scheduler.cache.max_len
+        if len(prompt) >= context:  # refused whatever max_tokens is: the prompt's fault
+            raise BadRequest(f"the prompt has {len(prompt)} tokens: the model's context of "
+                             f"{context} leaves no room for a new token",
+                             "messages" if chat else "prompt")
         return Job(chat, prompt, max_tokens, stream, _stop_strings(body), usage)
 
     def _answer(self, job: Job) -> None:
@@ -606,16 +729,18 @@ def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int =
                 num_pages: int = 256, page_size: int = 16, max_seqs: int = 16,
                 prefill_chunk: int = 64, kv_dtype=None, eos_token_id: int | None = None,
                 threads: int | None = None, model_name: str = "mha",
-                log: Callable[[str], None] | None = None, debug: bool = False) -> Server:
+                log: Callable[[str], None] | None = None, debug: bool = False,
+                request_timeout: float = 30.0) -> Server:
     """A :class:`Server` on ``(host, port)`` over a new :class:`Scheduler` of ``loaded_model``
     (a transformers causal LM; its context is each request's limit). Call ``.start()``."""
+    _check_timeout(request_timeout)  # (before the scheduler's pages are allocated)
     context = int(loaded_model.config.get_text_config().max_position_embeddings)
     scheduler = Scheduler(loaded_model, num_pages=num_pages, page_size=page_size,
                           max_seqs=max_seqs, max_len=context, prefill_chunk=prefill_chunk,
                           kv_dtype=kv_dtype, eos_token_id=eos_token_id)
     engine = Engine(scheduler, threads=threads, log=log)
     return Server((host, port), engine, tokenizer=tokenizer, model_name=model_name, log=log,
-                  debug=debug)
+                  debug=debug, request_timeout=request_timeout)
 
 
 __all__ = ["Engine", "Server", "TextStream", "Ticket", "make_server"]
