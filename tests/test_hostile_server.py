@@ -305,6 +305,37 @@ def test_silent_clients_do_not_stop_the_server(server):
             c.close()
 
 
+@pytest.mark.parametrize("part", ["header", "body"])
+def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(server, part):
+    """One byte every 0.1 s (each read well within the read timeout): the request as a whole
+    gets the read timeout, then the connection closes (408 once the body has begun)."""
+    body = b'{"prompt": [5], "max_tokens": 2}'
+    data = request("POST", "/v1/completions", body)
+    at = data.index(b"\r\n\r\n") + 4 if part == "body" else 10
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as c:
+        c.sendall(data[:at])
+        t0 = time.monotonic()
+        c.settimeout(0.1)
+        answer = b""
+        for byte in data[at:at + 60]:
+            try:
+                c.sendall(bytes([byte]))
+                chunk = c.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            answer += chunk
+            if not chunk:
+                break
+        took = time.monotonic() - t0
+    assert took < 4 * TIMEOUT + 1, took  # 60 bytes would take 6 s
+    if part == "body":
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    status, out = post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2})
+    assert status == 200, out
+
+
 def _send_and_leave(server, body: dict, after: bytes | None) -> None:
     data = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as c:

@@ -24,8 +24,9 @@ client that disconnects before its answer cancels its request, so its pages retu
 
 Every answer is JSON, the standard library's own errors too (a malformed request line or
 header, an unknown method): 404 for an unknown path, 405 for a known one with another method
-(query strings are ignored). A client that keeps a worker waiting for its request's bytes past
-``request_timeout`` is dropped (408 when its body came short of its Content-Length). After
+(query strings are ignored). A request's line, headers and body must come within
+``request_timeout`` (a client that sends nothing, trickles bytes, or less body than its
+Content-Length is dropped: 408 once the body began). After
 :meth:`Engine.stop`, every open request and every later one gets a 503.
 """
 
@@ -349,6 +350,11 @@ class Server(http.server.ThreadingHTTPServer):
         self.log, self.debug = log, debug
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not for concurrent use
         super().__init__(address, Handler)
+        #: handlers reading a request -> the time its bytes must have come by
+        self._reading: dict[Handler, float] = {}
+        self._reading_lock = threading.Lock()
+        self._closing = threading.Event()
+        threading.Thread(target=self._reap, name="mha-serve-deadlines", daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -366,6 +372,31 @@ class Server(http.server.ThreadingHTTPServer):
         self.shutdown()
         self.engine.stop(timeout=30)
         self.server_close()
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
+
+    def reading(self, handler: Handler, started: bool) -> None:
+        """``handler`` starts (``request_timeout`` from now) or ends reading a request."""
+        with self._reading_lock:
+            if started:
+                self._reading[handler] = time.monotonic() + self.request_timeout
+            else:
+                self._reading.pop(handler, None)
+
+    def _reap(self) -> None:
+        """Shut the reading side of connections whose request did not come whole by its
+        deadline (a client trickling bytes resets a socket timeout at each one): the blocked
+        read returns, and the handler can still answer."""
+        while not self._closing.wait(min(0.1, self.request_timeout / 4)):
+            now = time.monotonic()
+            with self._reading_lock:  # (a handler that ends reading meanwhile is not late)
+                for h in [h for h, end in self._reading.items() if end <= now]:
+                    del self._reading[h]
+                    h.late = True
+                    with contextlib.suppress(OSError):
+                        h.connection.shutdown(socket.SHUT_RD)
 
     def handle_error(self, request, client_address) -> None:
         e = sys.exc_info()[1]
@@ -409,9 +440,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "mha-serve"
 
+    late = False  #: the request did not come whole within request_timeout
+
     def setup(self) -> None:
         self.timeout = self.server.request_timeout  # (the base applies it to the socket)
         super().setup()
+
+    def handle_one_request(self) -> None:
+        """One request, whose line, headers and body must come within ``request_timeout``
+        (waiting for it on a kept-alive connection included)."""
+        self.server.reading(self, True)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.reading(self, False)
 
     def send_error(self, code: int, message: str | None = None,
                    explain: str | None = None) -> None:
@@ -495,6 +537,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return
         except (BadRequest, OSError):
             pass
+        finally:
+            self.server.reading(self, False)
         self.close_connection = True
 
     def do_POST(self) -> None:  # noqa: N802 - the base's name
@@ -536,9 +580,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             raw = self.rfile.read(n)
         except TimeoutError:
+            raw = None
+        finally:  # the answer may take long: no deadline on it
+            self.server.reading(self, False)
+        if raw is None or self.late:
             raise BadRequest(f"the body was not received: Content-Length said {n} bytes and "
                              f"they did not come within {self.server.request_timeout:g} s",
-                             status=408) from None
+                             status=408)
         if len(raw) < n:
             raise BadRequest(f"the body ended after {len(raw)} of its {n} bytes")
         try:
