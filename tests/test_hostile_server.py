@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'mha[hf]')")
 
-from mha.llm.server import make_server  # noqa: E402
+from mha.llm.server import TextStream, make_server  # noqa: E402
 from mha.ops import decode  # noqa: E402
 from test_server import _tokenizer, get, greedy, post, wait_idle  # noqa: E402
 from tiny_llama import CFG, eager_and_mha  # noqa: E402
@@ -528,3 +528,22 @@ def test_a_bad_serve_option_is_one_line_and_exit_2(argv, expected, capsys, monke
     assert code == 2 and out == "", (code, out, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("mha serve") and expected in err, err
+
+
+def test_a_long_stop_string_costs_in_proportion_to_the_text():
+    """A stop string of 200000 characters (a body under 1 MiB may carry four): what may begin
+    it is looked for among the text's own lengths only (prefixes taken per token: at most the
+    text's length + 1, not 200000)."""
+    class Counting(str):
+        taken = 0
+
+        def __getitem__(self, key):
+            Counting.taken += 1
+            return str.__getitem__(self, key)
+
+    stop = Counting("x" * 200_000)
+    ts = TextStream(lambda toks: " w5" * len(toks), [stop])
+    for n in range(1, 5):
+        Counting.taken = 0
+        assert ts.feed(5) == " w5"
+        assert Counting.taken <= 3 * n + 1, Counting.taken

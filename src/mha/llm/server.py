@@ -259,7 +259,8 @@ class TextStream:
                 text, self.stopped = text[:at], True
         if not self.stopped:
             text = text.rstrip("\ufffd")
-            hold = max((k for s in self._stop for k in range(1, len(s))
+            # (k <= len(text): a long stop string costs no more than the text)
+            hold = max((k for s in self._stop for k in range(1, min(len(s), len(text) + 1))
                         if text.endswith(s[:k])), default=0)
             text = text[:len(text) - hold]
         return self._advance(text)
