@@ -501,6 +501,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """The endpoint of this request (its path without a query string), or None once a
         404 / 405 is sent (the connection then closes: a body may be unread)."""
         path = urlsplit(self.path).path
+        if self.late:  # the headers were cut at the deadline (they seemed to end there)
+            self.close_connection = True
+            self._send_error(408, "the request did not come whole within "
+                             f"{self.server.request_timeout:g} s")
+            return None
         if ROUTES.get(path) == self.command:
             return path
         self.close_connection = True
@@ -568,6 +573,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _length(self) -> int:
         length = self.headers.get("Content-Length")
+        if length is not None and self.headers.get("Transfer-Encoding") is not None:
+            raise BadRequest("a body with both Content-Length and Transfer-Encoding is "
+                             "ambiguous: send it with a Content-Length only")
         if length is None or not re.fullmatch(r"[0-9]+", length.strip()):
             raise BadRequest("the body needs a Content-Length header (a byte count), got "
                              f"{length!r}", status=411 if length is None else 400)
