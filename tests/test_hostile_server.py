@@ -224,11 +224,9 @@ def test_a_content_length_larger_than_the_body_does_not_hold_a_worker(server):
         c.sendall(request("POST", "/v1/completions", body, {"Content-Length": "1000"}))
         status, out = post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2})
         assert status == 200, out
-        t0 = time.monotonic()
         answer = b""
-        while chunk := c.recv(4096):
+        while chunk := c.recv(4096):  # (a server that never gives up: TimeoutError after 10 s)
             answer += chunk
-        assert time.monotonic() - t0 < 10 * TIMEOUT + 5
     assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
 
 
@@ -308,11 +306,9 @@ def test_silent_clients_do_not_stop_the_server(server):
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         status, out = post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
         assert status == 200, out
-        t0 = time.monotonic()
         for c in idle + half:
-            answer = c.recv(4096)  # closed, no answer or a 408
+            answer = c.recv(4096)  # closed, no answer or a 408 (never closed: TimeoutError)
             assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:80]
-        assert time.monotonic() - t0 < 10 * TIMEOUT + 5
     finally:
         for c in idle + half:
             c.close()
@@ -327,22 +323,22 @@ def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(server, p
     at = data.index(b"\r\n\r\n") + 4 if part == "body" else 10
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as c:
         c.sendall(data[:at])
-        t0 = time.monotonic()
         c.settimeout(0.1)
-        answer = b""
-        for byte in data[at:at + 60]:
+        answer, closed = b"", False
+        for byte in data[at:at + 60]:  # 60 bytes take >= 6 s: 12x the deadline
             try:
                 c.sendall(bytes([byte]))
                 chunk = c.recv(4096)
             except TimeoutError:
                 continue
             except OSError:
+                closed = True
                 break
             answer += chunk
             if not chunk:
+                closed = True
                 break
-        took = time.monotonic() - t0
-    assert took < 4 * TIMEOUT + 1, took  # 60 bytes would take 6 s
+    assert closed, "the server kept reading a request trickled past its deadline"
     if part == "body":
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
     status, out = post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2})
