@@ -555,3 +555,18 @@ def test_a_forward_that_raises_mid_stream_ends_the_stream_with_an_error(server, 
     assert events[2]["error"]["type"] == "server_error" and events[3] == "[DONE]"
     assert len(events) == 4
     assert wait_idle(server)["free_pages"] == NUM_PAGES
+
+
+def test_close_returns_for_a_server_that_was_never_started(models, tok):
+    """close() on a server whose start() (serve_forever) never ran returns and frees the port;
+    the join's bound only detects a hang (socketserver's shutdown() waits for a serve_forever
+    loop that never began)."""
+    srv = make_server(models["mha"], tok, port=0, num_pages=4, page_size=4)
+    port = srv.server_address[1]
+    t = threading.Thread(target=srv.close, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "close() of a server never started did not return"
+    with socket.socket() as s:  # the listening socket is closed: the port binds again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))

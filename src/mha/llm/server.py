@@ -355,6 +355,7 @@ class Server(http.server.ThreadingHTTPServer):
         self._reading: dict[Handler, float] = {}
         self._reading_lock = threading.Lock()
         self._closing = threading.Event()
+        self._serving = False  #: serve_forever began, or start() will begin it
         threading.Thread(target=self._reap, name="mha-serve-deadlines", daemon=True).start()
 
     @property
@@ -365,12 +366,20 @@ class Server(http.server.ThreadingHTTPServer):
     def start(self) -> threading.Thread:
         """Start the engine and serve in a background thread (returned)."""
         self.engine.start()
+        self._serving = True
         t = threading.Thread(target=self.serve_forever, name="mha-serve-http", daemon=True)
         t.start()
         return t
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._serving = True
+        super().serve_forever(poll_interval)
+
     def close(self) -> None:
-        self.shutdown()
+        """Stop serving, stop the engine, close the socket (also for a server never started:
+        socketserver's shutdown() would wait for a serve_forever that never runs)."""
+        if self._serving:
+            self.shutdown()
         self.engine.stop(timeout=30)
         self.server_close()
 
