@@ -112,6 +112,32 @@ def test_a_layer_refusing_mid_forward_leaves_every_cache_unchanged(model):
     assert _lengths(caches) == [([0, 0], [0, 0])] * 2
 
 
+def test_a_layer_refusing_mid_forward_leaves_concat_caches_unchanged(model):
+    """ConcatKVCache per layer (grown by concatenation): the second layer's cache holds bf16
+    K/V and refuses the fp32 rows, so the first layer's append is undone as well."""
+    caches = [ConcatKVCache(), ConcatKVCache()]
+    with torch.no_grad():
+        model(_ids(T=3), caches)
+        caches[1].k, caches[1].v = caches[1].k.bfloat16(), caches[1].v.bfloat16()
+        before = [(c.k, c.v) for c in caches]
+        with pytest.raises(TypeError, match="k_new must be torch.bfloat16"):
+            model(_ids(T=2), caches)
+    assert all(c.k is k and c.v is v for c, (k, v) in zip(caches, before, strict=True))
+
+
+def test_concat_caches_holding_different_tokens_per_layer_are_refused(model):
+    """As for KVCache: ConcatKVCaches of different lengths would give the layers different
+    positions; refused, nothing appended."""
+    caches = [ConcatKVCache(), ConcatKVCache()]
+    with torch.no_grad():
+        model(_ids(T=3), caches)
+        model.layers[0](model.embed_tokens(_ids(T=1)), caches[0])  # layer 0 alone: 4 tokens
+        before = [(c.k, c.v) for c in caches]
+        with pytest.raises(ValueError, match=r"caches\[1\].*caches\[0\]"):
+            model(_ids(T=2), caches)
+    assert all(c.k is k and c.v is v for c, (k, v) in zip(caches, before, strict=True))
+
+
 def test_caches_holding_different_tokens_per_layer_are_refused(model):
     """Layers whose caches disagree on the lengths would place the tokens at different
     positions per layer: a wrong answer, so refused (nothing appended)."""

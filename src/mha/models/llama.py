@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha.cache import KVCache
+from mha.cache import ConcatKVCache, KVCache
 from mha.checks import check_bool, check_int, check_readable, check_scalar
 from mha.module import MultiHeadAttention
 from mha.rope import Rotary
@@ -548,9 +548,15 @@ def _described(x) -> str:
 
 def _check_same_tokens(caches) -> None:
     """Every layer's cache holds the same tokens (equal ``lengths`` and ``starts``, where the
-    caches have them): the tokens' positions come from each layer's cache."""
+    caches have them; equal lengths of ConcatKVCaches): the tokens' positions come from each
+    layer's cache."""
     first = caches[0]
     for i, c in enumerate(caches[1:], start=1):
+        if isinstance(first, ConcatKVCache) and isinstance(c, ConcatKVCache) and \
+                c.max_length != first.max_length:
+            raise ValueError(f"caches[{i}] must hold the same tokens as caches[0] (one per "
+                             f"layer, all fed the same ids): {c.max_length} tokens against "
+                             f"{first.max_length}")
         for name in ("lengths", "starts"):
             a, b = getattr(first, name, None), getattr(c, name, None)
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not (
@@ -561,13 +567,18 @@ def _check_same_tokens(caches) -> None:
 
 
 def _cache_state(cache):
-    """What a layer's call changes in ``cache`` (its lengths and starts; the storage past them
-    is never read)."""
+    """What a layer's call changes in ``cache``: its lengths and starts (the storage past them
+    is never read); a :class:`ConcatKVCache`'s K/V tensors (an append replaces them)."""
+    if isinstance(cache, ConcatKVCache):
+        return {"k": cache.k, "v": cache.v}
     return {n: t.clone() for n in ("lengths", "starts")
             if isinstance(t := getattr(cache, n, None), torch.Tensor)}
 
 
 def _restore(cache, state: dict) -> None:
+    if isinstance(cache, ConcatKVCache):
+        cache.k, cache.v = state["k"], state["v"]
+        return
     for n, t in state.items():
         getattr(cache, n).copy_(t)
 
