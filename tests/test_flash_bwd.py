@@ -38,8 +38,9 @@ def _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, layout, seed):
 
 
 def _reference_grads(q, k, v, go, gl, spec, scale, upcast):
-    """Gradients of sum(out * go) + sum(lse * gl) (rows that see a key) by autograd through the
-    per-head reference loop, in float64 (upcast) or the inputs' dtype."""
+    """Gradients of sum(out * go) + sum(lse * gl) (rows that see a key; go / gl None: left
+    out) by autograd through the per-head reference loop, in float64 (upcast) or the inputs'
+    dtype; and the out."""
     B, h, Tq, _ = q.shape
     Tk = k.shape[2]
     dt = torch.float64 if upcast else q.dtype
@@ -52,7 +53,11 @@ def _reference_grads(q, k, v, go, gl, spec, scale, upcast):
         s = s.masked_fill(~spec.dense(B, h, Tq, Tk), float("-inf"))
     lse = s.logsumexp(-1)  # (B, h, Tq)
     fin = torch.isfinite(lse)
-    loss = (out * go.to(dt)).sum() + (lse[fin] * gl.to(dt)[fin]).sum()
+    loss = 0.0 * out.sum()
+    if go is not None:
+        loss = loss + (out * go.to(dt)).sum()
+    if gl is not None:
+        loss = loss + (lse[fin] * gl.to(dt)[fin]).sum()
     return torch.autograd.grad(loss, ins), out.detach()
 
 

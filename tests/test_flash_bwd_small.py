@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from examples import examples
 from kernel_inputs import bool_mask as _mask
 from kernel_inputs import key_lengths, layout_tensor, qkv
-from mha import reference
 from mha.masks import MaskSpec
 from mha.ops import flash
+from test_flash_bwd import _reference_grads
 from test_hostile_nan_backward import _assert_rule, rule_reference
 
 from oracle import FLOOR, max_err
@@ -54,30 +54,6 @@ def _bwd(math, go, gl, q, k, v, spec, scale, window=0):
     if math == "auto":
         return torch.ops.mha.flash_attention_bwd_fused(*args, window)[:3]
     return torch.ops.mha._flash_attention_bwd_fused_math(*args, math, window)
-
-
-def _reference_grads(q, k, v, go, gl, spec, scale, upcast):
-    """Gradients of sum(out * go) + sum(lse * gl) (rows that see a key; go / gl None: left
-    out) by autograd through the per-head reference loop, in float64 (upcast) or the inputs'
-    dtype; and the fp64 out."""
-    B, h, Tq, _ = q.shape
-    Tk = k.shape[2]
-    dt = torch.float64 if upcast else q.dtype
-    ins = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-    allowed = spec.materialize(B, h, Tq, Tk)
-    out = reference.attention(*ins, allowed=allowed, scale=scale)[0]  # (B, h, Tq, d_v)
-    kk = ins[1].repeat_interleave(h // k.shape[1], 1)  # (B, h, Tk, d_k)
-    s = torch.einsum("bhqd,bhkd->bhqk", ins[0], kk) * scale  # (B, h, Tq, Tk)
-    if allowed is not None:
-        s = s.masked_fill(~spec.dense(B, h, Tq, Tk), float("-inf"))
-    lse = s.logsumexp(-1)  # (B, h, Tq)
-    fin = torch.isfinite(lse)
-    loss = 0.0 * out.sum()
-    if go is not None:
-        loss = loss + (out * go.to(dt)).sum()
-    if gl is not None:
-        loss = loss + (lse[fin] * gl.to(dt)[fin]).sum()
-    return torch.autograd.grad(loss, ins), out.detach()
 
 
 def _cancellation(q, k, go, out, scale) -> float:
