@@ -570,3 +570,30 @@ def test_close_returns_for_a_server_that_was_never_started(models, tok):
     with socket.socket() as s:  # the listening socket is closed: the port binds again
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_an_engine_whose_scheduler_cannot_drop_its_requests_stops_and_answers_all(
+        models, monkeypatch):
+    """A bug in a step (a token of no request) and then in cancel (the scheduler cannot drop
+    the open request): the engine answers that request 500 and stops serving, so a later
+    request is answered 503 at once; no ticket waits for ever (the gets' bound only detects
+    that)."""
+    srv = make_server(models["mha"], None, port=0, num_pages=16, page_size=4, max_seqs=2)
+    e, s = srv.engine, srv.engine.scheduler
+    step = s.step
+    monkeypatch.setattr(s, "step", lambda: {**step(), 10**6: 5})
+
+    def broken_cancel(rid):
+        raise RuntimeError("the scheduler's bookkeeping")
+
+    monkeypatch.setattr(s, "cancel", broken_cancel)
+    e.start()
+    try:
+        ticket = e.submit([5, 6, 7], 4)
+        events = [ticket.events.get(timeout=30)]
+        while events[-1][0] == "token":
+            events.append(ticket.events.get(timeout=30))
+        assert events[-1][:2] == ("error", 500)
+        assert e.submit([5], 2).events.get(timeout=30)[:2] == ("error", 503)
+    finally:
+        srv.close()

@@ -19,8 +19,9 @@ greedy decoding runs: ``temperature`` other than 0, ``top_p`` other than 1, ``n`
 ``best_of`` other than 1, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``) and a
 request the page pool can never hold or past the model's context (refused when added, never
 queued for ever). Fields the server does not know are ignored (clients send many). An error
-inside a forward answers 500 to the requests of that step; the engine serves the others. A
-client that disconnects before its answer cancels its request, so its pages return to the pool.
+inside a forward answers 500 to the requests of that step; the engine serves the others. An
+error elsewhere in the engine answers 500 to every open request; if the scheduler then cannot
+drop them, the engine stops and later requests are answered 503. A client that disconnects before its answer cancels its request, so its pages return to the pool.
 
 Every answer is JSON, the standard library's own errors too (a malformed request line or
 header, an unknown method): 404 for an unknown path, 405 for a known one with another method
@@ -142,7 +143,11 @@ class Engine:
                 self._step()
             except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
                 self._log(f"engine error: {type(e).__name__}: {e}")
-                self._fail_all(f"internal error in the engine ({type(e).__name__})")
+                if not self._fail_all(f"internal error in the engine ({type(e).__name__})"):
+                    # the scheduler cannot drop its requests: stop serving (503s) rather than
+                    # step them with no one to answer
+                    self._log("engine stopped: the scheduler could not drop its requests")
+                    break
         self._close()
 
     def _close(self) -> None:
@@ -160,15 +165,22 @@ class Engine:
             if msg is not None and msg[0] == "add":
                 msg[1].events.put(("error", 503, "the server is shutting down"))
 
-    def _fail_all(self, message: str) -> None:
-        """Every open request ends with a 500 and leaves the scheduler (its pages freed)."""
+    def _fail_all(self, message: str) -> bool:
+        """Every open request ends with a 500 and leaves the scheduler (its pages freed).
+        False when the scheduler raised dropping one (each request is answered all the same)."""
         s = self.scheduler
+        dropped = True
         for rid, ticket in list(self._tickets.items()):
-            with contextlib.suppress(ValueError):
-                s.cancel(rid)
-                s.take(rid)
+            try:
+                with contextlib.suppress(ValueError):
+                    s.cancel(rid)
+                    s.take(rid)
+            except Exception as e:  # noqa: BLE001 - the answer below must still be sent
+                self._log(f"engine error dropping request {rid}: {type(e).__name__}: {e}")
+                dropped = False
             ticket.events.put(("error", 500, message))
         self._tickets.clear()
+        return dropped
 
     def _drain(self, wait: bool) -> None:
         """Take every request and cancellation in the inbox (``wait``: for one first, up to a
