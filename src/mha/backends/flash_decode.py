@@ -9,10 +9,12 @@ everything else with reasons, so prefill and training go to the next backend.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mha.backends.base import AttentionCall, Backend, Capabilities
-from mha.ops import decode
+from mha.ops import decode, flash
 from mha.symbolic import size_below
 
 
@@ -40,17 +42,41 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
 # head per K/V head all the same (docs/kernel.md "Few query rows: decode kernel or tiles").
 DEFER_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 KEEP_MHA_TK = 256
+# The tile kernels those thresholds were measured against (epyc-avx512); with another one (the
+# portable loops, AMX tiles) flash_decode keeps every call it serves.
+MEASURED_TILES = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512bf16", "avx512f")}
+
+
+@functools.cache
+def tiles_measured(dtype: torch.dtype) -> bool:
+    """Whether flash_cpu runs ``dtype`` on a tile kernel :data:`DEFER_ROWS` was measured on."""
+    if dtype not in MEASURED_TILES or flash.unavailable() is not None:
+        return False
+    try:
+        kernel = flash.kernels()[str(dtype).removeprefix("torch.")]
+    except RuntimeError:  # MHA_FLASH_BF16 names a kernel this build cannot run
+        return False
+    return kernel in MEASURED_TILES[dtype]
+
+
+@torch.compiler.assume_constant_result
+def _tiles_measured(dtype: torch.dtype) -> bool:
+    return tiles_measured(dtype)
 
 
 def _defers(call: AttentionCall) -> str | None:
     """flash_decode keeps every query row of a K/V group in flight against each key; the tile
     kernel fills its register tiles from about 16 rows (fp32) or 32 rows (bf16) per K/V head
     on, and measured faster there except with one query head per K/V head against 256 keys or
-    more (there flash_decode led with many heads). Fewer rows stay on the decode kernel."""
+    more (there flash_decode led with many heads). Fewer rows stay on the decode kernel, and so
+    does every call where flash_cpu's kernel for the dtype is not one it was measured against
+    (:data:`MEASURED_TILES`)."""
     limit = DEFER_ROWS.get(call.dtype)
+    if limit is None or not _tiles_measured(call.dtype):
+        return None
     g = call.h // call.h_kv
     rows = g * call.Tq
-    if limit is None or size_below(rows, limit, unsettled=True):
+    if size_below(rows, limit, unsettled=True):
         return None  # (torch.export: a Tq range across the threshold stays on flash_decode)
     if g == 1 and not size_below(call.Tk, KEEP_MHA_TK, unsettled=False):
         return None
