@@ -42,7 +42,7 @@ demo: $(STAMP)
 test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/mha build
 	$(PY) -c "import mha.llm.model as m; m.convert()"  # the GGUF converted once, kept
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15  # the slowest tests named in every run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
