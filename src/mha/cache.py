@@ -428,7 +428,8 @@ class ConcatKVCache:
     def positions(self, Tn: int) -> torch.Tensor:
         """``(1, Tn)``: the positions the next Tn tokens take (rows are equally long)."""
         Tn = check_int("Tn", Tn, low=0, what="a non-negative int")
-        return self.max_length + torch.arange(Tn, device=self.device).unsqueeze(0)
+        at = torch.arange(Tn, device=self.device).unsqueeze(0)  # (Tn,) -> (1, Tn)
+        return self.max_length + at
 
     @contextlib.contextmanager
     def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
