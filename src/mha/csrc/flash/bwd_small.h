@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/lanes16.h"
 #include "flash/bwd_problem.h"
 #include "flash/bwd_rows.h"
 
@@ -57,27 +58,8 @@ bool small_bwd_chosen(const Problem<T>& P) {
   return small_bwd_serves(P) && P.Tq <= kSmallBwdMaxRows;
 }
 
-inline __mmask16 small_lanes(int64_t n) {
-  return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
-}
-
-// Up to 16 elements [c0, c0 + n) of a row as fp32 (zeros past n); stride: the last dim's.
-template <typename T>
-inline __m512 small_load16(const T* row, int64_t stride, int64_t c0, int64_t n) {
-  const __mmask16 m = small_lanes(n);
-  if (stride == 1) {
-    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, row + c0);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(row + c0));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-#endif
-  }
-  alignas(64) float tmp[kLanes] = {};
-  for (int64_t l = 0; l < n; ++l) tmp[l] = widen(row[(c0 + l) * stride]);
-  return _mm512_load_ps(tmp);
-}
+using mha_lanes::lanes_below;
+using mha_lanes::load_row16;
 
 // The first n lanes of x stored to dst as T (bf16 rounded to nearest even).
 template <typename T>
@@ -235,7 +217,7 @@ struct SmallBwdWorker {
     if (r + kRowsAhead < n) prefetch_row(base + (r + kRowsAhead) * rs, d, cs);
     for (int64_t c = 0; c < ld; c += kLanes)
       _mm512_storeu_ps(dst + r * ld + c,
-                       small_load16(base + r * rs, cs, c, std::clamp<int64_t>(d - c, 0, kLanes)));
+                       load_row16(base + r * rs, cs, c, std::clamp<int64_t>(d - c, 0, kLanes)));
   }
 
   // 64 rows of src (ld apart; rows >= n read as 0) transposed into dst (ld, 64).
@@ -284,9 +266,9 @@ struct SmallBwdWorker {
       }
       for (int64_t c = 0; c < P.dk; c += kLanes)
         small_store16(dkr + c, _mm512_mul_ps(_mm512_loadu_ps(w.dk.data() + j * dkp + c), sc),
-                      small_lanes(P.dk - c));
+                      lanes_below(P.dk - c));
       for (int64_t c = 0; c < P.dv; c += kLanes)
-        small_store16(dvr + c, _mm512_loadu_ps(w.dv.data() + j * dvp + c), small_lanes(P.dv - c));
+        small_store16(dvr + c, _mm512_loadu_ps(w.dv.data() + j * dvp + c), lanes_below(P.dv - c));
     }
   }
 
@@ -311,7 +293,7 @@ struct SmallBwdWorker {
         __m512 part = _mm512_setzero_ps();  // lane l sums c = l mod 16 (the block driver's order)
         for (int64_t c = 0; c < P.dv; c += kLanes)
           part = _mm512_add_ps(part, _mm512_mul_ps(_mm512_loadu_ps(w.dor.data() + r * dvp + c),
-                                                   small_load16(orow, P.os[3], c,
+                                                   load_row16(orow, P.os[3], c,
                                                                 std::min<int64_t>(kLanes, P.dv - c))));
         alignas(64) float lanes[kLanes];
         _mm512_store_ps(lanes, part);
@@ -364,7 +346,7 @@ struct SmallBwdWorker {
       __m512i lim = _mm512_set1_epi32(int32_t(kl));
       if (P.causal)  // query i sees keys j <= i + Tk - Tq
         lim = _mm512_min_epi32(lim, _mm512_add_epi32(row, _mm512_set1_epi32(int32_t(P.Tk - P.Tq + 1))));
-      lim = _mm512_maskz_mov_epi32(small_lanes(nq - v * kLanes), lim);
+      lim = _mm512_maskz_mov_epi32(lanes_below(nq - v * kLanes), lim);
       const __m512 l2 = _mm512_load_ps(w.lse2 + v * kLanes);
       const __m512 l2lo = _mm512_load_ps(w.lse2lo + v * kLanes);
       const __m512 dl = _mm512_load_ps(w.delta + v * kLanes);
@@ -409,7 +391,7 @@ struct SmallBwdWorker {
     for (int r = 0; r < nq; ++r)
       for (int64_t c = 0; c < P.dk; c += kLanes)
         small_store16(dq0 + r * P.dk + c, _mm512_mul_ps(_mm512_loadu_ps(w.dq.data() + r * dkp + c), sc),
-                      small_lanes(P.dk - c));
+                      lanes_below(P.dk - c));
   }
 };
 

@@ -36,6 +36,7 @@
 #include <immintrin.h>
 
 #include "common/exp2.h"
+#include "common/lanes16.h"
 #include "common/register_tiles.h"
 #endif
 #include <algorithm>
@@ -140,9 +141,8 @@ struct PortableF32 {
 #if defined(__AVX512F__)
 using mha_exp2::exp2_avx512;
 
-inline __mmask16 lanes_below(int n) {
-  return n >= kLanes ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
-}
+using mha_lanes::lanes_below;
+using mha_lanes::load_row16;
 
 // Register-tile accumulators: zero, alpha-scaled load, rank-1 update, store (register_tiles.h).
 using mha_tiles::acc_dot_blocks;

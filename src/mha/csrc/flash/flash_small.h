@@ -60,24 +60,6 @@ bool small_path_applies(const Problem<T>& P, const std::string& tiles = "") {
   return P.Tk <= max_keys && P.dk <= kSmallMaxDim && P.dv <= kSmallMaxDim;
 }
 
-// Up to 16 elements [c0, c0 + n) of a row as fp32 (zeros past n); stride: the last dim's.
-template <typename T>
-inline __m512 load_row16(const T* row, int64_t stride, int64_t c0, int n) {
-  const __mmask16 m = lanes_below(n);
-  if (stride == 1) {
-    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, row + c0);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(row + c0));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-#endif
-  }
-  alignas(64) float tmp[kLanes] = {};
-  for (int l = 0; l < n; ++l) tmp[l] = static_cast<float>(row[(c0 + l) * stride]);
-  return _mm512_load_ps(tmp);
-}
-
 template <typename T>
 struct SmallScratch {
   Buffer<float> qt, st, kf, vf;
