@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="transformers not installed (pip inst
 
 from mha.llm.server import TextStream, make_server  # noqa: E402
 from mha.ops import decode  # noqa: E402
-from test_server import _tokenizer, get, greedy, post, wait_idle  # noqa: E402
+from test_server import _tokenizer, fail_forward_on, get, greedy, post, running, wait_idle  # noqa: E402
 from tiny_llama import CFG, eager_and_mha  # noqa: E402
 
 pytestmark = pytest.mark.skipif(decode.unavailable() is not None,
@@ -43,14 +43,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def server(models, tok):
-    log: list[str] = []
-    srv = make_server(models["mha"], tok, port=0, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
-                      max_seqs=MAX_SEQS, prefill_chunk=8, eos_token_id=CFG.eos_token_id,
-                      model_name="tiny", log=log.append, request_timeout=TIMEOUT)
-    srv.log_lines = log
-    srv.start()
-    yield srv
-    srv.close()
+    with running(models["mha"], tok, max_seqs=MAX_SEQS, request_timeout=TIMEOUT) as srv:
+        yield srv
 
 
 def raw(server, data: bytes, *, wait: float = 10.0, shut: bool = False) -> tuple[int, dict]:
@@ -412,17 +406,7 @@ def test_cancellation_racing_completion_leaves_nothing_behind(server):
 
 # ----------------------------------------------------------------------------- engine
 def test_a_forward_that_raises_fails_its_step_only_and_frees_pages(server, monkeypatch):
-    model = server.engine.scheduler.model
-    forward = model.forward
-    calls = []
-
-    def failing(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return forward(*a, **kw)
-
-    monkeypatch.setattr(model, "forward", failing)
+    fail_forward_on(monkeypatch, server, 2)
     got: dict[int, tuple] = {}
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, post(
         server, "/v1/completions", {"prompt": [5 + i, 6], "max_tokens": 4}))) for i in range(3)]

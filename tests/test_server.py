@@ -60,16 +60,41 @@ def tok():
     return _tokenizer()
 
 
-@pytest.fixture(scope="module")
-def server(models, tok):
+@contextlib.contextmanager
+def running(model, tok, **options):
+    """A started server over ``model`` on a free port, closed after (its log lines in
+    ``srv.log_lines``); ``options`` go to ``make_server`` (max_seqs, request_timeout, ...)."""
     log: list[str] = []
-    srv = make_server(models["mha"], tok, port=0, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
-                      max_seqs=8, prefill_chunk=8, eos_token_id=CFG.eos_token_id,
-                      model_name="tiny", log=log.append)
+    srv = make_server(model, tok, port=0, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                      prefill_chunk=8, eos_token_id=CFG.eos_token_id, model_name="tiny",
+                      log=log.append, **options)
     srv.log_lines = log
     srv.start()
-    yield srv
-    srv.close()
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def server(models, tok):
+    with running(models["mha"], tok, max_seqs=8) as srv:
+        yield srv
+
+
+def fail_forward_on(monkeypatch, server, call: int) -> None:
+    """The served model's forward raises RuntimeError("boom") on its ``call``-th call from
+    now on (once); the calls before and after run."""
+    model = server.engine.scheduler.model
+    forward, calls = model.forward, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("boom")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", failing)
 
 
 def greedy(model, prompt: list[int], m: int) -> list[int]:
@@ -379,17 +404,7 @@ def test_a_malformed_body_is_a_400_without_traceback(server, raw, headers, statu
 
 
 def test_a_forward_that_raises_is_a_500_for_its_step_only(server, models, tok, monkeypatch):
-    model = server.engine.scheduler.model
-    forward = model.forward
-    calls = []
-
-    def failing(*a, **kw):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return forward(*a, **kw)
-
-    monkeypatch.setattr(model, "forward", failing)
+    fail_forward_on(monkeypatch, server, 1)
     status, out = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})
     assert status == 500 and out["error"]["type"] == "server_error"
     assert "boom" not in out["error"]["message"]  # the reason goes to the log, not the client
@@ -539,17 +554,7 @@ def test_streams_under_preemption_give_each_token_once(models, tok):
 
 
 def test_a_forward_that_raises_mid_stream_ends_the_stream_with_an_error(server, monkeypatch):
-    model = server.engine.scheduler.model
-    forward = model.forward
-    calls = []
-
-    def failing(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return forward(*a, **kw)
-
-    monkeypatch.setattr(model, "forward", failing)
+    fail_forward_on(monkeypatch, server, 3)
     events = stream(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6})
     assert [e["choices"][0]["finish_reason"] for e in events[:2]] == [None, None]
     assert events[2]["error"]["type"] == "server_error" and events[3] == "[DONE]"
