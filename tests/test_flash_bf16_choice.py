@@ -134,6 +134,9 @@ def test_missing_or_corrupt_file_is_measured_again(cache_file, monkeypatch, cont
     {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0,
      "shape": [math.nan, 8, 512, 64]},
     {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": "1864"},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": [1, 8, 512.7, 64]},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": [1, 8, 0, 64]},
+    {"choice": "avx512bf16", "avx512bf16_s": 1.0, "avx512f_s": 2.0, "shape": [1, 8, True, 64]},
     "oops", [1.0, 2.0], None,
 ])
 def test_an_insane_record_is_measured_again(cache_file, monkeypatch, record):

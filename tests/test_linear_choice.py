@@ -196,10 +196,12 @@ def _file_with(entry) -> str:
     _file_with(_entry(shape=[512, 2048])).encode(),
     _file_with(_entry(shape=[float("inf"), 2048, 512])).encode(),
     _file_with(_entry(shape="512")).encode(),  # a string of three digits: not a shape
+    _file_with(_entry(shape=[512.7, 2048, 512])).encode(),  # int() would read 512
+    _file_with(_entry(shape=[0, 2048, 512])).encode(),
     _file_with({k: v for k, v in _entry().items() if k != "torch_s"}).encode(),
 ], ids=["missing", "empty", "truncated", "binary", "list", "format", "machines-list",
         "machine-int", "entry-str", "negative", "nan", "inf", "contradiction", "unknown-side",
-        "short-shape", "inf-shape", "str-shape", "no-torch-time"])
+        "short-shape", "inf-shape", "str-shape", "float-shape", "zero-shape", "no-torch-time"])
 def test_missing_or_corrupt_file_is_measured_again(cache_file, monkeypatch, contents):
     if contents is not None:
         cache_file.write_bytes(contents)

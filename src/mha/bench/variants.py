@@ -36,8 +36,8 @@ figure when the scores exceed ``--mem-budget``). The ratio column is against ``t
 
 **Checks** before timing: every output (in training the gradients of q, k, v and of the sinks
 or the T5 bias) against the float64 reference (``mha`` backend ``reference``, head by head) up to
-``_REF64_MAX`` score elements; above that the fp64 per-head loop takes ~25-70 s per case on a
-2-core machine, so the big shapes are checked against eager torch in fp32 (head chunks, the
+``_REF64_MAX`` score elements; above that the fp64 per-head loop would take the run's longest
+time per case, so the big shapes are checked against eager torch in fp32 (head chunks, the
 same formula in plain torch), and the check column says which.
 
 **Targets** (reported, never asserted): in the forward every variant >= 2x FlexAttention

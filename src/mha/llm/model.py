@@ -79,8 +79,8 @@ _PREFIX = "smollm2-135m-instruct-"
 
 @functools.cache
 def _digest(path: Path, size: int, mtime_ns: int) -> str:
-    """The first 16 hex digits of the file's BLAKE2b (~0.2 s for the 98 MB file), once per
-    process and file version."""
+    """The first 16 hex digits of the file's BLAKE2b (0.09 CPU-s for the 98 MB file:
+    ``benchmarks/probes/llm_load.py``, docs/llm.md), once per process and file version."""
     import hashlib
 
     h = hashlib.blake2b()

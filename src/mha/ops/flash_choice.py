@@ -186,12 +186,10 @@ def _entry(data: dict, machine: str) -> Measured | None:
     e = data["machines"].get(machine, {}).get(NAME)
     try:
         bf16_s, f32_s = float(e["avx512bf16_s"]), float(e["avx512f_s"])
-        if not isinstance(e["shape"], list):  # a string "1864" would read as (1, 8, 6, 4)
-            return None
-        shape = tuple(int(n) for n in e["shape"])
-    except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
+        shape = linear_choice.record_shape(e["shape"], 4)
+    except (TypeError, KeyError, ValueError):
         return None
-    if not (0 < bf16_s < math.inf and 0 < f32_s < math.inf) or len(shape) != 4 \
+    if not (0 < bf16_s < math.inf and 0 < f32_s < math.inf) or shape is None \
             or e.get("choice") != Measured.of(bf16_s, f32_s, shape, "").choice:
         return None
     return Measured.of(bf16_s, f32_s, shape, linear_choice.cpu_model(),

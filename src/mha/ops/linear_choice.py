@@ -422,17 +422,25 @@ def _read(file: Path) -> dict:
     return data
 
 
+def record_shape(value, n: int) -> tuple[int, ...] | None:
+    """A record's ``shape``: a list of ``n`` positive JSON integers, else None (not sane: a
+    string "123" would read as (1, 2, 3), a float 8.7 as 8)."""
+    if not isinstance(value, list) or len(value) != n:
+        return None
+    if not all(type(x) is int and x > 0 for x in value):
+        return None
+    return tuple(value)
+
+
 def _entry(data: dict, machine: str, name: str, bf16: bool, tiles: bool) -> Measured | None:
     """The stored choice of the class ``name`` on ``machine``, if it is whole and sane."""
     e = data["machines"].get(machine, {}).get(name)
     try:
         native_s, torch_s = float(e["native_s"]), float(e["torch_s"])
-        if not isinstance(e["shape"], list):  # a string "123" would read as (1, 2, 3)
-            return None
-        shape = tuple(int(n) for n in e["shape"])
-    except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(inf)
+        shape = record_shape(e["shape"], 3)
+    except (TypeError, KeyError, ValueError):
         return None
-    if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or len(shape) != 3 \
+    if not (0 < native_s < math.inf and 0 < torch_s < math.inf) or shape is None \
             or e.get("choice") != Measured.of(native_s, torch_s, shape, "").choice:
         return None
     return Measured.of(native_s, torch_s, shape, cpu_model(), bf16, tiles,
