@@ -122,11 +122,11 @@ struct Scratch {
 #if defined(MHA_GEMM_BF16)
 // O (R rows, 64 columns of one panel) = P V for the query rows q0 .. q0 + R: P^T pairs
 // ppt[k][q] (pairs of keys 2k, 2k + 1 for query q, Tp per k), V panel vp[k][64] pairs.
+// x (R rows x 64 columns) += P V over K2 pairs of keys: ppt the pairs of P (rows Tp apart),
+// vpanel V's pair-packed panel.
 template <int R>
-void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2, uint16_t* out,
-             int64_t ldo, int64_t cols) {
-  __m512 x[R][4];
-  mha_tiles::acc_zero(x);
+MHA_TILE_INLINE void pv_pairs(__m512 (&x)[R][4], const uint32_t* ppt, int64_t Tp,
+                              const uint32_t* vpanel, int64_t K2) {
   for (int64_t k = 0; k < K2; ++k) {
     __m512bh bv[4];
 #pragma GCC unroll 4
@@ -134,6 +134,14 @@ void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2
       bv[v] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + v * kLanes);
     mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
   }
+}
+
+template <int R>
+void pv_tile(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int64_t K2, uint16_t* out,
+             int64_t ldo, int64_t cols) {
+  __m512 x[R][4];
+  mha_tiles::acc_zero(x);
+  pv_pairs(x, ppt, Tp, vpanel, K2);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)  // unrolled: from registers, not a stack array (rows.h)
 #pragma GCC unroll 4
@@ -160,13 +168,7 @@ void pv_tile_causal(const uint32_t* ppt, int64_t Tp, const uint32_t* vpanel, int
   __m512 x[R][4];
   mha_tiles::acc_zero(x);
   const int64_t K2 = (q0 + 1) / 2;  // pairs of keys <= q0
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh bv[4];
-#pragma GCC unroll 4
-    for (int w = 0; w < 4; ++w)
-      bv[w] = (__m512bh)_mm512_loadu_si512(vpanel + k * kPanel + w * kLanes);
-    mha_tiles::acc_rank2_bf16(x, bv, reinterpret_cast<const uint16_t*>(ppt + k * Tp), 2);
-  }
+  pv_pairs(x, ppt, Tp, vpanel, K2);
 #pragma GCC unroll 6
   for (int kk = 0; kk < R; ++kk) {  // key j = q0 + kk, seen by rows r >= kk
     const int64_t j = q0 + kk;
