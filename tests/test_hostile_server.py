@@ -21,7 +21,16 @@ pytest.importorskip("transformers", reason="transformers not installed (pip inst
 
 from mha.llm.server import TextStream, make_server  # noqa: E402
 from mha.ops import decode  # noqa: E402
-from test_server import _tokenizer, fail_forward_on, get, greedy, post, running, wait_idle  # noqa: E402
+from test_server import (  # noqa: E402
+    _tokenizer,
+    fail_forward_on,
+    get,
+    greedy,
+    post,
+    running,
+    slow_steps,
+    wait_idle,
+)
 from tiny_llama import CFG, eager_and_mha  # noqa: E402
 
 pytestmark = pytest.mark.skipif(decode.unavailable() is not None,
@@ -355,14 +364,8 @@ def _send_and_leave(server, body: dict, after: bytes | None) -> None:
 def test_a_client_that_leaves_is_cancelled_and_its_pages_freed(server, monkeypatch, stream_,
                                                                after):
     s = server.engine.scheduler
-    step = s.step
-
-    def slow():
-        time.sleep(0.02)
-        return step()
-
     before = wait_idle(server)["forwards"]
-    monkeypatch.setattr(s, "step", slow)
+    slow_steps(monkeypatch, server, 0.02)
     _send_and_leave(server, {"prompt": [5, 6, 7], "max_tokens": 50, "stream": stream_}, after)
     h = settled(server)
     assert h["free_pages"] == NUM_PAGES

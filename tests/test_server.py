@@ -97,6 +97,19 @@ def fail_forward_on(monkeypatch, server, call: int) -> None:
     monkeypatch.setattr(model, "forward", failing)
 
 
+def slow_steps(monkeypatch, server, seconds: float) -> None:
+    """Each engine step of the served scheduler waits ``seconds`` first (a client's moves then
+    land between steps)."""
+    s = server.engine.scheduler
+    step = s.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(s, "step", slow)
+
+
 def greedy(model, prompt: list[int], m: int) -> list[int]:
     """transformers' greedy tokens after ``prompt``, stopping at eos (kept, as the server's)."""
     with torch.no_grad():
@@ -296,14 +309,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server, monkeypatch):
     """A stream of 40 tokens (each step slowed to 50 ms), read to its first token and closed:
     the request is cancelled, its pages return and the engine stops running it."""
     s = server.engine.scheduler
-    step = s.step
-
-    def slow():
-        time.sleep(0.05)
-        return step()
-
     before = wait_idle(server)["forwards"]
-    monkeypatch.setattr(s, "step", slow)
+    slow_steps(monkeypatch, server, 0.05)
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 40, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30) as c:
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
