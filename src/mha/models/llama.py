@@ -391,7 +391,7 @@ class Llama(nn.Module):
             mask = (at[None] >= pads[:, None])[:, None, None]  # (B, T) -> (B, 1, 1, T)
             positions = (at[None] - pads[:, None]).clamp(min=0)  # (B, T)
         x = self.embed_tokens(ids)  # (B, T) -> (B, T, d_model)
-        before = None if caches is None else [_cache_state(c) for c in caches]
+        before = None if caches is None else _cache_states(caches)
         try:
             for i, layer in enumerate(self.layers):
                 cache = None if caches is None else caches[i]
@@ -573,6 +573,16 @@ def _cache_state(cache):
         return {"k": cache.k, "v": cache.v}
     return {n: t.clone() for n in ("lengths", "starts")
             if isinstance(t := getattr(cache, n, None), torch.Tensor)}
+
+
+def _cache_states(caches) -> list:
+    """:func:`_cache_state` of each layer's cache. Every cache that has lengths and starts
+    holds those of ``caches[0]`` (:func:`_check_same_tokens` compared them), so when
+    ``caches[0]`` has them one copy serves every such layer."""
+    if isinstance(caches[0], ConcatKVCache):
+        return [_cache_state(c) for c in caches]
+    shared = _cache_state(caches[0])
+    return [_cache_state(c) if isinstance(c, ConcatKVCache) else shared for c in caches]
 
 
 def _restore(cache, state: dict) -> None:
