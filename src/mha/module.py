@@ -569,6 +569,42 @@ class MultiHeadAttention(nn.Module):
                                dropout_p=dropout_p, backend=backend, **variants)  # (N, h, d_v)
         return out.transpose(0, 1).unsqueeze(0), None  # (N, h, d_v) -> (1, h, N, d_v)
 
+    def forward_paged(self, query: torch.Tensor, cache, layer: int, seq_ids, cu_seqlens,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-attention of one packed step over a :class:`mha.PagedKVCache` (continuous
+        batching): ``query (1, N, d_model)`` holds the step's new tokens of S sequences end to
+        end, ``seq_ids[i]`` owning tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (the cache was
+        :meth:`~mha.PagedKVCache.extend`-ed by them). Their K/V are written into layer
+        ``layer``'s pages in place and each token attends causally (bottom-right) to its own
+        sequence's keys (:meth:`mha.PagedKVCache.attend_varlen`: decode rows in one native
+        paged decode call, prefill chunks in the paged flash forward). ``positions (N,)``
+        (with ``rope``, else None): each token's position in its sequence. The module's
+        ``softcap``, ``sinks`` and ALiBi slopes apply; inference only (no dropout). Returns
+        ``(1, N, d_model)``."""
+        check_tensor("query", query, 3, "(1, N, d_model)")
+        if query.shape[0] != 1 or query.shape[2] != self.d_model:
+            raise ValueError(f"query must be (1, N, d_model) = (1, N, {self.d_model}) (the "
+                             f"step's tokens packed in one row), got {tuple(query.shape)}")
+        if (positions is None) != (self.rope is None):
+            raise ValueError("positions must be given (N,) with rope (each token's position in "
+                             "its sequence) and None without" if self.rope is not None else
+                             "positions: this module has no rope; pass None")
+        if self.training and self.dropout > 0:
+            raise ValueError(f"dropout={self.dropout} in training mode: the paged forward is "
+                             "for inference (call .eval())")
+        N = query.shape[1]
+        angles = None if self.rope is None else self.rope.angles(
+            positions, 1, N, query.device, query.dtype)  # (1, N, r) x 2
+        variants = {n: t for n, t in self._variants(None, None, None).items() if t is not None}
+        rec = trace.recorder()  # does nothing unless a trace is being recorded
+        q, k, v = self._project_heads(query, query, query, True, rec, angles)
+        # (1, h, N, d_k), (1, h_kv, N, d_k), (1, h_kv, N, d_v)
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (heads, N, d) -> (N, heads, d)
+        cache.write(layer, seq_ids, k, v, cu_seqlens)
+        out = cache.attend_varlen(layer, q, seq_ids, cu_seqlens, **variants)  # (N, h, d_v)
+        return self._output(out.transpose(0, 1).unsqueeze(0), None, rec)
+        # (N, h, d_v) -> (1, h, N, d_v) -> (1, N, d_model)
+
     def _output(self, out, weights, rec) -> torch.Tensor:
         """Merge the heads and apply W_O: ``(B, h, Tq, d_v) -> (B, Tq, d_model)``."""
         if weights is not None:

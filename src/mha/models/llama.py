@@ -46,6 +46,7 @@ from torch import nn
 from mha.cache import ConcatKVCache, KVCache
 from mha.checks import check_bool, check_int, check_readable, check_scalar
 from mha.module import MultiHeadAttention
+from mha.paged import PagedKVCache
 from mha.rope import Rotary
 
 ROPE_TYPES = ("default", "linear", "llama3")  #: the config's rope types that Rotary serves
@@ -226,9 +227,22 @@ class LlamaLayer(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """``mask (B, 1, 1, T)`` (True = a real key) and ``positions (B, T)``: a left-padded
         batch without a cache (:meth:`Llama.forward`'s ``attention_mask``)."""
+        return self.around(x, lambda h: self.self_attn(
+            h, causal=cache is None, cache=cache, mask=mask, positions=positions))
+
+    def forward_paged(self, x: torch.Tensor, cache, layer: int, seq_ids, cu_seqlens,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """One packed step ``x (1, N, d_model)`` over layer ``layer`` of a
+        :class:`mha.PagedKVCache` (:meth:`mha.MultiHeadAttention.forward_paged`)."""
+        return self.around(x, lambda h: self.self_attn.forward_paged(
+            h, cache, layer, seq_ids, cu_seqlens, positions))
+
+    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+               ) -> torch.Tensor:
+        """The layer around its attention ``attend`` (``(B, T, d_model)`` in and out, however
+        it reaches its keys): ``x + attend(RMSNorm(x))``, then the MLP's residual."""
         h = self.input_layernorm(x)  # (B, T, d_model)
-        x = x + self.self_attn(h, causal=cache is None, cache=cache, mask=mask,
-                               positions=positions)  # (B, T, d_model)
+        x = x + attend(h)  # (B, T, d_model)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, d_model)
 
 
@@ -405,6 +419,40 @@ class Llama(nn.Module):
             x = x[:, -1:]  # (B, T, d_model) -> (B, 1, d_model)
         return self.lm_head(self.norm(x))  # (B, T | 1, V)
 
+    @torch.no_grad()
+    def forward_paged(self, ids: torch.Tensor, positions: torch.Tensor, cache, seq_ids,
+                      cu_seqlens, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed step of continuous batching over ``cache`` (a :class:`mha.PagedKVCache`
+        of one layer per model layer, already :meth:`~mha.PagedKVCache.extend`-ed by the
+        step's tokens, as :class:`mha.llm.serving.Scheduler` does): ``ids (1, N)`` the new
+        tokens of S sequences end to end, sequence ``seq_ids[i]`` owning tokens
+        ``cu_seqlens[i]:cu_seqlens[i+1]``; ``positions (N,)`` each token's position in its
+        sequence (RoPE). Each layer writes the step's K/V into its pages and attends through
+        them (:meth:`LlamaLayer.forward_paged`). Returns the logits ``(1, N, V)``, or with
+        ``rows (R,)`` (token indices, e.g. the last token of each sequence) only those rows'
+        ``(1, R, V)``, sparing the LM head the others.
+
+        Refused before anything is written, naming the argument: ids outside ``[0, V)`` or not
+        ``(1, N)``, positions not ``(N,)``, a cache of another layer count, K/V heads, head
+        dim or dtype than the model's."""
+        V = self.embed_tokens.num_embeddings
+        w = self.embed_tokens.weight
+        _check_ids(ids, V, w.device)
+        if ids.shape[0] != 1:
+            raise ValueError(f"ids must be (1, N) (the step's tokens packed in one row), got "
+                             f"shape {tuple(ids.shape)}")
+        if not isinstance(positions, torch.Tensor) or positions.shape != ids.shape[1:]:
+            raise ValueError(f"positions must be a tensor (N,) = ({ids.shape[1]},) of each "
+                             f"token's position in its sequence, got "
+                             f"{tuple(getattr(positions, 'shape', ())) or type(positions).__name__}")
+        _check_paged_cache(cache, self.settings, w.dtype)
+        x = self.embed_tokens(ids)  # (1, N) -> (1, N, d_model)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_paged(x, cache, i, seq_ids, cu_seqlens, positions)  # (1, N, d_model)
+        if rows is not None:
+            x = x[:, rows]  # (1, N, d_model) -> (1, R, d_model)
+        return self.lm_head(self.norm(x))  # (1, N | R, V)
+
     def _allocate_caches(self, B: int, P: int, N: int, kv_dtype) -> list[KVCache]:
         """:meth:`new_caches` of ``P + N`` positions; an allocation that fails (a huge
         ``max_new_tokens``) is refused naming it."""
@@ -540,6 +588,20 @@ def _check_ids(ids, V: int, device: torch.device) -> None:
         if lo < 0 or hi >= V:
             raise ValueError(f"ids must be token ids of the vocabulary [0, {V}), got values "
                              f"from {lo} to {hi}")
+
+
+def _check_paged_cache(cache, s: LlamaSettings, dtype: torch.dtype) -> None:
+    """``cache``: a :class:`mha.PagedKVCache` shaped for the model (one layer per layer, its
+    K/V heads and head dim) in the model's dtype (what its queries are)."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a mha.PagedKVCache, got {type(cache).__name__}")
+    L, _, h_kv, _, d_k = cache.k.shape
+    d_v = cache.v.shape[-1]
+    want = (s.num_layers, s.num_kv_heads, s.head_dim, s.head_dim, dtype)
+    got = (L, h_kv, d_k, d_v, cache.dtype)
+    if got != want:
+        raise ValueError(f"cache must hold (num_layers, h_kv, d_k, d_v, dtype) = {want} like "
+                         f"the model, got {got}")
 
 
 def _described(x) -> str:
