@@ -88,6 +88,14 @@ def status(res) -> None:
     print(f"[{res.status()}]", file=sys.stderr, flush=True)
 
 
+def check_native_weights(args: argparse.Namespace) -> None:
+    """``--impl mha`` keeps its projections' weights as loaded (``--weights fp32``)."""
+    if weights_of(args) != "fp32":
+        raise UsageError(f"--impl mha keeps its projections' weights as loaded (--weights "
+                         f"fp32); --weights {args.weights} packs transformers' nn.Linear "
+                         "(use --impl transformers)")
+
+
 def check_native(args: argparse.Namespace) -> None:
     """``--impl mha`` runs mha's own attention, cache and unpacked projections."""
     from mha.llm.model import check_dtype
@@ -96,10 +104,7 @@ def check_native(args: argparse.Namespace) -> None:
     if args.attn != "mha":
         raise UsageError(f"--impl mha runs mha.MultiHeadAttention; --attn {args.attn} chooses "
                          "transformers' attention (use --impl transformers)")
-    if weights_of(args) != "fp32":
-        raise UsageError(f"--impl mha keeps its projections' weights as loaded (--weights "
-                         f"fp32); --weights {args.weights} packs transformers' nn.Linear "
-                         "(use --impl transformers)")
+    check_native_weights(args)
     try:
         check_native_kv(args.kv, check_dtype(args.dtype))
     except ValueError as e:

