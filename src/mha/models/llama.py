@@ -30,6 +30,11 @@ Decoding: :meth:`Llama.new_caches` (one :class:`mha.KVCache` per layer), ``forwa
 caches=...)`` (prefill and steps are the same call; RoPE positions come from the caches) and
 a greedy :meth:`Llama.generate` that takes left-padded prompts of different lengths
 (``attention_mask`` as transformers': 1 = a real token).
+
+Serving: :meth:`Llama.forward_paged` runs one packed step of continuous batching over a
+:class:`mha.PagedKVCache` (:class:`mha.llm.serving.Scheduler`, ``mha serve --impl mha``): the
+tokens of many sequences in one row ``(1, N)``, each at its own position. Both forwards share
+the layer's math (:meth:`LlamaLayer.around`); only how the attention reaches its keys differs.
 """
 
 from __future__ import annotations
