@@ -152,6 +152,43 @@ def test_a_refused_paged_forward_names_the_argument_and_writes_nothing(llama, ch
     assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1])
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_module_paged_mode_without_rope_equals_its_cached_mode(softcap):
+    """MultiHeadAttention.forward_paged on its own: no rope (positions None), a softcap; two
+    sequences, a prefill step then a mixed one, against each sequence's KVCache call."""
+    from mha import MultiHeadAttention
+
+    torch.manual_seed(3)
+    mod = MultiHeadAttention(32, 4, num_kv_heads=2, softcap=softcap).eval()
+    x = torch.randn(1, 9, 32)  # (1, T, d_model): sequence 0 is x[:, :6], sequence 1 x[:, 6:]
+    cache = PagedKVCache(8, PAGE, 2, 8, max_seqs=2, max_len=16)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    kv = {a: mod.new_cache(1, 16), b: mod.new_cache(1, 16)}
+    for step in ([(a, x[:, 0:5]), (b, x[:, 6:8])], [(b, x[:, 8:9]), (a, x[:, 5:6])]):
+        cache.extend([s for s, _ in step], [t.shape[1] for _, t in step])
+        cu = [0]
+        for _, t in step:
+            cu.append(cu[-1] + t.shape[1])
+        with torch.no_grad():
+            got = mod.forward_paged(torch.cat([t for _, t in step], 1), cache, 0,
+                                    [s for s, _ in step], cu)  # (1, N, d_model)
+            want = torch.cat([mod(t, cache=kv[s]) for s, t in step], 1)  # (1, N, d_model)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_the_module_paged_mode_refuses_positions_that_do_not_fit_its_rope(llama):
+    attn = llama.layers[0].self_attn
+    cache = PagedKVCache(8, PAGE, 2, 16, max_seqs=2, max_len=16)
+    s = cache.add_sequence()
+    cache.extend([s], [2])
+    x = torch.randn(1, 2, 64)
+    with pytest.raises(ValueError, match=r"positions must be given \(N,\) with rope"):
+        attn.forward_paged(x, cache, 0, [s], [0, 2])
+    with pytest.raises(ValueError, match=r"query must be \(1, N, d_model\) = \(1, N, 64\)"):
+        attn.forward_paged(torch.randn(2, 1, 64), cache, 0, [s], [0, 2], torch.arange(2))
+    assert int(cache.lengths[s]) == 2 and not cache.k.any()  # nothing written
+
+
 # ------------------------------------------------------------------ the scheduler
 PROMPTS = [_tokens(n, 10 + n) for n in (3, 9, 17, 5, 30, 12, 1, 22)]
 NEW = 10

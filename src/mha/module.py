@@ -8,9 +8,12 @@ Score variants (:mod:`mha.scores`) are options of the module: ``softcap`` (a flo
 (a learned ``(h,)`` parameter) and ``alibi`` (fixed ``(h,)`` slopes, derived from h); a score
 ``bias`` and the index functions ``mask_mod`` / ``score_mod`` (:mod:`mha.mods`) are per call.
 Every mode (plain, cached, packed) passes them to :func:`mha.attention` /
-:func:`mha.varlen_attention`; the cached mode keeps them aligned to the cache positions.
-Rotary position embeddings (``rope``, :mod:`mha.rope`) turn the query and key heads after the
-projections, at positions each mode defines (given / ``0..T-1``, the cache's, per sequence).
+:func:`mha.varlen_attention`; the cached mode keeps them aligned to the cache positions. The
+paged mode (:meth:`MultiHeadAttention.forward_paged`: one packed step of continuous batching
+over a :class:`mha.PagedKVCache`) passes the module's softcap, sinks and ALiBi slopes to
+:meth:`mha.PagedKVCache.attend_varlen`. Rotary position embeddings (``rope``, :mod:`mha.rope`)
+turn the query and key heads after the projections, at positions each mode defines (given /
+``0..T-1``, the cache's, per sequence, each token's own in the paged mode).
 
 The fast path projects Q, K and V with one GEMM (packed weight) for self-attention, splits the
 heads (views of the GEMM's output), calls :func:`mha.attention`, merges the heads (a view:
