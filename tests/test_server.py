@@ -333,10 +333,19 @@ def test_results_do_not_accumulate(server):
 
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": [5, 6], "temperature": 0.7}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "temperature": -0.7}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": [5, 6], "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": [5, 6], "top_k": -1}, "top_k"),
+    ("/v1/completions", {"prompt": [5, 6], "top_k": 2.5}, "top_k"),
+    ("/v1/completions", {"prompt": [5, 6], "min_p": 2}, "min_p"),
+    ("/v1/completions", {"prompt": [5, 6], "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": [5, 6], "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": [5, 6], "seed": "7"}, "seed"),
     ("/v1/completions", {"prompt": [5, 6], "n": 2}, "n"),
     ("/v1/completions", {"prompt": [5, 6], "logprobs": 3}, "logprobs"),
-    ("/v1/completions", {"prompt": [5, 6], "top_p": 0.9}, "top_p"),
     ("/v1/completions", {"prompt": [5, 6], "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": [5, 6], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": [5, 6], "presence_penalty": 1}, "presence_penalty"),
@@ -360,7 +369,7 @@ def test_results_do_not_accumulate(server):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "w5"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
-                              "temperature": 1}, "temperature"),
+                              "temperature": -1}, "temperature"),
 ])
 def test_a_bad_field_is_a_400_naming_it(server, path, body, param):
     status, out = post(server, path, body)

@@ -5,7 +5,8 @@ input quits, ``/reset`` forgets the conversation), streams each reply through th
 template as it is decoded, and prints a status line (tokens, prefill and decode tok/s) on
 stderr. A message that no longer fits the context is refused with one line on stderr
 (the conversation is kept). Options as ``mha generate`` (``--impl mha``: the model built
-from mha's own modules, with the same refusals).
+from mha's own modules, with the same refusals; ``--temperature`` > 0 samples, one seeded
+generator through the whole conversation).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mha.cli.generate import (
     status,
     weights_of,
 )
-from mha.cli.options import UsageError
+from mha.cli.options import UsageError, sampling_of
 
 
 def add_parser(sub) -> None:
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
         load_or_hint(args.dtype, args.attn, weights_of(args))
     chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=weights_of(args),
-                max_new_tokens=args.max_new_tokens, system=args.system, impl=args.impl)
+                max_new_tokens=args.max_new_tokens, system=args.system, impl=args.impl,
+                sampling=sampling_of(args))
     tty = sys.stdin.isatty()
 
     def show(text: str) -> None:

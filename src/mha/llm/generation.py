@@ -1,4 +1,4 @@
-"""Greedy generation with SmolLM2 through mha: transformers' ``generate`` with
+"""Generation (greedy, or sampled: :mod:`mha.llm.sampling`) with SmolLM2 through mha: transformers' ``generate`` with
 ``attn_implementation="mha"`` and :func:`mha.integrations.hf_cache.MhaCache` (preallocated
 K/V, written in place, no per-step mask).
 
@@ -12,6 +12,12 @@ token) and the decode (the rest) separately and can stream the text as it is dec
 ``kv`` picks the K/V storage of the cache (mha only): None (the model's dtype), ``"fp32"``,
 ``"bf16"`` or ``"int8"`` (per-token-per-head scales, read in place by the decode kernel;
 see :mod:`mha.integrations.hf_cache`).
+
+``sampling`` (a :class:`mha.llm.sampling.SamplingParams`, None: greedy) samples through mha's
+own sampler, which transformers' ``generate`` runs as its last logits processor (the one
+token drawn stays finite, so transformers' argmax takes it): the same draws as ``impl="mha"``
+(:mod:`mha.llm.native`) for the same seed, so the two give the same tokens as long as their
+logits choose alike (as their greedy tokens do).
 
 Refusals are made before any work and leave nothing changed: a prompt that, with the new
 tokens asked for, does not fit the model's context (ValueError naming both numbers), a
@@ -29,6 +35,7 @@ import torch
 from mha.checks import check_int, check_text
 from mha.llm.model import Loaded, load
 from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
+from mha.llm.sampling import Sampler, SamplingParams, check_sampling
 
 KV = ("fp32", "bf16", "int8")  #: the K/V storages ``kv`` names
 
@@ -48,14 +55,17 @@ def check_kv(kv, attn: str) -> str | None:
 
 def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
             on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
-            kv: str | None = None) -> Result:
-    """Greedy-decode ``max_new_tokens`` after ``ids (1, P)`` with ``loaded``'s model (through
-    an :func:`MhaCache` of capacity ``P + N``, K/V stored as ``kv``, when its attention is
-    mha)."""
+            kv: str | None = None, sampling: SamplingParams | None = None,
+            generator: torch.Generator | None = None) -> Result:
+    """Decode ``max_new_tokens`` after ``ids (1, P)`` with ``loaded``'s model (through an
+    :func:`MhaCache` of capacity ``P + N``, K/V stored as ``kv``, when its attention is mha):
+    greedy, or sampled with ``sampling`` from ``generator`` (None: a new one from its seed)."""
     from mha.integrations.hf_cache import MhaCache
 
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     kv = check_kv(kv, loaded.attn)
+    sampling = check_sampling(sampling).with_seed()
+    sampler = Sampler.one_row(sampling, generator)
     P = check_prompt_ids(ids)
     check_fits(P, max_new_tokens, loaded.context)
     model, tok = loaded.model, loaded.tokenizer
@@ -65,6 +75,8 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
               streamer=streamer(tok, on_text, marks))
     if not stop_at_eos:
         kw["min_new_tokens"] = max_new_tokens
+    if sampler is not None:
+        kw["logits_processor"] = _as_processors(sampler)
     if loaded.attn == "mha":
         kw["cache"] = MhaCache(model.config, max_cache_len=P + max_new_tokens, kv_dtype=kv)
     t0 = time.perf_counter()
@@ -76,7 +88,21 @@ def run_ids(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
                   new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
                   attn=loaded.attn, dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
-                  kv=kv, weights=loaded.weights)
+                  kv=kv, weights=loaded.weights, sampling=sampling.describe())
+
+
+def _as_processors(sampler: Sampler):
+    """``sampler`` as transformers' last logits processor: each step's scores ``(1, V)``
+    become -inf but for the drawn token (0), which greedy decoding then takes."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class _Draw(LogitsProcessor):
+        def __call__(self, input_ids, scores):  # scores (1, V)
+            token = sampler(scores)  # (1,)
+            out = torch.full_like(scores, -float("inf"))  # (1, V)
+            return out.scatter_(1, token[:, None], 0.0)
+
+    return LogitsProcessorList([_Draw()])
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -88,19 +114,21 @@ def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str = "mha",
              kv: str | None = None, weights: str = "fp32", chat: bool = True,
-             on_text: Callable[[str], None] | None = None) -> Result:
-    """Greedy continuation of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
+             on_text: Callable[[str], None] | None = None,
+             sampling: SamplingParams | None = None) -> Result:
+    """Continuation (greedy, or sampled: ``sampling``) of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
     unless ``chat=False``), K/V stored as ``kv`` (see the module docstring), projections'
     weights as ``weights`` (see :func:`mha.llm.load`). ``on_text`` receives the text as it is
     decoded (streaming)."""
     check_text("prompt", prompt)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     check_kv(kv, attn)
+    check_sampling(sampling)
     loaded = load(dtype, attn, weights)
     tok = loaded.tokenizer
     ids = (chat_ids(tok, [{"role": "user", "content": prompt}]) if chat
            else tok(prompt, return_tensors="pt")["input_ids"])  # (1, P)
-    return run_ids(loaded, ids, max_new_tokens, on_text=on_text, kv=kv)
+    return run_ids(loaded, ids, max_new_tokens, on_text=on_text, kv=kv, sampling=sampling)
 
 
 class Chat:
@@ -111,13 +139,18 @@ class Chat:
     as it was. ``impl="mha"``: the model built from mha's own modules
     (:mod:`mha.llm.native`), which runs ``attn="mha"`` with ``weights="fp32"`` and K/V in the
     model's dtype or int8; other values of those are refused naming the argument.
+    ``sampling``: None (greedy) or a :class:`SamplingParams`; one generator, seeded once,
+    runs through every turn (the same seed replays the same conversation).
     """
 
     def __init__(self, *, dtype="fp32", attn: str = "mha", kv: str | None = None,
                  weights: str = "fp32", max_new_tokens: int = 256,
-                 system: str | None = None, impl: str = "transformers") -> None:
+                 system: str | None = None, impl: str = "transformers",
+                 sampling: SamplingParams | None = None) -> None:
         if impl not in ("transformers", "mha"):
             raise ValueError(f"impl must be 'transformers' or 'mha', got {impl!r}")
+        self.sampling = check_sampling(sampling).with_seed()
+        self.generator = self.sampling.generator()  # None when greedy
         self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                         what="a positive int")
         if impl == "mha":
@@ -145,7 +178,8 @@ class Chat:
         check_text("text", text)
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
-        res = self._run(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv)
+        res = self._run(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv,
+                        sampling=self.sampling, generator=self.generator)
         self.messages = [*messages, {"role": "assistant", "content": res.text}]
         return res
 

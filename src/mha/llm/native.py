@@ -6,7 +6,7 @@ config.json); transformers only provides the tokenizer. ``mha generate --impl mh
 Shape legend: P prompt tokens, N new tokens.
 
 :func:`load_native` keeps the loaded model per process and dtype; :func:`run_native` decodes
-greedily and times the prefill (up to the first new token) and the decode (the rest), as
+(greedy, or sampled: :mod:`mha.llm.sampling`) and times the prefill (up to the first new token) and the decode (the rest), as
 :func:`mha.llm.generation.run_ids` does for the transformers path, so the two print the same
 status line.
 """
@@ -22,6 +22,7 @@ import torch
 from mha.checks import check_int
 from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
 from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
+from mha.llm.sampling import Sampler, SamplingParams, check_sampling
 
 KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
 
@@ -56,12 +57,16 @@ def check_native_kv(kv, dtype: torch.dtype) -> str | None:
 
 def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
                on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
-               kv: str | None = None) -> Result:
-    """Greedy-decode up to ``max_new_tokens`` after ``ids (1, P)`` with the native model (its
-    caches of capacity ``P + N``), stopping at the tokenizer's end-of-turn token unless
-    ``stop_at_eos=False``."""
+               kv: str | None = None, sampling: SamplingParams | None = None,
+               generator: torch.Generator | None = None) -> Result:
+    """Decode up to ``max_new_tokens`` after ``ids (1, P)`` with the native model (its caches
+    of capacity ``P + N``), stopping at the tokenizer's end-of-turn token unless
+    ``stop_at_eos=False``: greedy, or sampled with ``sampling`` from ``generator`` (None: a
+    new one from its seed), as :func:`mha.llm.generation.run_ids` draws."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     kv = check_native_kv(kv, loaded.dtype)
+    sampling = check_sampling(sampling).with_seed()
+    sampler = Sampler.one_row(sampling, generator)
     P = check_prompt_ids(ids)
     check_fits(P, max_new_tokens, loaded.context)
     tok = loaded.tokenizer
@@ -75,7 +80,7 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     eos = tok.eos_token_id if stop_at_eos else None
     t0 = time.perf_counter()
     out = loaded.model.generate(ids, max_new_tokens, eos_token_id=eos, kv_dtype=kv,
-                                on_token=step)  # (1, P + N)
+                                on_token=step, sampling=sampler)  # (1, P + N)
     t1 = time.perf_counter()
     stream.end()
     new = out[0, P:].tolist()
@@ -83,7 +88,7 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
                   new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
                   attn="mha", dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
-                  kv=kv, impl="mha")
+                  kv=kv, impl="mha", sampling=sampling.describe())
 
 
 __all__ = ["KV", "check_native_kv", "load_native", "run_native"]

@@ -25,6 +25,7 @@ class Result:
     kv: str | None = None  #: the cache's K/V storage when not the model's dtype
     weights: str = "fp32"  #: the projections' weights (fp32: as loaded; bf16/int8: packed)
     impl: str = "transformers"  #: or "mha": mha.models.Llama, no transformers in the forward
+    sampling: str = "greedy"  #: how tokens were chosen (SamplingParams.describe: with the seed)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -42,9 +43,10 @@ class Result:
         w = "" if self.weights == "fp32" else f" · weights {self.weights}"
         model = ("impl mha (mha.models.Llama)" if self.impl == "mha"
                  else f"attn {self.attn}")
+        sampled = "" if self.sampling == "greedy" else f" · {self.sampling}"
         return (f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens · prefill "
                 f"{self.prefill_tok_s:,.0f} tok/s · decode {self.decode_tok_s:,.1f} tok/s · "
-                f"{model} · {self.dtype}{w}{kv}")
+                f"{model} · {self.dtype}{w}{kv}{sampled}")
 
 
 def streamer(tokenizer, on_text: Callable[[str], None] | None, marks: list[float]):

@@ -1,8 +1,8 @@
-"""An HTTP server over :class:`mha.llm.serving.Scheduler`: greedy completions for many clients
-at once (continuous batching), an OpenAI-compatible subset in JSON.
+"""An HTTP server over :class:`mha.llm.serving.Scheduler`: completions (greedy, or sampled) for
+many clients at once (continuous batching), an OpenAI-compatible subset in JSON.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or token ids, ``max_tokens``,
-``stream``, ``stop``), ``POST /v1/chat/completions`` (``messages`` through the tokenizer's chat
+``stream``, ``stop``, and the sampling fields below), ``POST /v1/chat/completions`` (``messages`` through the tokenizer's chat
 template, as ``mha chat``), ``GET /v1/models``, ``GET /health``. ``stream: true`` answers
 Server-Sent Events, one chunk per generated token as the engine produces it, then
 ``data: [DONE]``.
@@ -13,10 +13,15 @@ request's tokens to that request's own queue (:class:`Ticket`). Each HTTP connec
 thread (``ThreadingHTTPServer``) that validates the body, tokenizes, submits and waits on its
 ticket. A request that arrives while others run joins the running batch at the next step.
 
+Sampling (:mod:`mha.llm.sampling`): ``temperature`` (default 0: greedy, unlike OpenAI's 1),
+``top_p``, ``seed`` (without one, a random seed per request), and the extensions ``top_k`` and
+``min_p``; the same seed and fields give the same tokens, whatever else the server runs.
+
 Refused with 400 and an OpenAI-style error naming the field (``{"error": {"message", "type",
-"param"}}``): a body that is not a JSON object, a missing or mistyped field, sampling (only
-greedy decoding runs: ``temperature`` other than 0, ``top_p`` other than 1, ``n`` or
-``best_of`` other than 1, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``) and a
+"param"}}``): a body that is not a JSON object, a missing or mistyped field, a sampling field
+out of its range (``temperature`` < 0, ``top_p`` outside (0, 1], ...), what the server does not
+do (``n`` or ``best_of`` other than 1, ``logprobs``, penalties, ``logit_bias``, ``echo``,
+``suffix``) and a
 request the page pool can never hold or past the model's context (refused when added, never
 queued for ever). Fields the server does not know are ignored (clients send many). An error
 inside a forward answers 500 to the requests of that step; the engine serves the others. An
@@ -49,6 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from mha.llm.sampling import GREEDY as GREEDY_SAMPLING
+from mha.llm.sampling import SamplingParams
 from mha.llm.serving import Scheduler
 from mha.llm.step_runners import runner_for
 
@@ -57,8 +64,8 @@ MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST",
           "/v1/chat/completions": "POST"}
 
-#: Sampling fields a greedy server refuses unless they hold one of these (greedy) values.
-GREEDY = {"temperature": (None, 0), "top_p": (None, 1), "n": (None, 1), "best_of": (None, 1),
+#: Fields the server refuses unless they hold one of these values (one choice, no logprobs).
+GREEDY = {"n": (None, 1), "best_of": (None, 1),
           "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
           "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "suffix": (None, ""),
           "logit_bias": (None, {})}
@@ -81,6 +88,7 @@ class Ticket:
 
     prompt: list[int]
     max_tokens: int
+    sampling: SamplingParams = GREEDY_SAMPLING
     events: queue.Queue = field(default_factory=queue.Queue)
     rid: int | None = None  #: set by the engine thread when the scheduler takes it
 
@@ -117,8 +125,9 @@ class Engine:
         if not self._thread.is_alive():  # (never started: nothing else closes the inbox)
             self._close()
 
-    def submit(self, prompt: list[int], max_tokens: int) -> Ticket:
-        ticket = Ticket(prompt, max_tokens)
+    def submit(self, prompt: list[int], max_tokens: int,
+               sampling: SamplingParams = GREEDY_SAMPLING) -> Ticket:
+        ticket = Ticket(prompt, max_tokens, sampling)
         with self._lock:
             if self._closed:
                 ticket.events.put(("error", 503, "the server is shutting down"))
@@ -201,7 +210,7 @@ class Engine:
         s = self.scheduler
         if kind == "add":
             try:
-                ticket.rid = s.add(ticket.prompt, ticket.max_tokens)
+                ticket.rid = s.add(ticket.prompt, ticket.max_tokens, ticket.sampling)
             except (TypeError, ValueError) as e:
                 text = str(e).replace("max_new_tokens", "max_tokens")
                 ticket.events.put(("error", 400, text))
@@ -309,8 +318,25 @@ def _check_greedy(body: dict) -> None:
     for name, allowed in GREEDY.items():
         if name in body and not _greedy(body[name], allowed):
             raise BadRequest(f"{name}={json.dumps(body[name])[:80]} is not supported: this "
-                             "server decodes greedily (one choice, no sampling, no logprobs); "
+                             "server answers one choice, without logprobs or penalties; "
                              f"leave {name} out", name)
+
+
+#: The request's sampling fields and SamplingParams' names for them (top_k, min_p: extensions).
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+            "min_p": "min_p", "seed": "seed"}
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """The request's :class:`SamplingParams` (a JSON null is the default); a field of the wrong
+    type or out of range is a 400 naming it."""
+    given = {name: body[name] for name in SAMPLING if body.get(name) is not None}
+    for name, value in given.items():  # one field at a time, so the error names it
+        try:
+            SamplingParams(**{SAMPLING[name]: value})
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e), name) from None
+    return SamplingParams(**{SAMPLING[n]: v for n, v in given.items()})
 
 
 def _stop_strings(body: dict) -> list[str]:
@@ -334,6 +360,7 @@ class Job:
     stream: bool
     stop: list[str]
     include_usage: bool
+    sampling: SamplingParams = GREEDY_SAMPLING
 
 
 class Server(http.server.ThreadingHTTPServer):
@@ -635,6 +662,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         from mha.checks import check_text
 
         _check_greedy(body)
+        sampling = _sampling(body)
         name = "max_completion_tokens" if chat and "max_completion_tokens" in body else \
             "max_tokens"
         max_tokens = _field(body, name, int, 256 if chat else 16, "a positive int")
@@ -670,11 +698,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(f"the prompt has {len(prompt)} tokens: the model's context of "
                              f"{context} leaves no room for a new token",
                              "messages" if chat else "prompt")
-        return Job(chat, prompt, max_tokens, stream, _stop_strings(body), usage)
+        return Job(chat, prompt, max_tokens, stream, _stop_strings(body), usage, sampling)
 
     def _answer(self, job: Job) -> None:
         engine = self.server.engine
-        ticket = engine.submit(job.prompt, job.max_tokens)
+        ticket = engine.submit(job.prompt, job.max_tokens, job.sampling)
         self._looked = time.monotonic()
         try:
             self._reply(job, ticket)

@@ -1,5 +1,5 @@
-"""Continuous batching of a causal LM over :class:`mha.PagedKVCache` (greedy): a Hugging Face
-model or mha's own :class:`mha.models.Llama`.
+"""Continuous batching of a causal LM over :class:`mha.PagedKVCache`: a Hugging Face model or
+mha's own :class:`mha.models.Llama`; greedy, or sampled per request (:mod:`mha.llm.sampling`).
 
 Shape legend: N packed tokens of one step (every running request's chunk, end to end), R
 requests in a step, h / h_kv query / K/V heads, d head dim, V vocabulary.
@@ -11,7 +11,13 @@ decoding request (one row each) and a chunk of the prompt of requests still in p
 position. Each attention layer writes the step's K/V into its pages and attends through them
 (:meth:`mha.PagedKVCache.attend_varlen`: the decode rows in one native paged decode call, the
 prefill chunks in one call of the paged flash forward); the last token of each request whose prompt is complete
-yields its next token (argmax). Finished requests free their pages at once.
+yields its next token (argmax, or drawn with the request's own sampling parameters and
+generator: :func:`mha.llm.sampling.next_tokens`). Finished requests free their pages at once.
+
+Sampling: each request's generator is seeded from its seed when it is added (a random seed
+when it has none) and reads one uniform per generated token, only when that request yields
+one: a request's tokens depend on its prompt, parameters and seed, not on the requests it is
+batched with, nor on chunking or preemption (recompute yields no token, so it draws nothing).
 
 How a step runs on the model is its runner's (:mod:`mha.llm.step_runners`): a transformers
 model's attention is mha's :func:`attention_forward`, registered in transformers'
@@ -25,7 +31,7 @@ chunk besides what the running requests' next chunks need. Preemption: when the 
 hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
 the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
-retried; greedy tokens do not change. A forward that raises (Ctrl-C, an error in a layer)
+retried; greedy (and seeded) tokens do not change. A forward that raises (Ctrl-C, an error in a layer)
 preempts every running request the same way before the exception propagates, so a later
 :meth:`Scheduler.run` resumes to the same tokens.
 
@@ -57,12 +63,14 @@ from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, regis
     register,
     runner_for,
 )
+from mha.llm.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 
 @dataclass
 class Request:
-    """A prompt and its greedy continuation. ``done``: the tokens already in the cache."""
+    """A prompt and its continuation. ``done``: the tokens already in the cache. ``sampling``
+    (with its seed) and ``generator``: how its tokens are chosen (None: greedy)."""
 
     rid: int
     prompt: list[int]
@@ -70,6 +78,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     seq: int | None = None
     done: int = 0
+    sampling: SamplingParams = GREEDY
+    generator: torch.Generator | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -83,7 +93,8 @@ class Request:
 
 
 class Scheduler:
-    """Greedy continuous batching of ``model`` over a paged cache.
+    """Continuous batching of ``model`` (a transformers causal LM or :class:`mha.models.Llama`)
+    over a paged cache.
 
     Args:
         model: a transformers causal LM, e.g. :func:`mha.llm.model.load` ``(...).model`` (its
@@ -125,14 +136,16 @@ class Scheduler:
         self.interrupted: list[int] = []
         self._next_rid = 0
 
-    def add(self, prompt, max_new_tokens: int) -> int:
+    def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
-        array); returns its id. Refused (nothing queued) when an id is not an integer of the
+        array; ``sampling``: None, greedy, or a :class:`mha.llm.sampling.SamplingParams`, a
+        random seed drawn here when it has none); returns its id. Refused (nothing queued) when an id is not an integer of the
         model's vocabulary ``[0, V)``, or when the prompt and ``max_new_tokens`` exceed
         ``max_len``, the model's context (``max_position_embeddings``) or the page pool (a
         request alone may use every page, so one that fits runs, preempting others)."""
         prompt = self._check_prompt(prompt)
         n = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
+        sampling = check_sampling(sampling).with_seed()
         if len(prompt) + n > self.cache.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceed "
                              f"max_len={self.cache.max_len}")
@@ -144,7 +157,8 @@ class Scheduler:
                              f"{self.cache.pages_for(held)} pages of {self.cache.page_size} "
                              f"tokens, more than the pool's num_pages={self.cache.num_pages} "
                              "even when it runs alone")
-        req = Request(self._next_rid, prompt, n)
+        req = Request(self._next_rid, prompt, n, sampling=sampling,
+                      generator=sampling.generator())
         self._next_rid += 1
         self.waiting.append(req)
         return req.rid
@@ -153,7 +167,7 @@ class Scheduler:
         """Drop request ``rid`` (its client is gone); returns the tokens it generated so far.
 
         Waiting: it leaves the queue. Running: its pages return to the pool and it leaves the
-        batch; the other requests' greedy tokens do not change. Finished: a no-op (its tokens
+        batch; the other requests' tokens do not change. Finished: a no-op (its tokens
         stay in :attr:`finished` and :meth:`run`'s result). Cancelled already: a no-op. A
         cancelled request is kept in :attr:`cancelled` and left out of :meth:`run`'s result.
         Refused (ValueError / TypeError naming ``rid``, nothing changed) for an id that
@@ -305,11 +319,15 @@ class Scheduler:
             self._requeue_running()
             raise
         self.forwards += 1
-        nxt = logits.argmax(dim=-1).tolist()  # (R,)
+        emit = [r.done + len(c) == len(r.tokens) for r, c in chunks]  # (R,) yields a token
+        nxt = next_tokens(logits, [r.sampling if e else GREEDY  # (R, V) -> (R,)
+                                      for (r, _), e in zip(chunks, emit, strict=True)],
+                          [r.generator if e else None
+                           for (r, _), e in zip(chunks, emit, strict=True)]).tolist()
         new = {}
-        for (r, c), tok in zip(chunks, nxt, strict=True):
+        for (r, c), tok, e in zip(chunks, nxt, emit, strict=True):
             r.done += len(c)
-            if r.done == len(r.tokens):  # the prompt (and what was generated) is in the cache
+            if e:  # the prompt (and what was generated) is in the cache
                 r.output.append(tok)
                 new[r.rid] = tok
                 if r.finished or tok == self.eos_token_id:

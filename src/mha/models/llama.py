@@ -28,8 +28,9 @@ name (:func:`llama_settings`).
 
 Decoding: :meth:`Llama.new_caches` (one :class:`mha.KVCache` per layer), ``forward(ids,
 caches=...)`` (prefill and steps are the same call; RoPE positions come from the caches) and
-a greedy :meth:`Llama.generate` that takes left-padded prompts of different lengths
-(``attention_mask`` as transformers': 1 = a real token).
+:meth:`Llama.generate` (greedy, or sampled with :class:`mha.llm.sampling.SamplingParams`) that
+takes left-padded prompts of different lengths (``attention_mask`` as transformers': 1 = a real
+token).
 
 Serving: :meth:`Llama.forward_paged` runs one packed step of continuous batching over a
 :class:`mha.PagedKVCache` (:class:`mha.llm.serving.Scheduler`, ``mha serve --impl mha``): the
@@ -50,6 +51,7 @@ from torch import nn
 
 from mha.cache import ConcatKVCache, KVCache
 from mha.checks import check_bool, check_int, check_readable, check_scalar
+from mha.llm.sampling import Sampler
 from mha.module import MultiHeadAttention
 from mha.paged import PagedKVCache
 from mha.rope import Rotary
@@ -499,8 +501,10 @@ class Llama(nn.Module):
                  eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None,
                  kv_dtype: str | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Greedy decoding: ``ids (B, P)`` -> ``(B, P + N)``, ``N <= max_new_tokens``.
+                 on_token: Callable[[torch.Tensor], None] | None = None,
+                 sampling=None) -> torch.Tensor:
+        """Greedy decoding (or sampled: ``sampling``): ``ids (B, P)`` -> ``(B, P + N)``,
+        ``N <= max_new_tokens``.
 
         ``attention_mask (B, P)`` (1 = a real token, transformers' spelling): left-padded
         prompts of different lengths; each row's padding is declared to the caches, so its
@@ -512,7 +516,9 @@ class Llama(nn.Module):
         receives each step's new tokens ``(B,)`` (streaming, timing). Refused before anything
         runs, naming the argument: ids outside ``[0, V)``, an ``attention_mask`` of other
         values than 0 / 1 or not left padding, a ``max_new_tokens`` whose caches cannot be
-        allocated."""
+        allocated. ``sampling`` (:mod:`mha.llm.sampling`): None (greedy), one
+        ``SamplingParams`` for every row (row i draws from ``seed + i``) or a list of B (each
+        row from its own seed); a ``temperature=0`` row is the greedy argmax."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,
                                    what="a positive int")
         V = self.embed_tokens.num_embeddings
@@ -532,6 +538,7 @@ class Llama(nn.Module):
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable (it receives each step's new tokens "
                             f"(B,)) or None, got {type(on_token).__name__}")
+        sampler = Sampler.for_batch(sampling, B)  # None: every row greedy
         pads = None if attention_mask is None else _left_padding(attention_mask, B, P,
                                                                  ids.device)  # (B,)
         caches = self._allocate_caches(B, P, max_new_tokens, kv_dtype)
@@ -544,7 +551,7 @@ class Llama(nn.Module):
         logits = self(ids, caches, last=True)[:, -1]  # (B, 1, V) -> (B, V)
         new = []
         for step in range(max_new_tokens):
-            token = logits.argmax(-1)  # (B,)
+            token = logits.argmax(-1) if sampler is None else sampler(logits)  # (B,)
             if stop is not None:
                 token = torch.where(done, torch.full_like(token, pad), token)  # (B,)
                 done |= torch.isin(token, stop)  # (B,)
