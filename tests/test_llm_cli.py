@@ -99,6 +99,21 @@ def test_empty_raw_prompt_is_one_line(capsys):
     assert "the prompt has no tokens" in _one_line(err)
 
 
+@needs_model
+def test_generate_with_a_seed_gives_the_same_tokens_on_both_impls_and_runs(capsys):
+    """``--temperature 0.8 --seed 3``: transformers' model (fp32 weights) and mha.models.Llama
+    draw the same tokens; the status line names the sampling and the seed."""
+    texts = []
+    for impl in (["--impl", "transformers", "--weights", "fp32"], ["--impl", "mha"]):
+        code = main(["generate", "Name three fruits.", "--max-new-tokens", "12",
+                     "--temperature", "0.8", "--top-p", "0.95", "--seed", "3", *impl])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "temperature 0.8 top-p 0.95 seed 3" in _one_line(err)
+        texts.append(out)
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
 @pytest.mark.parametrize("argv, match", [
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
     (["generate", "hi", "--dtype", "fp16"], "--dtype"),
@@ -108,6 +123,14 @@ def test_empty_raw_prompt_is_one_line(capsys):
     (["generate", "hi", "--weights", "fp8"], "--weights: invalid choice: 'fp8'"),
     (["generate", "hi", "--kv", "int8", "--attn", "sdpa"], "--kv 'int8' needs --attn 'mha'"),
     (["chat", "--kv", "bf16", "--attn", "eager"], "--kv 'bf16' needs --attn 'mha'"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be a number >= 0"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be a number in (0, 1]"),
+    (["chat", "--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
+    (["generate", "hi", "--top-k", "-3"], "--top-k must be an int >= 0"),
+    (["generate", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1]"),
+    (["chat", "--seed", "-1"], "--seed must be an int from 0"),
+    (["generate", "hi", "--seed", "x"], "--seed must be an int from 0"),
 ])
 def test_bad_options_are_one_line(capsys, argv, match):
     assert main(argv) == 2

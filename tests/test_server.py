@@ -249,6 +249,72 @@ def test_concurrent_clients_share_forwards(server, models, tok):
     assert forwards <= max(len(w) for w in want) + 1 < one_by_one, (forwards, one_by_one)
 
 
+def sampled(model, prompt: list[int], m: int, **fields) -> list[int]:
+    """transformers' generate with mha's sampler (its last logits processor) for the request
+    fields ``fields`` (temperature, top_p, top_k, min_p, seed), stopping at eos (kept)."""
+    from mha.llm.generation import _as_processors
+    from mha.llm.sampling import Sampler, SamplingParams
+
+    sampler = Sampler.one_row(SamplingParams(**fields))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=m, do_sample=False,
+                             top_p=None, top_k=None, temperature=None,
+                             eos_token_id=CFG.eos_token_id, pad_token_id=0,
+                             logits_processor=_as_processors(sampler))  # (1, P + m')
+    return out[0, len(prompt):].tolist()
+
+
+SAMPLED = [dict(temperature=1.0, seed=7), dict(temperature=0.8, top_p=0.9, top_k=40, seed=8),
+           dict(temperature=1.2, min_p=0.05, seed=2**64 - 1)]
+
+
+@pytest.mark.parametrize("fields", SAMPLED)
+def test_a_sampled_completion_equals_generate_with_the_same_seed(server, models, tok, fields):
+    want = sampled(models["mha"], PROMPTS[0], 12, **fields)
+    assert want != greedy(models["eager"], PROMPTS[0], 12)
+    status, out = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12,
+                                                   **fields})
+    assert status == 200, out
+    assert out["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+
+
+def test_sampled_requests_batched_get_the_tokens_they_get_alone(server, models, tok):
+    """Six clients at once (one step held until all wait), sampled with seeds and greedy
+    mixed, one of them streamed: each gets the text it gets alone; greedy ones stay greedy;
+    ``temperature: 0`` with other sampling fields is greedy."""
+    m = 10
+    fields = [SAMPLED[0], {}, SAMPLED[1], {"temperature": 0, "top_p": 0.5, "seed": 3},
+              SAMPLED[2], SAMPLED[0]]
+    alone = [post(server, "/v1/completions", {"prompt": p, "max_tokens": m, **f})[1]
+             ["choices"][0]["text"] for p, f in zip(PROMPTS, fields, strict=True)]
+    for i in (1, 3):
+        assert alone[i] == tok.decode(greedy(models["eager"], PROMPTS[i], m),
+                                      skip_special_tokens=True)
+    got: dict[int, str] = {}
+
+    def client(i):
+        body = {"prompt": PROMPTS[i], "max_tokens": m, **fields[i]}
+        if i == 5:
+            got[i] = "".join(e["choices"][0]["text"] for e in stream(server, "/v1/completions",
+                                                                     body)[:-1])
+        else:
+            got[i] = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
+
+    with gated(server, len(PROMPTS)):
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+
+
+def test_without_a_seed_each_request_draws_its_own(server):
+    body = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 1.5}
+    texts = {post(server, "/v1/completions", body)[1]["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) == 3  # (three draws of 12 tokens among 101: equal ones are unlikely)
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12}),
     ("/v1/completions", {"prompt": "w20 w21 w22", "max_tokens": 9}),
