@@ -430,10 +430,10 @@ def test_a_refused_add_never_fails_other_requests(server, monkeypatch):
     s = server.engine.scheduler
     add = s.add
 
-    def add_or_raise(prompt, n):
+    def add_or_raise(prompt, n, sampling=None):
         if prompt == [9, 9, 9]:
             raise RuntimeError("bad add")
-        return add(prompt, n)
+        return add(prompt, n, sampling)
 
     monkeypatch.setattr(s, "add", add_or_raise)
     step = s.step

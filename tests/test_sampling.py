@@ -13,7 +13,14 @@ import math
 import pytest
 import torch
 
-from mha.llm.sampling import GREEDY, Sampler, SamplingParams, filtered, next_tokens
+from mha.llm.sampling import (
+    GREEDY,
+    Sampler,
+    SamplingParams,
+    filtered,
+    next_tokens,
+    reference_filtered,
+)
 
 # ----------------------------------------------------------------------------- the parameters
 BAD = [  # (field, value, error, words of the message)
@@ -119,16 +126,25 @@ def _warpers(t, k, p, m):
 
 
 @pytest.mark.parametrize("t,k,p,m", SETTINGS)
-def test_the_filters_match_transformers_warpers(t, k, p, m):
-    """Random logits (R=8, V=1000): the same kept tokens and the same renormalised
-    distribution as transformers' TemperatureLogitsWarper -> TopK -> TopP -> MinP."""
+@pytest.mark.parametrize("fn", [filtered, reference_filtered], ids=["filtered", "reference"])
+@pytest.mark.parametrize("scale", [3.0, 0.3])  # peaked rows; flat rows (top-p keeps many)
+def test_the_filters_match_transformers_warpers(t, k, p, m, fn, scale):
+    """Random logits (R=8, V=1000; two rows with -inf logits, one with ties at the k-th
+    when top-p is off):
+    the same kept tokens and the same renormalised distribution as transformers'
+    TemperatureLogitsWarper -> TopK -> TopP -> MinP."""
     g = torch.Generator().manual_seed(11)
-    logits = torch.randn(8, 1000, generator=g) * 3  # (R, V)
+    logits = torch.randn(8, 1000, generator=g) * scale  # (R, V)
+    logits[1, :300] = -float("inf")
+    logits[2, ::2] = -float("inf")
+    if k and p == 1:  # (top-p cutting among tied tokens keeps an arbitrary few of them)
+        top = logits[3].topk(k + 2).values
+        logits[3][logits[3] >= top[-1]] = top[k - 1]  # k + 2 tokens tied at the k-th
     theirs = logits.clone()
     for w in _warpers(t, k, p, m):
         theirs = w(None, theirs)
     params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-    ours = torch.stack([filtered(row, params) for row in logits])  # (R, V)
+    ours = torch.stack([fn(row, params) for row in logits])  # (R, V)
     assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
     torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1), rtol=1e-6, atol=1e-7)
 

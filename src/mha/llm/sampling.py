@@ -18,10 +18,15 @@ depends only on its logits, its :class:`SamplingParams` and its generator: never
 rows of the batch, nor on how many rows there are.
 
 ``temperature=0`` is greedy: ``logits.argmax(-1)``, the very call of the greedy paths (no
-generator is read). A row whose logits hold a NaN or a +inf, or no finite value, cannot be a
-distribution: its token is ``argmax`` too, whatever its parameters (torch's argmax takes NaN
-as the largest: the first NaN's id), so NaN propagates as on the greedy path and nothing
-raises halfway through a batch.
+generator is read). A row whose logits hold a NaN or a +inf, or no finite value (or overflow
+to +inf when divided by the temperature), cannot be a distribution: its token is ``argmax``
+too, whatever its parameters, and no uniform is read (torch's argmax takes NaN as the largest:
+the first NaN's id), so NaN propagates as on the greedy path and nothing raises halfway
+through a batch. -inf logits are tokens that can never be drawn.
+
+Cost: top-k and top-p look at the top of the row only (``torch.topk``, growing for top-p until
+the kept mass is reached) rather than sorting all V; ``benchmarks/probes/sampling_step.py``
+measures a step against the greedy argmax (docs/llm.md).
 """
 
 from __future__ import annotations
@@ -134,9 +139,10 @@ def check_sampling(sampling) -> SamplingParams:
     return sampling
 
 
-def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row's logits ``(V,)`` after temperature, top-k, top-p and min-p: the same row in
-    float32 with the dropped tokens at -inf (a sampled ``params``)."""
+def reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's logits ``(V,)`` after temperature, top-k, top-p and min-p, written as
+    transformers' warpers compute them (a full sort for top-p): the same row in float32 with
+    the dropped tokens at -inf. The readable oracle of :func:`filtered`."""
     x = logits.float() / params.temperature  # (V,)
     V = x.shape[-1]
     if params.top_k is not None and params.top_k < V:
@@ -155,19 +161,94 @@ def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
+def _top_p(ids: torch.Tensor, x: torch.Tensor, top_p: float):
+    """The candidates ``ids (K,)``, ``x (K,)`` that top-p keeps: a token stays while the mass
+    of the more likely ones is < top_p (transformers' rule, counted from the top). Only the
+    top m candidates are sorted, m growing x4 from 64 until their mass reaches top_p (every
+    token past them is then dropped)."""
+    K = x.numel()
+    lse = torch.logsumexp(x, 0)
+    m = min(K, 64)
+    while True:
+        vals, pos = torch.topk(x, m)  # (m,) descending
+        p = (vals - lse).exp()  # (m,)
+        mass = p.cumsum(0)  # (m,)
+        if m == K or float(mass[-1]) >= top_p:
+            keep = (mass - p) < top_p  # (m,) the mass before each token
+            return ids[pos[keep]], vals[keep]
+        m = min(K, 4 * m)
+
+
+def _scaled(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, bool]:
+    """``logits (V,) / temperature`` in float32, and whether it is a distribution: no NaN, no
+    +inf (given, or an overflow of the division), a finite value."""
+    x = logits.float() / params.temperature  # (V,)
+    if math.isfinite(float(x.sum())):  # every value finite (the cheap test: one reduction)
+        return x, True
+    ok = not (bool(torch.isnan(x).any()) or bool(torch.isposinf(x).any())) \
+        and bool(torch.isfinite(x).any())
+    return x, ok
+
+
+def _kept(x: torch.Tensor, params: SamplingParams):
+    """The tokens a sampled ``params`` keeps of a row's scaled logits ``x (V,)`` (from
+    :func:`_scaled`, a distribution): ``ids (K,)`` ascending and their ``x (K,)``. Top-k and
+    top-p look at the top of the row only (topk, not a sort of all V)."""
+    V = x.shape[0]
+    ids = None  # None: every token so far (x is the whole row)
+    if not math.isfinite(float(x.sum())):  # -inf logits: never drawn
+        ids = torch.isfinite(x).nonzero()[:, 0]  # (K,)
+        x = x[ids]
+    K = x.numel()
+    if params.top_k is not None and params.top_k < K:
+        vals, pos = torch.topk(x, params.top_k)  # (k,) descending
+        ties = x >= vals[-1]  # transformers keeps every token tied with the k-th
+        if int(ties.sum()) > params.top_k:
+            pos = ties.nonzero()[:, 0]
+            vals = x[pos]
+        ids = pos if ids is None else ids[pos]
+        x = vals
+    if params.top_p < 1.0:
+        ids, x = _top_p(torch.arange(V) if ids is None else ids, x, params.top_p)
+    if params.min_p is not None:
+        p = x.softmax(0)
+        keep = p >= params.min_p * p.max()
+        ids = keep.nonzero()[:, 0] if ids is None else ids[keep]
+        x = x[keep]
+    if ids is None:
+        return None, x  # (every token, in id order)
+    ids, order = ids.sort()  # id order: the draw does not depend on how the set was found
+    return ids, x[order]
+
+
+def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's logits ``(V,)`` after temperature, top-k, top-p and min-p, as the sampler
+    computes them: float32, the dropped tokens at -inf (a sampled ``params``; a row with
+    NaN or +inf is not filtered: the sampler takes its argmax)."""
+    x, ok = _scaled(logits, params)
+    if not ok:
+        return x
+    ids, x = _kept(x, params)
+    if ids is None:
+        return x
+    out = torch.full((logits.shape[-1],), -math.inf)  # (V,)
+    out[ids] = x
+    return out
+
+
 def _sample_row(logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> int | None:
     """One draw from row ``logits (V,)``; None when the row is no distribution (NaN, +inf,
     nothing finite)."""
-    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()) \
-            or not bool(torch.isfinite(logits).any()):
+    x, ok = _scaled(logits, params)
+    if not ok:
         return None
-    x = filtered(logits, params)  # (V,)
-    kept = torch.isfinite(x).nonzero()[:, 0]  # (K,) in id order
-    cdf = x[kept].softmax(-1).cumsum(-1)  # (K,)
+    ids, x = _kept(x, params)  # (K,) or None (all V), (K,)
+    cdf = (x - x.max()).exp().cumsum(0)  # (K,) unnormalised
     u = torch.rand((), generator=generator, dtype=torch.float64)
-    i = int(torch.searchsorted(cdf, (u * cdf[-1]).float().reshape(1), right=True))
-    return int(kept[min(i, kept.numel() - 1)])
+    i = min(int(torch.searchsorted(cdf, (u * cdf[-1]).float().reshape(1), right=True)),
+            x.numel() - 1)
+    return i if ids is None else int(ids[i])
 
 
 def next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -246,4 +327,5 @@ class Sampler:
         return next_tokens(logits, self.params, self.generators)  # (R, V) -> (R,)
 
 
-__all__ = ["GREEDY", "Sampler", "SamplingParams", "check_sampling", "filtered", "next_tokens"]
+__all__ = ["GREEDY", "Sampler", "SamplingParams", "check_sampling", "filtered", "next_tokens",
+           "reference_filtered"]
