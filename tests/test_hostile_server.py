@@ -552,6 +552,9 @@ def test_ctrl_c_answers_the_requests_in_flight_with_503(models, tok, capsys, mon
     (["--request-timeout", "nan"], "--request-timeout must be a positive number, got nan"),
     (["--request-timeout", "x"], "--request-timeout must be a positive number, got 'x'"),
     (["--max-seqs", "1e3"], "--max-seqs must be a positive int"),
+    (["--num-pages", str(10**12)], f"the page pool (--num-pages {10**12} x --page-size 16 "
+                                   "tokens, K/V fp32) needs at least"),
+    (["--num-pages", str(10**9), "--kv", "int8"], "lower --num-pages"),
 ])
 def test_a_bad_serve_option_is_one_line_and_exit_2(argv, expected, capsys, monkeypatch):
     import mha.cli.serve
@@ -585,3 +588,21 @@ def test_a_long_stop_string_costs_in_proportion_to_the_text():
         Counting.taken = 0
         assert ts.feed(5) == " w5"
         assert Counting.taken <= 3 * n + 1, Counting.taken
+
+
+@pytest.mark.parametrize("kv,dtype,kv_dtype", [("fp32", "float32", None),
+                                               ("bf16", "bfloat16", None),
+                                               ("int8", "float32", "int8")])
+def test_the_serve_pool_check_counts_what_the_pool_allocates(kv, dtype, kv_dtype):
+    """``mha serve``'s size of the page pool, checked before the model loads, is what
+    PagedKVCache allocates for SmolLM2's shape (K/V and int8's scales)."""
+    import torch
+
+    from mha.cli.serve import KV_SHAPE, pool_bytes
+    from mha.paged import PagedKVCache
+
+    layers, heads, d = KV_SHAPE
+    c = PagedKVCache(6, 4, heads, d, max_seqs=2, max_len=24, num_layers=layers,
+                     dtype=getattr(torch, dtype), kv_dtype=kv_dtype)
+    held = sum(t.nbytes for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
+    assert pool_bytes(6, 4, kv) == held

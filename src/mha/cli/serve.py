@@ -28,6 +28,9 @@ from mha.cli.options import UsageError, int_between, positive_float, positive_in
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _IMPLS = {"transformers": "transformers' LlamaForCausalLM", "mha": "mha.models.Llama"}
+#: SmolLM2-135M's K/V per token and layer: (layers, K/V heads, head dim), for the pool's size
+KV_SHAPE = (30, 3, 64)
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 
 def add_parser(sub) -> None:
@@ -40,7 +43,8 @@ def add_parser(sub) -> None:
                    help="the TCP port (default 8000; 0: any free port)")
     p.add_argument("--num-pages", type=positive_int, default=256,
                    help="pages of K/V in the pool, per layer (default 256); a request that "
-                        "needs more than the pool is refused")
+                        "needs more than the pool is refused, and a pool larger than the "
+                        "free memory before the model loads")
     p.add_argument("--page-size", type=positive_int, default=16,
                    help="tokens per page (default 16)")
     p.add_argument("--max-seqs", type=positive_int, default=16,
@@ -86,6 +90,28 @@ def _bind_problem(host: str, port: int) -> str | None:
     return None
 
 
+def pool_bytes(num_pages: int, page_size: int, kv: str) -> int:
+    """The bytes of SmolLM2's page pool: K and V of every layer (and int8's float32 scale per
+    token and K/V head)."""
+    layers, heads, d = KV_SHAPE
+    per_token = 2 * layers * heads * (d * ELEMENT_BYTES[kv] + (4 if kv == "int8" else 0))
+    return num_pages * page_size * per_token
+
+
+def check_pool(args: argparse.Namespace) -> None:
+    """``--num-pages`` x ``--page-size`` that this machine's free memory cannot hold is
+    refused before the model loads (it would fail, or swap, allocating the pool after)."""
+    from mha.cli.options import check_fits
+
+    kv = args.kv or args.dtype
+    try:
+        check_fits(pool_bytes(args.num_pages, args.page_size, kv),
+                   f"the page pool (--num-pages {args.num_pages} x --page-size "
+                   f"{args.page_size} tokens, K/V {kv})")
+    except MemoryError as e:
+        raise UsageError(f"{e}; lower --num-pages") from e
+
+
 def run(args: argparse.Namespace) -> int:
     from mha.llm.generation import check_kv
 
@@ -95,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e).replace("kv=", "--kv ")) from e
     if args.impl == "mha":
         check_native_weights(args)
+    check_pool(args)
     why = _bind_problem(args.host, args.port)
     if why is not None:
         raise UsageError(why)
