@@ -233,9 +233,8 @@ def pair():
     """The tiny seeded Llama of tests/tiny_llama.py: transformers' (mha attention) and
     mha.models.Llama from the same weights."""
     pytest.importorskip("transformers")
-    from tiny_llama import eager_and_mha
-
     from mha.models import Llama
+    from tiny_llama import eager_and_mha
 
     hf = eager_and_mha()["mha"]
     return hf, Llama.from_hf(hf).eval()

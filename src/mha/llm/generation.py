@@ -1,6 +1,7 @@
-"""Generation (greedy, or sampled: :mod:`mha.llm.sampling`) with SmolLM2 through mha: transformers' ``generate`` with
-``attn_implementation="mha"`` and :func:`mha.integrations.hf_cache.MhaCache` (preallocated
-K/V, written in place, no per-step mask).
+"""Generation (greedy, or sampled: :mod:`mha.llm.sampling`) with SmolLM2 through mha:
+transformers' ``generate`` with ``attn_implementation="mha"`` and
+:func:`mha.integrations.hf_cache.MhaCache` (preallocated K/V, written in place, no per-step
+mask).
 
 Shape legend: B batch (1 here), P prompt tokens, N new tokens, T_max = P + N the cache's
 capacity.
@@ -116,10 +117,10 @@ def generate(prompt: str, *, max_new_tokens: int = 64, dtype="fp32", attn: str =
              kv: str | None = None, weights: str = "fp32", chat: bool = True,
              on_text: Callable[[str], None] | None = None,
              sampling: SamplingParams | None = None) -> Result:
-    """Continuation (greedy, or sampled: ``sampling``) of ``prompt`` by SmolLM2-135M-Instruct (as a user turn of a chat
-    unless ``chat=False``), K/V stored as ``kv`` (see the module docstring), projections'
-    weights as ``weights`` (see :func:`mha.llm.load`). ``on_text`` receives the text as it is
-    decoded (streaming)."""
+    """Continuation (greedy, or sampled: ``sampling``) of ``prompt`` by SmolLM2-135M-Instruct
+    (as a user turn of a chat unless ``chat=False``), K/V stored as ``kv`` (see the module
+    docstring), projections' weights as ``weights`` (see :func:`mha.llm.load`). ``on_text``
+    receives the text as it is decoded (streaming)."""
     check_text("prompt", prompt)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     check_kv(kv, attn)

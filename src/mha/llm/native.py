@@ -6,9 +6,9 @@ config.json); transformers only provides the tokenizer. ``mha generate --impl mh
 Shape legend: P prompt tokens, N new tokens.
 
 :func:`load_native` keeps the loaded model per process and dtype; :func:`run_native` decodes
-(greedy, or sampled: :mod:`mha.llm.sampling`) and times the prefill (up to the first new token) and the decode (the rest), as
-:func:`mha.llm.generation.run_ids` does for the transformers path, so the two print the same
-status line.
+(greedy, or sampled: :mod:`mha.llm.sampling`) and times the prefill (up to the first new
+token) and the decode (the rest), as :func:`mha.llm.generation.run_ids` does for the
+transformers path, so the two print the same status line.
 """
 
 from __future__ import annotations

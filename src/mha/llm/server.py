@@ -2,8 +2,9 @@
 many clients at once (continuous batching), an OpenAI-compatible subset in JSON.
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or token ids, ``max_tokens``,
-``stream``, ``stop``, and the sampling fields below), ``POST /v1/chat/completions`` (``messages`` through the tokenizer's chat
-template, as ``mha chat``), ``GET /v1/models``, ``GET /health``. ``stream: true`` answers
+``stream``, ``stop``, and the sampling fields below), ``POST /v1/chat/completions``
+(``messages`` through the tokenizer's chat template, as ``mha chat``), ``GET /v1/models``,
+``GET /health``. ``stream: true`` answers
 Server-Sent Events, one chunk per generated token as the engine produces it, then
 ``data: [DONE]``.
 

@@ -31,9 +31,9 @@ chunk besides what the running requests' next chunks need. Preemption: when the 
 hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
 the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
-retried; greedy (and seeded) tokens do not change. A forward that raises (Ctrl-C, an error in a layer)
-preempts every running request the same way before the exception propagates, so a later
-:meth:`Scheduler.run` resumes to the same tokens.
+retried; greedy (and seeded) tokens do not change. A forward that raises (Ctrl-C, an error
+in a layer) preempts every running request the same way before the exception propagates, so a
+later :meth:`Scheduler.run` resumes to the same tokens.
 
 A long-running caller (:mod:`mha.llm.server`) streams each step's tokens (:meth:`Scheduler.step`
 returns them) and takes each finished or cancelled request once (:meth:`Scheduler.take`), so
@@ -139,8 +139,9 @@ class Scheduler:
     def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
         array; ``sampling``: None, greedy, or a :class:`mha.llm.sampling.SamplingParams`, a
-        random seed drawn here when it has none); returns its id. Refused (nothing queued) when an id is not an integer of the
-        model's vocabulary ``[0, V)``, or when the prompt and ``max_new_tokens`` exceed
+        random seed drawn here when it has none); returns its id. Refused (nothing queued)
+        when an id is not an integer of the model's vocabulary ``[0, V)``, when ``sampling`` is
+        not a ``SamplingParams`` or None, or when the prompt and ``max_new_tokens`` exceed
         ``max_len``, the model's context (``max_position_embeddings``) or the page pool (a
         request alone may use every page, so one that fits runs, preempting others)."""
         prompt = self._check_prompt(prompt)
