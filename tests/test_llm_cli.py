@@ -84,6 +84,23 @@ def test_chat_line_that_is_not_utf8_is_one_line_and_the_chat_goes_on(capsys, mon
 
 
 @needs_model
+@pytest.mark.parametrize("impl", ["transformers", "mha"])
+def test_chat_with_a_seed_replays_the_same_conversation(capsys, monkeypatch, impl):
+    """The same seed gives the same two replies (one generator, seeded once, runs through
+    the turns); each turn's status line names the seed."""
+    outs = []
+    for _ in range(2):
+        monkeypatch.setattr("sys.stdin", io.StringIO("Name a color.\nAnother one?\n/exit\n"))
+        code = main(["chat", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "11",
+                     "--impl", impl, *(["--weights", "fp32"] if impl == "transformers" else [])])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert [ln for ln in err.splitlines() if "seed 11" in ln and "tok/s" in ln][1:]
+        outs.append(out)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
+@needs_model
 def test_prompt_longer_than_context_is_one_line(capsys):
     code = main(["generate", "word " * 9000, "--max-new-tokens", "2"])
     _, err = capsys.readouterr()
