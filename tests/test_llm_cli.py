@@ -148,6 +148,9 @@ def test_generate_with_a_seed_gives_the_same_tokens_on_both_impls_and_runs(capsy
     (["generate", "hi", "--min-p", "2"], "--min-p must be a number in [0, 1]"),
     (["chat", "--seed", "-1"], "--seed must be an int from 0"),
     (["generate", "hi", "--seed", "x"], "--seed must be an int from 0"),
+    (["generate", "hi", "--top-p", "0.9"], "--top-p samples only with --temperature > 0"),
+    (["chat", "--top-k", "5", "--seed", "1"], "--top-k samples only with --temperature > 0"),
+    (["generate", "hi", "--min-p", "0.1"], "--min-p samples only with --temperature > 0"),
 ])
 def test_bad_options_are_one_line(capsys, argv, match):
     assert main(argv) == 2

@@ -414,6 +414,9 @@ def test_results_do_not_accumulate(server):
     ("/v1/completions", {"prompt": [5, 6], "seed": -1}, "seed"),
     ("/v1/completions", {"prompt": [5, 6], "seed": 2**64}, "seed"),
     ("/v1/completions", {"prompt": [5, 6], "seed": "7"}, "seed"),
+    ("/v1/completions", {"prompt": [5, 6], "top_p": 0.9}, "top_p"),  # no temperature: refused
+    ("/v1/completions", {"prompt": [5, 6], "top_k": 5, "seed": 1}, "top_k"),
+    ("/v1/completions", {"prompt": [5, 6], "min_p": 0.1, "temperature": None}, "min_p"),
     ("/v1/completions", {"prompt": [5, 6], "n": 2}, "n"),
     ("/v1/completions", {"prompt": [5, 6], "logprobs": 3}, "logprobs"),
     ("/v1/completions", {"prompt": [5, 6], "best_of": 3}, "best_of"),

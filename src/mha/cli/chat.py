@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("stdin is closed: mha chat reads one message per line from it "
                          "(mha generate \"...\" answers a single prompt)")
     check_new_tokens(args)
+    sampling = sampling_of(args)
     if args.impl == "mha":
         check_native(args)
         load_native_or_hint(args.dtype)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         load_or_hint(args.dtype, args.attn, weights_of(args))
     chat = Chat(dtype=args.dtype, attn=args.attn, kv=args.kv, weights=weights_of(args),
                 max_new_tokens=args.max_new_tokens, system=args.system, impl=args.impl,
-                sampling=sampling_of(args))
+                sampling=sampling)
     tty = sys.stdin.isatty()
 
     def show(text: str) -> None:

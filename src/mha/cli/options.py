@@ -171,7 +171,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """``--temperature --top-k --top-p --min-p --seed`` (:mod:`mha.llm.sampling`); read them
     back with :func:`sampling_of`."""
     g = p.add_argument_group("sampling (default: greedy; docs/llm.md)")
-    g.add_argument("--temperature", type=nonnegative_float, default=0.0,
+    g.add_argument("--temperature", type=nonnegative_float, default=None,
                    help="divide the logits by this before sampling (default 0: greedy, the "
                         "argmax; the options below then do nothing)")
     g.add_argument("--top-k", type=nonnegative_int, default=None,
@@ -188,11 +188,18 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_of(args: argparse.Namespace):
-    """The :class:`mha.llm.sampling.SamplingParams` of :func:`add_sampling_options`."""
+    """The :class:`mha.llm.sampling.SamplingParams` of :func:`add_sampling_options`. A filter
+    given without ``--temperature`` is refused (it would do nothing: the default is greedy)."""
     from mha.llm.sampling import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed)
+    if args.temperature is None:
+        for option, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1),
+                           ("--min-p", args.min_p)):
+            if on:
+                raise UsageError(f"{option} samples only with --temperature > 0 (the default "
+                                 "0 is greedy, the argmax); add --temperature, e.g. 1")
+    return SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed)
 
 
 def utf8_text(text: str) -> str:

@@ -16,7 +16,9 @@ ticket. A request that arrives while others run joins the running batch at the n
 
 Sampling (:mod:`mha.llm.sampling`): ``temperature`` (default 0: greedy, unlike OpenAI's 1),
 ``top_p``, ``seed`` (without one, a random seed per request), and the extensions ``top_k`` and
-``min_p``; the same seed and fields give the same tokens, whatever else the server runs.
+``min_p``; the same seed and fields give the same tokens, whatever else the server runs. A
+filter (``top_p`` < 1, ``top_k``, ``min_p``) without ``temperature`` is refused: it would do
+nothing at this server's default, greedy (OpenAI's default temperature is 1).
 
 Refused with 400 and an OpenAI-style error naming the field (``{"error": {"message", "type",
 "param"}}``): a body that is not a JSON object, a missing or mistyped field, a sampling field
@@ -362,7 +364,15 @@ def _sampling(body: dict) -> SamplingParams:
             SamplingParams(**{SAMPLING[name]: value})
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e), name) from None
-    return SamplingParams(**{SAMPLING[n]: v for n, v in given.items()})
+    params = SamplingParams(**{SAMPLING[n]: v for n, v in given.items()})
+    if "temperature" not in given:  # OpenAI's default is 1: a filter alone would do nothing
+        for name, on in (("top_p", params.top_p < 1), ("top_k", params.top_k is not None),
+                         ("min_p", params.min_p is not None)):
+            if on:
+                raise BadRequest(f"{name}={json.dumps(given[name])} samples only with a "
+                                 "temperature > 0, and this server's default temperature is 0 "
+                                 "(greedy), unlike OpenAI's 1: send temperature too", name)
+    return params
 
 
 def _stop_strings(body: dict) -> list[str]:
