@@ -241,6 +241,23 @@ def test_preempted_requests_recompute_to_the_same_tokens(llama, want):
     assert s.cache.free_pages == 13
 
 
+def test_sampled_requests_equal_sampled_generate_batched_and_preempted(llama):
+    """Each request's own seeded generator: the Scheduler over the Llama draws what
+    Llama.generate draws for that prompt alone, batched and after preemption."""
+    from mha.llm.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=40 + i)
+              for i in range(len(PROMPTS))]
+    alone = [llama.generate(torch.tensor([p]), NEW, sampling=sp)[0, len(p):].tolist()
+             for p, sp in zip(PROMPTS, params, strict=True)]
+    for kw in ({}, {"num_pages": 13}):
+        s = _scheduler(llama, **kw)
+        rids = [s.add(p, NEW, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+        got = s.run()
+        assert [got[r] for r in rids] == alone
+        assert ("num_pages" in kw) == (s.preemptions > 0)
+
+
 @pytest.mark.parametrize("after", [0, 1, 3, 6])
 def test_a_cancelled_request_leaves_the_others_tokens_unchanged(llama, want, after):
     s = _scheduler(llama)

@@ -56,6 +56,7 @@ import torch
 
 from mha.checks import check_int, check_int_tensor
 from mha.llm.runs import check_fits
+from mha.llm.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
 from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, register: re-exported)
     NAME,
     Step,
@@ -63,7 +64,6 @@ from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, regis
     register,
     runner_for,
 )
-from mha.llm.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
 from mha.paged import PagedKVCache, PagePoolExhausted
 
 
