@@ -76,7 +76,8 @@ class DecodeStep(nn.Module):
     tokens attend causally, bottom-right: token ``t`` of the step sees the P cached keys and new
     keys ``<= t`` (the decoder's "token t sees 1..t"). With ``rope`` the new tokens are
     rotated at positions ``P .. P+Tn-1`` (past keys are stored rotated, as in
-    :class:`mha.KVCache`)."""
+    :class:`mha.KVCache`). The module's score variants apply as in its own calls (ALiBi
+    penalises query position minus key position, both counted from the first cached token)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -93,7 +94,8 @@ class DecodeStep(nn.Module):
             q, k = m.rope.apply_rotary(q, positions), m.rope.apply_rotary(k, positions)
         k = torch.cat([past_k, k], dim=2)  # (B, h_kv, P+Tn, d_k)
         v = torch.cat([past_v, m.split_heads(v, m.num_kv_heads)], dim=2)  # (B, h_kv, P+Tn, d_v)
-        out = attention(q, k, v, causal=True)  # (B, h, Tn, d_v)
+        variants = m._variants(None, None, None)  # the module's ALiBi slopes (softcap, sinks)
+        out = attention(q, k, v, causal=True, **variants)  # (B, h, Tn, d_v)
         return m._output(out, None, recorder()), k, v  # (B, Tn, d_model), present K/V
 
 
@@ -123,6 +125,9 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
         raise ValueError(f"path: {path} is a directory; give the name of the file to write")
     if not path.parent.is_dir():
         raise ValueError(f"path: the directory {path.parent} does not exist")
+    # the graph does not depend on the examples' strides, but the exporter fails on a view's
+    # symbolic strides (aten.sym_stride) under dynamic shapes
+    args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.contiguous(), args)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -138,6 +143,7 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
                 if cause is not None:
                     raise ValueError(f"cannot export this model to ONNX: {cause}") from None
                 raise
+        _check_graph(program.exported_program)
         program.save(tmp)
         os.replace(tmp, path)
     finally:
@@ -205,6 +211,28 @@ def _mha_error(e: BaseException) -> Exception | None:
                 return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _check_graph(program: torch.export.ExportedProgram) -> None:
+    """Refuse the attention calls of the traced program that ONNX's ``Attention`` operator
+    cannot compute: dropout (the operator has none; the exporter would drop it silently) and a
+    scale <= 0 (ONNX Runtime refuses to load the operator then)."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is not sdpa:
+            continue
+        names = [a.name for a in sdpa._schema.arguments]
+        given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+        dropout_p, scale = given.get("dropout_p", 0.0), given.get("scale")
+        if dropout_p:
+            raise ValueError(f"cannot export this model to ONNX: an attention call has "
+                             f"dropout_p={dropout_p}: ONNX's Attention operator has no dropout, "
+                             f"so the graph would not drop the weights mha drops; pass "
+                             f"dropout_p=0.0 (or only while training) before exporting")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"cannot export this model to ONNX: an attention call has "
+                             f"scale={scale}: ONNX's Attention operator takes a scale > 0 "
+                             f"(ONNX Runtime refuses to load the graph otherwise)")
 
 
 def _check_exportable(model: nn.Module) -> None:

@@ -1,0 +1,105 @@
+"""ONNX export (:mod:`mha.export`) of models a careless user builds: every graph written is run by
+ONNX Runtime and judged against mha's own answer; what a graph cannot compute (dropout, a zero
+scale ONNX's Attention operator refuses) is refused before any file is written, naming the
+argument.
+
+Shape legend: B batch, h / h_kv heads, Tq / Tk lengths (Tn new tokens, P cached ones), d head
+dim, d_model width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mha
+from mha import export
+
+pytest.importorskip("onnx", reason="the onnx extra: pip install 'mha[onnx]'")
+ort = pytest.importorskip("onnxruntime", reason="the onnx extra: pip install 'mha[onnx]'")
+pytest.importorskip("onnxscript", reason="the onnx extra: pip install 'mha[onnx]'")
+
+
+def _run(path, *arrays):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: a.numpy() for i, a in zip(sess.get_inputs(), arrays, strict=True)}
+    return [torch.from_numpy(o) for o in sess.run(None, feeds)]
+
+
+class _Attend(torch.nn.Module):
+    """A user's model calling mha.attention with fixed keyword arguments."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, q, k, v):
+        return mha.attention(q, k, v, **self.kwargs)  # (B, h, Tq, d)
+
+
+def test_decode_step_keeps_the_modules_alibi(tmp_path):
+    """DecodeStep of an ALiBi module, prefill then one step, gives what the module gives over
+    the whole sequence (the slopes penalise query position minus key position), in eager and
+    in the graph."""
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(32, 4, num_kv_heads=2, alibi=True).eval()
+    step = export.DecodeStep(m)
+    x = torch.randn(2, 5, 32)  # (B, T, d_model): a prompt of 3, then 2 new tokens
+    empty = torch.zeros(2, 2, 0, 8)  # (B, h_kv, 0, d)
+    with torch.no_grad():
+        full = m(x, causal=True)  # (B, T, d_model)
+        y0, past_k, past_v = step(x[:, :3], empty, empty)
+        y1, _, _ = step(x[:, 3:], past_k, past_v)
+    torch.testing.assert_close(torch.cat([y0, y1], 1), full, rtol=1e-5, atol=1e-5)
+    path = export.onnx(step, (x[:, 3:].contiguous(), past_k, past_v), tmp_path / "step.onnx",
+                       dynamic_shapes=({0: "B", 1: "Tn"}, {0: "B", 2: "P"}, {0: "B", 2: "P"}))
+    y, _, _ = _run(path, x[:, 3:].contiguous(), past_k, past_v)
+    torch.testing.assert_close(y, full[:, 3:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dropout_p=0.5), dict(dropout_p=0.1, causal=True)])
+def test_dropout_in_an_attention_call_is_refused(tmp_path, kwargs):
+    """A call that drops weights (mha drops them whatever the training mode) has no graph:
+    ONNX's Attention operator has no dropout, so the exporter would write one without it."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    with pytest.raises(ValueError, match=r"dropout_p=0\.(5|1)"):
+        export.onnx(_Attend(**kwargs), (q, k, v), tmp_path / "a.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_zero_scale_is_refused_not_written_unloadable(tmp_path):
+    """scale=0 (every key weighted alike) is mha's to compute, but ONNX's Attention operator
+    takes only a scale > 0: ONNX Runtime refuses to load such a graph."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    with pytest.raises(ValueError, match=r"scale=0\.0.*> 0"):
+        export.onnx(_Attend(scale=0.0), (q, k, v), tmp_path / "a.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_example_inputs_that_are_views_export(tmp_path):
+    """An example input sliced from a bigger tensor (strides of the bigger one) exports with
+    dynamic shapes as its contiguous copy would: the graph does not depend on strides."""
+    torch.manual_seed(1)
+    m = mha.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 9, 32)[:, :4]  # (B, T, d_model), a view with the strides of T = 9
+    path = export.onnx(export.SelfAttention(m, causal=True), (x,), tmp_path / "a.onnx",
+                       dynamic_shapes=({0: "B", 1: "T"},))
+    x2 = torch.randn(3, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(path, x2)[0], m(x2, causal=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True), dict(causal=True, window=2), dict(key_lengths=torch.tensor([0, 7])),
+    dict(key_lengths=torch.tensor([3, 7]), causal=True), dict(scale=0.3),
+    dict(bias=torch.randn(1, 4, 5, 7)), dict(alibi_slopes=torch.rand(4)),
+    dict(mask=torch.rand(2, 1, 5, 7) > 0.3),
+], ids=["causal", "window", "empty-row", "lengths-causal", "scale", "bias", "alibi", "mask"])
+def test_functional_calls_export_with_mhas_answer(tmp_path, kwargs):
+    """GQA, Tq != Tk (bottom-right causal), a row with no key: the graph gives mha's answer."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    model = _Attend(**kwargs)
+    path = export.onnx(model, (q, k, v), tmp_path / "a.onnx")
+    with torch.no_grad():
+        torch.testing.assert_close(_run(path, q, k, v)[0], model(q, k, v), rtol=1e-5, atol=1e-5)
