@@ -20,11 +20,18 @@ def from_torch(m: nn.MultiheadAttention, cls: type[nn.Module]) -> nn.Module:
     (which may be batch_first or not)."""
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
-    if m.bias_k is not None or m.add_zero_attn:
-        raise ValueError("from_torch: add_bias_kv and add_zero_attn have no mha equivalent")
+    unsupported = [name for name, on in (("add_bias_kv", m.bias_k is not None),
+                                          ("add_zero_attn", m.add_zero_attn)) if on]
+    if unsupported:
+        raise ValueError(f"from_torch: the module has {' and '.join(unsupported)}=True, which "
+                         f"mha.MultiHeadAttention has no equivalent of (an extra learned or zero "
+                         f"key/value appended to every sequence)")
+    # torch's forward takes in_proj_bias and out_proj.bias independently (either may be None);
+    # mha's biases are all or none, so a missing one becomes zeros: the same function
+    in_bias, out_bias = m.in_proj_bias, m.out_proj.bias
     ref = m.out_proj.weight
     out = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
-              bias=m.in_proj_bias is not None, dropout=m.dropout,
+              bias=in_bias is not None or out_bias is not None, dropout=m.dropout,
               device=ref.device, dtype=ref.dtype)
     with torch.no_grad():
         if m._qkv_same_embed_dim:
@@ -36,10 +43,10 @@ def from_torch(m: nn.MultiheadAttention, cls: type[nn.Module]) -> nn.Module:
         for i, ((w, b), src) in enumerate(zip(out.projection_weights(), sources, strict=True)):
             w.copy_(src)
             if b is not None:
-                b.copy_(m.in_proj_bias[i * E:(i + 1) * E])
+                b.copy_(in_bias[i * E:(i + 1) * E]) if in_bias is not None else b.zero_()
         out.out_proj.weight.copy_(m.out_proj.weight)
         if out.out_proj.bias is not None:
-            out.out_proj.bias.copy_(m.out_proj.bias)
+            out.out_proj.bias.copy_(out_bias) if out_bias is not None else out.out_proj.bias.zero_()
     return out.train(m.training)
 
 
