@@ -54,6 +54,10 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
 
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be an mha.MultiHeadAttention, got {type(m).__name__}")
+    if m.tensor_parallel != 1:
+        raise ValueError(f"m is split over {m.tensor_parallel} ranks "
+                         f"(mha.distributed.tensor_parallel) and holds this rank's heads only; "
+                         f"save the module before splitting it")
     path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; give a file name in it")

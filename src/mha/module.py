@@ -781,7 +781,12 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention(batch_first=True)`` computing the same function.
-        Refused (ValueError) for a module with score variants, which torch's module has not."""
+        Refused (ValueError) for a module with score variants, which torch's module has not,
+        and for one split over ranks (its weights are this rank's heads only)."""
+        if self.tensor_parallel != 1:
+            raise ValueError(f"to_torch: the module is split over {self.tensor_parallel} ranks "
+                             f"(mha.distributed.tensor_parallel) and holds this rank's heads "
+                             f"only; convert the module before splitting it")
         on = [n for n, x in (("softcap", self.softcap), ("sinks", self.sinks),
                              ("alibi", self.alibi_slopes), ("rope", self.rope)) if x is not None]
         if on:

@@ -36,6 +36,10 @@ def _group_info(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("mha.distributed needs an initialized process group: call "
                            "torch.distributed.init_process_group(...) first")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be None (the default group) or a "
+                        f"torch.distributed.ProcessGroup (dist.new_group(...)), got "
+                        f"{type(group).__name__}")
     return dist.get_world_size(group), dist.get_rank(group)
 
 

@@ -43,12 +43,17 @@ def tensor_parallel(module, device_mesh):
     A mesh of one rank (a script run without a launcher) leaves the module as it is: every
     head is that rank's, the parameters stay tensors.
     """
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from mha.module import MultiHeadAttention
 
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"module must be a mha.MultiHeadAttention, got {type(module).__name__}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. "
+                        f"init_device_mesh('cpu', (world_size,))), got "
+                        f"{type(device_mesh).__name__}")
     if device_mesh.ndim != 1:
         raise ValueError(f"device_mesh must be 1-D (the ranks heads are split over), got "
                          f"{device_mesh.ndim}-D")
@@ -58,6 +63,13 @@ def tensor_parallel(module, device_mesh):
     W, h, h_kv = device_mesh.size(), module.num_heads, module.num_kv_heads
     if W == 1:  # nothing to split (DTensor parameters would meet the unsplit path's tensors)
         return module
+    variants = [name for name, t in (("sinks", module.sinks), ("alibi", module.alibi_slopes))
+                if t is not None]
+    if variants:  # every call would be refused afterwards (MultiHeadAttention._variants)
+        raise ValueError(f"module has {' and '.join(variants)}, which tensor parallelism does "
+                         f"not split yet (each rank would need its heads' slice of the (h,) "
+                         f"{'sinks' if 'sinks' in variants else 'slopes'}); the module is "
+                         f"unchanged")
     if h_kv < W:
         raise ValueError(f"num_kv_heads={h_kv} < world size {W}: every rank needs whole K/V "
                          f"heads, and replicating a K/V head on several ranks is not "
