@@ -103,3 +103,36 @@ def test_functional_calls_export_with_mhas_answer(tmp_path, kwargs):
     path = export.onnx(model, (q, k, v), tmp_path / "a.onnx")
     with torch.no_grad():
         torch.testing.assert_close(_run(path, q, k, v)[0], model(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+_STEP_ARGS = dict(x=(2, 1, 32), past_k=(2, 2, 3, 8), past_v=(2, 2, 3, 8))  # h_kv 2, d 8
+
+
+@pytest.mark.parametrize("name, shape, match", [
+    ("x", (1, 32), r"x must have shape \(B, Tn, d_model\) = \(B, Tn, 32\)"),
+    ("x", (2, 1, 31), r"x must have shape \(B, Tn, d_model\) = \(B, Tn, 32\)"),
+    ("past_k", (2, 3, 8), r"past_k must have shape \(B, h_kv, P, d_k\) = \(2, 2, P, 8\)"),
+    ("past_k", (2, 4, 3, 8), r"past_k must have shape \(B, h_kv, P, d_k\) = \(2, 2, P, 8\)"),
+    ("past_k", (3, 2, 3, 8), r"past_k must have shape \(B, h_kv, P, d_k\) = \(2, 2, P, 8\)"),
+    ("past_v", (2, 2, 4, 8), r"past_v must have shape \(B, h_kv, P, d_v\) = \(2, 2, 3, 8\)"),
+])
+def test_decode_step_names_the_input_of_the_wrong_shape(name, shape, match):
+    m = mha.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    args = {n: torch.randn(*(shape if n == name else s)) for n, s in _STEP_ARGS.items()}
+    with pytest.raises(ValueError, match=match):
+        export.DecodeStep(m)(**args)
+
+
+def test_decode_step_names_past_of_another_dtype():
+    m = mha.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    args = {n: torch.randn(*s) for n, s in _STEP_ARGS.items()}
+    args["past_v"] = args["past_v"].double()
+    with pytest.raises(TypeError, match="past_v must be torch.float32 like x"):
+        export.DecodeStep(m)(**args)
+
+
+@pytest.mark.parametrize("module", [
+    lambda: mha.MultiHeadAttention(32, 4, kdim=12, vdim=20), lambda: torch.nn.Linear(4, 4)])
+def test_decode_step_refuses_what_is_not_a_self_attention_module(module):
+    with pytest.raises((TypeError, ValueError), match="module"):
+        export.DecodeStep(module())

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mha.checks import check_path
+from mha.checks import check_path, check_tensor
 from mha.dispatch import BackendError, use_backend
 from mha.functional import attention
 from mha.ops.linear import torch_gemm
@@ -81,11 +81,21 @@ class DecodeStep(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
+        from mha.module import MultiHeadAttention
+
+        if not isinstance(module, MultiHeadAttention):
+            raise TypeError(f"module must be a mha.MultiHeadAttention, got "
+                            f"{type(module).__name__}")
+        if not module.kdim == module.vdim == module.d_model:
+            raise ValueError(f"module: a decode step is self-attention, which needs kdim == vdim "
+                             f"== d_model; got kdim={module.kdim}, vdim={module.vdim}, "
+                             f"d_model={module.d_model}")
         self.module = module
         self.train(module.training)
 
     def forward(self, x, past_k, past_v):
         m = self.module
+        _check_step(m, x, past_k, past_v)
         q, k, v = m.project(x, x, x, True)  # (B, Tn, h*d_k), (B, Tn, h_kv*d_k), (B, Tn, h_kv*d_v)
         q = m.split_heads(q, m.num_heads)  # (B, Tn, h*d_k) -> (B, h, Tn, d_k)
         k = m.split_heads(k, m.num_kv_heads)  # (B, Tn, h_kv*d_k) -> (B, h_kv, Tn, d_k)
@@ -97,6 +107,27 @@ class DecodeStep(nn.Module):
         variants = m._variants(None, None, None)  # the module's ALiBi slopes (softcap, sinks)
         out = attention(q, k, v, causal=True, **variants)  # (B, h, Tn, d_v)
         return m._output(out, None, recorder()), k, v  # (B, Tn, d_model), present K/V
+
+
+def _check_step(m: nn.Module, x, past_k, past_v) -> None:
+    """DecodeStep's inputs against the module and one another (ValueError / TypeError naming
+    the input)."""
+    check_tensor("x", x, 3, f"(B, Tn, d_model) = (B, Tn, {m.d_model})")
+    if x.shape[2] != m.d_model:
+        raise ValueError(f"x must have shape (B, Tn, d_model) = (B, Tn, {m.d_model}), got "
+                         f"{tuple(x.shape)}")
+    B, h_kv = x.shape[0], m.num_kv_heads
+    for name, t, d, P in (("past_k", past_k, m.head_dim, "P"),
+                          ("past_v", past_v, m.v_head_dim, None)):
+        P = past_k.shape[2] if P is None else P
+        expected = f"(B, h_kv, P, d_{name[-1]}) = ({B}, {h_kv}, {P}, {d})"
+        check_tensor(name, t, 4, expected)
+        if (t.shape[0], t.shape[1], t.shape[3]) != (B, h_kv, d) or \
+                (name == "past_v" and t.shape[2] != P):
+            raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"{name} must be {x.dtype} like x, on {x.device}, got {t.dtype} on "
+                            f"{t.device}")
 
 
 def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=None,
