@@ -40,6 +40,7 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64  # plans kept (least recently used dropped first)
 _MAX_BLOCKS = 1 << 32  # a plan's block states are a byte each: at most 4 GiB of them
 _CHUNK = 1 << 24  # mask elements evaluated at once while building
+_MAX_BLOCK = 1 << 24  # pairs in one block: a partial block's mask is kept, a byte per pair
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,10 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
                block_k: int = 128, device: torch.device | str | None = None,
                cache: bool = True) -> BlockPlan:
     """The :class:`BlockPlan` of ``mask_mod`` over ``(B, h, Tq, Tk)`` (cached; see the module
-    docstring). ``print(plan)`` shows the fraction of full / partial / empty blocks. A plan of
-    more than 2^32 blocks (``B h ceil(Tq / block_q) ceil(Tk / block_k)``, a byte each) is
-    refused before anything is evaluated."""
+    docstring). ``print(plan)`` shows the fraction of full / partial / empty blocks. Blocks
+    of more than 2^24 pairs (``block_q * block_k``) and a plan of more than 2^32 blocks
+    (``B h ceil(Tq / block_q) ceil(Tk / block_k)``, a byte each) are refused before anything
+    is evaluated."""
     check_mod("mask_mod", mask_mod)
     if mask_mod is None:
         raise TypeError("mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool, got None")
@@ -235,6 +237,11 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
                     for n, x in (("B", B), ("h", h), ("Tq", Tq), ("Tk", Tk)))
     block_q = check_int("block_q", block_q, low=1, what="a positive int")
     block_k = check_int("block_k", block_k, low=1, what="a positive int")
+    if block_q * block_k > _MAX_BLOCK:
+        name = "block_q" if block_q >= block_k else "block_k"
+        raise ValueError(f"{name}: blocks of block_q * block_k = {block_q} x {block_k} pairs are "
+                         f"more than {_MAX_BLOCK} (a partial block's mask is kept, a byte per "
+                         f"pair, whatever Tq and Tk); use smaller blocks")
     blocks = B * h * math.ceil(Tq / block_q) * math.ceil(Tk / block_k)
     if blocks > _MAX_BLOCKS:
         raise ValueError(f"a block plan of B={B}, h={h}, Tq={Tq}, Tk={Tk} in blocks of "
