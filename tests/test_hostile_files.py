@@ -199,3 +199,34 @@ def test_onnx_options_are_checked_before_exporting(tmp_path, kwargs, err, match)
     with pytest.raises(err, match=match):
         export.onnx(m, (torch.randn(1, 3, 16),), tmp_path / "a.onnx", **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+_PEAK = """
+import resource, sys
+from mha import programs
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    programs.load(sys.argv[1])
+except ValueError as e:
+    print("refused:", e)
+print("grew_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_a_big_file_that_is_no_zip_is_refused_without_reading_it(tmp_path):
+    """A wrong path to a big file (a data set, a disk image): refused from the zip's end
+    record, not read whole into memory first (the peak memory of a fresh interpreter grows by
+    less than a quarter of the file)."""
+    import os
+    import subprocess
+    import sys
+
+    big = tmp_path / "not_a_program.bin"
+    with open(big, "wb") as f:
+        f.truncate(512 << 20)  # sparse: no disk used, 512 MiB to read
+    env = {**os.environ, "PYTHONPATH": str(Path(programs.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(big)], capture_output=True,
+                         text=True, env=env, timeout=300, check=True).stdout
+    assert f"refused: path: {big} is not a torch.export archive (not a zip file)" in out, out
+    grew = int(out.split("grew_kib")[1])
+    assert grew < (128 << 10), f"peak memory grew by {grew} KiB"

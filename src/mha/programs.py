@@ -86,7 +86,16 @@ def load(path) -> torch.export.ExportedProgram:
     path = check_path("path", path)
     if not path.is_file():
         raise ValueError(f"path: {path} is not a file")
-    data = path.read_bytes()  # checked and loaded from the same bytes
+    with open(path, "rb") as f:
+        try:  # the zip's end record and directory first: a big file of another kind, or a
+            # crafted directory, is refused before the file is read into memory
+            with zipfile.ZipFile(f) as archive:
+                _check_directory(path, archive, os.fstat(f.fileno()).st_size)
+        except zipfile.BadZipFile:
+            raise ValueError(f"path: {path} is not a torch.export archive (not a zip "
+                             f"file)") from None
+        f.seek(0)
+        data = f.read()  # checked again and loaded from the same bytes
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile:
