@@ -136,3 +136,28 @@ def test_decode_step_names_past_of_another_dtype():
 def test_decode_step_refuses_what_is_not_a_self_attention_module(module):
     with pytest.raises((TypeError, ValueError), match="module"):
         export.DecodeStep(module())
+
+
+def test_every_opset_accepted_is_the_one_written(tmp_path):
+    """Each opset the options check accepts is either the opset of the file written (a graph
+    ONNX Runtime loads, with mha's answer) or refused naming opset with no file: the exporter
+    failed to convert to 26..28 and wrote an opset-18 graph with an Attention node, which no
+    runtime loads."""
+    import onnx
+
+    torch.manual_seed(3)
+    m = mha.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 5, 32)
+    for opset in range(export.OPSET, export._max_opset() + 1):
+        path = tmp_path / f"opset{opset}.onnx"
+        try:
+            export.onnx(export.SelfAttention(m, causal=True), (x,), path, opset=opset)
+        except ValueError as e:
+            assert str(e).startswith(f"opset: the exporter could not convert the graph to "
+                                     f"opset {opset}"), e
+            assert not path.exists()
+            continue
+        written = {i.domain: i.version for i in onnx.load(str(path)).opset_import}
+        assert written[""] == opset, (opset, written)
+        with torch.no_grad():
+            torch.testing.assert_close(_run(path, x)[0], m(x, causal=True), rtol=1e-5, atol=1e-5)

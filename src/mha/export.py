@@ -175,6 +175,7 @@ def onnx(model: nn.Module, args: tuple, path, *, input_names=None, output_names=
                     raise ValueError(f"cannot export this model to ONNX: {cause}") from None
                 raise
         _check_graph(program.exported_program)
+        _check_opset(program, opset)
         program.save(tmp)
         os.replace(tmp, path)
     finally:
@@ -242,6 +243,17 @@ def _mha_error(e: BaseException) -> Exception | None:
                 return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _check_opset(program, opset: int) -> None:
+    """The graph is in the opset asked for: where its version converter fails, the exporter
+    logs the failure and keeps the graph in the opset it built (18, with an opset-23
+    ``Attention`` node that no runtime loads)."""
+    written = program.model.opset_imports.get("")  # the default domain's version
+    if written != opset:
+        raise ValueError(f"opset: the exporter could not convert the graph to opset {opset} "
+                         f"(it left it in opset {written}, where the Attention operator does "
+                         f"not exist); export with opset={OPSET}")
 
 
 def _check_graph(program: torch.export.ExportedProgram) -> None:
