@@ -60,3 +60,81 @@ def test_a_mask_mod_of_the_wrong_kind_is_named(mask_mod, words):
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     with pytest.raises(ModError, match=words):
         mha.attention(q, k, v, mask_mod=mask_mod)
+
+
+# A mask_mod reading a tensor that the caller changes between calls (document ids of the
+# current batch, a padding table): the FlexAttention habit. Module-level, as a script has it.
+ALLOWED = torch.ones(300, dtype=torch.bool)  # (Tk,)
+
+
+def _reads_a_global(b, h, q_idx, kv_idx):
+    return ALLOWED[kv_idx] & (kv_idx <= q_idx + 100)
+
+
+def _truth(allowed: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
+    near = torch.arange(Tk)[None, :] <= torch.arange(Tq)[:, None] + 100  # (Tq, Tk)
+    return (allowed[None, :] & near)[None, None]  # (1, 1, Tq, Tk)
+
+
+@pytest.mark.parametrize("backend", [None, "flash_cpu", "blocksparse", "reference"])
+@pytest.mark.parametrize("how", ["global in place", "closure in place", "closure rebound"])
+def test_a_mask_mod_whose_data_changed_is_planned_anew(backend, how):
+    """The second call, after the data the function reads changed, gives the answer of the
+    changed mask: the plan cached for the function (keyed by its identity) was reused, and the
+    answer was the first call's (flash_cpu), or a mix of both masks (reference, blocksparse)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 200, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    table = torch.ones(300, dtype=torch.bool)
+    ALLOWED.fill_(True)
+
+    def reads_a_closure(b, h, q_idx, kv_idx):
+        return table[kv_idx] & (kv_idx <= q_idx + 100)
+
+    fn = _reads_a_global if how.startswith("global") else reads_a_closure
+    mha.attention(q, k, v, mask_mod=fn, backend=backend)
+    if how == "global in place":
+        ALLOWED[:150] = False
+        now = ALLOWED
+    elif how == "closure in place":
+        table[:150] = False
+        now = table
+    else:
+        table = torch.arange(300) % 3 != 0  # noqa: F841 -- read by reads_a_closure
+        now = table
+    got = mha.attention(q, k, v, mask_mod=fn, backend=backend)
+    want = mha.attention(q, k, v, mask=_truth(now, 200, 300), backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_mod_whose_data_did_not_change_keeps_its_plan():
+    table = torch.arange(300) % 2 == 0  # (Tk,)
+
+    def fn(b, h, q_idx, kv_idx):
+        return table[kv_idx] & (kv_idx <= q_idx)
+
+    first = block_plan(fn, 1, 2, 200, 300)
+    assert block_plan(fn, 1, 2, 200, 300) is first
+    table[0] = False
+    assert block_plan(fn, 1, 2, 200, 300) is not first
+
+
+class _Documents:
+    """A batch's document ids held by an object, read by a bound method."""
+
+    def __init__(self, Tk: int):
+        self.ids = torch.zeros(Tk, dtype=torch.int64)  # (Tk,)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.ids[q_idx + 100] == self.ids[kv_idx]
+
+
+def test_a_bound_methods_data_is_followed():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 200, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    docs = _Documents(300)
+    mha.attention(q, k, v, mask_mod=docs.mask_mod)
+    docs.ids = torch.arange(300) // 70  # the next batch's documents
+    got = mha.attention(q, k, v, mask_mod=docs.mask_mod)
+    same = docs.ids[torch.arange(200)[:, None] + 100] == docs.ids[None, :]  # (Tq, Tk)
+    want = mha.attention(q, k, v, mask=same[None, None], backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -20,26 +20,34 @@ never calls the mask.
 
 Building a plan evaluates the mask once over every block (in bounded chunks); plans are cached
 by (mask_mod, B, h, Tq, Tk, block sizes, device). Built-in mask_mods are keyed by their
-parameters, tensors by content; a custom function by identity — if it reads data that changes
-between calls, pass ``cache=False`` (or make a new function).
+parameters, tensors by content; a custom function by identity, and its plan is built anew when
+a tensor it reads has changed since (:func:`_reads`: the tensors in its closure, in the globals
+its code names, among a bound method's or callable object's tensor fields and a partial's
+arguments — compared by identity, storage and version counter, so in-place writes and
+rebinding are seen). Data it reads any other way (a Python list, a tensor written through
+``.data``) is not seen: pass ``cache=False`` then (or make a new function).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from mha.checks import check_int
-from mha.mods import ModError, bind, check_mod, eval_mask_mod
+from mha.mods import ModError, _Combine, _Mod, bind, check_mod, eval_mask_mod
 
 FULL, PARTIAL, EMPTY = 2, 1, 0
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64  # plans kept (least recently used dropped first)
 _MAX_BLOCKS = 1 << 32  # a plan's block states are a byte each: at most 4 GiB of them
 _CHUNK = 1 << 24  # mask elements evaluated at once while building
+_READ_ITEMS = 256  # items of one container looked at for tensors a mask_mod reads
 _MAX_BLOCK = 1 << 24  # pairs in one block: a partial block's mask is kept, a byte per pair
 
 
@@ -253,18 +261,87 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
         hash(key)
     except TypeError:  # an unhashable callable object: no caching
         cache = False
-    if cache and key in _CACHE:
+    reads = _reads(mask_mod) if cache else None
+    if reads is None:  # a tensor it reads cannot be followed (an inference tensor): no caching
+        cache = False
+    if cache and key in _CACHE and _CACHE[key][0] == reads:
         _CACHE.move_to_end(key)
-        return _CACHE[key]
+        return _CACHE[key][1]
     mod = bind(mask_mod, B, Tq, Tk)
     states, bits = _states(mod, B, h, Tq, Tk, block_q, block_k, device)
     plan = BlockPlan(mod, states, bits, B=B, h=h, Tq=Tq, Tk=Tk, block_q=block_q,
                      block_k=block_k, device=device)
     if cache:  # only a plan that was built completely is kept
-        _CACHE[key] = plan
+        _CACHE[key] = (reads, plan)
+        _CACHE.move_to_end(key)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return plan
+
+
+def _reads(fn, depth: int = 3, seen: set | None = None) -> tuple | None:
+    """What a custom mask_mod reads that may change between calls: ``(id, data pointer,
+    version, shape)`` of each tensor in its closure cells, in the globals its code (and the
+    code nested in it) names (and in the containers there), among the tensor fields of a bound
+    method's ``__self__`` / a callable object and a ``functools.partial``'s arguments, following functions and containers
+    found there ``depth`` levels down (the first :data:`_READ_ITEMS` of a container). None when a tensor's version cannot be read (inference
+    tensors). Built-ins are keyed by their parameters: nothing to read but their parts."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen or depth < 0:
+        return ()
+    seen.add(id(fn))
+    if isinstance(fn, torch.Tensor):
+        try:
+            return ((id(fn), fn.data_ptr(), fn._version, tuple(fn.shape)),)
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return None
+    if isinstance(fn, _Combine):
+        values = list(fn.mods)
+    elif isinstance(fn, _Mod):
+        return ()
+    elif isinstance(fn, (list, tuple, set, frozenset)):
+        values = list(itertools.islice(fn, _READ_ITEMS))
+    elif isinstance(fn, dict):
+        values = list(itertools.islice(fn.values(), _READ_ITEMS))
+    elif isinstance(fn, functools.partial):
+        values = [fn.func, *fn.args, *fn.keywords.values()]
+    elif isinstance(fn, types.MethodType):
+        values = [fn.__func__, fn.__self__]
+    elif isinstance(fn, types.FunctionType):
+        codes, names = [fn.__code__], set()
+        while codes:  # names used by the function and the lambdas / defs inside it
+            code = codes.pop()
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        values = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
+        values += [fn.__globals__[n] for n in sorted(names) if n in fn.__globals__]
+    elif hasattr(fn, "__dict__") and not isinstance(fn, (type, types.ModuleType)):
+        # an object's tensor and function fields (not its containers: an object that records
+        # its calls in a list would otherwise look changed at every call)
+        values = [x for x in itertools.islice(vars(fn).values(), _READ_ITEMS)
+                  if isinstance(x, torch.Tensor) or callable(x)]
+        if callable(fn):
+            values.append(type(fn).__call__)  # a callable object: what its __call__ reads
+    else:
+        return ()
+    out = []
+    for value in values:
+        if isinstance(value, (types.ModuleType, type, str, bytes, int, float, bool)) or \
+                value is None:
+            continue
+        got = _reads(value, depth - 1, seen)
+        if got is None:
+            return None
+        out.extend(got)
+    return tuple(out)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 -- an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _states(mod, B, h, Tq, Tk, bq, bk, device) -> tuple[torch.Tensor, torch.Tensor]:

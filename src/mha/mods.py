@@ -30,7 +30,8 @@ plan is built (``bind``); called directly, unbound, they assume Tq = Tk. For Tq=
 * :func:`and_masks` / :func:`or_masks` — compositions.
 
 The built-ins are hashable by their parameters (tensors by their contents), so a plan built for
-``document(cu)`` is found again for an equal ``cu``; a custom function is keyed by its identity.
+``document(cu)`` is found again for an equal ``cu``; a custom function is keyed by its identity
+and planned anew when a tensor it reads changed (:mod:`mha.blockplan`).
 """
 
 from __future__ import annotations
