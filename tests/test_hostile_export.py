@@ -161,3 +161,33 @@ def test_every_opset_accepted_is_the_one_written(tmp_path):
         assert written[""] == opset, (opset, written)
         with torch.no_grad():
             torch.testing.assert_close(_run(path, x)[0], m(x, causal=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrapper", ["self", "cross"])
+@pytest.mark.parametrize("key_padding, keep, match", [
+    (True, None, r"keep: the wrapper was built with key_padding=True"),
+    (False, "bool", r"keep: the wrapper was built with key_padding=False"),
+    (True, "short", r"keep must have shape \(B, Tk\) = \(2, 7\)"),
+    (True, "int", r"keep must be a bool tensor"),
+])
+def test_wrappers_check_keep_against_key_padding(wrapper, key_padding, keep, match):
+    """key_padding= said whether the graph takes ``keep``, but was never read: a wrapper built
+    with key_padding=True exported without a keep input, and keep errors named ``mask``."""
+    m = mha.MultiHeadAttention(32, 4, **({} if wrapper == "self" else dict(kdim=12))).eval()
+    Tk = 7
+    x = torch.randn(2, Tk if wrapper == "self" else 5, 32)
+    keep = {None: None, "bool": torch.ones(2, Tk, dtype=torch.bool),
+            "short": torch.ones(2, Tk - 1, dtype=torch.bool),
+            "int": torch.ones(2, Tk, dtype=torch.int64)}[keep]
+    with pytest.raises((TypeError, ValueError), match=match):
+        if wrapper == "self":
+            export.SelfAttention(m, key_padding=key_padding)(x, keep)
+        else:
+            export.CrossAttention(m, key_padding=key_padding)(x, torch.randn(2, Tk, 12),
+                                                              keep=keep)
+
+
+@pytest.mark.parametrize("wrapper", [export.SelfAttention, export.CrossAttention])
+def test_wrappers_name_a_module_that_is_not_mhas(wrapper):
+    with pytest.raises(TypeError, match="module must be a mha.MultiHeadAttention"):
+        wrapper(torch.nn.Linear(32, 32))

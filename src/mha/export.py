@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mha.checks import check_path, check_tensor
+from mha.checks import check_bool, check_path, check_tensor
 from mha.dispatch import BackendError, use_backend
 from mha.functional import attention
 from mha.ops.linear import torch_gemm
@@ -45,10 +45,13 @@ class SelfAttention(nn.Module):
 
     def __init__(self, module: nn.Module, *, causal: bool = False, key_padding: bool = False):
         super().__init__()
-        self.module, self.causal, self.key_padding = module, causal, key_padding
+        _check_module(module)
+        self.module, self.causal = module, check_bool("causal", causal)
+        self.key_padding = check_bool("key_padding", key_padding)
         self.train(module.training)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        _check_keep(keep, self.key_padding, x)
         mask = None if keep is None else keep[:, None, None, :]  # (B, T) -> (B, 1, 1, T)
         return self.module(x, mask=mask, causal=self.causal)  # (B, T, d_model)
 
@@ -59,11 +62,13 @@ class CrossAttention(nn.Module):
 
     def __init__(self, module: nn.Module, *, key_padding: bool = False):
         super().__init__()
-        self.module, self.key_padding = module, key_padding
+        _check_module(module)
+        self.module, self.key_padding = module, check_bool("key_padding", key_padding)
         self.train(module.training)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, value: torch.Tensor | None = None,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        _check_keep(keep, self.key_padding, memory)
         mask = None if keep is None else keep[:, None, None, :]  # (B, Tk) -> (B, 1, 1, Tk)
         value = memory if value is None else value
         return self.module(x, memory, value, mask=mask)  # (B, Tq, d_model)
@@ -81,11 +86,7 @@ class DecodeStep(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        from mha.module import MultiHeadAttention
-
-        if not isinstance(module, MultiHeadAttention):
-            raise TypeError(f"module must be a mha.MultiHeadAttention, got "
-                            f"{type(module).__name__}")
+        _check_module(module)
         if not module.kdim == module.vdim == module.d_model:
             raise ValueError(f"module: a decode step is self-attention, which needs kdim == vdim "
                              f"== d_model; got kdim={module.kdim}, vdim={module.vdim}, "
@@ -107,6 +108,30 @@ class DecodeStep(nn.Module):
         variants = m._variants(None, None, None)  # the module's ALiBi slopes (softcap, sinks)
         out = attention(q, k, v, causal=True, **variants)  # (B, h, Tn, d_v)
         return m._output(out, None, recorder()), k, v  # (B, Tn, d_model), present K/V
+
+
+def _check_module(module) -> None:
+    from mha.module import MultiHeadAttention
+
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"module must be a mha.MultiHeadAttention, got {type(module).__name__}")
+
+
+def _check_keep(keep, key_padding: bool, keys: torch.Tensor) -> None:
+    """``keep (B, Tk)`` bool, given exactly when the wrapper was built with ``key_padding``
+    (the graph's inputs follow it); ``keys (B, Tk, .)`` the input whose rows it keeps."""
+    if (keep is not None) != key_padding:
+        hint = ("pass keep (B, Tk) bool (True = a real key)" if key_padding else
+                "do not pass keep, or build the wrapper with key_padding=True")
+        raise ValueError(f"keep: the wrapper was built with key_padding={key_padding}: {hint}")
+    if keep is None:
+        return
+    expected = f"(B, Tk) = ({keys.shape[0]}, {keys.shape[1]})"
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+        got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise TypeError(f"keep must be a bool tensor {expected} (True = a real key), got {got}")
+    if tuple(keep.shape) != tuple(keys.shape[:2]):
+        raise ValueError(f"keep must have shape {expected}, got {tuple(keep.shape)}")
 
 
 def _check_step(m: nn.Module, x, past_k, past_v) -> None:
