@@ -219,7 +219,8 @@ class PagedKVCache:
                 f"sequences={len(self.sequences)})")
 
     def pages_for(self, n_tokens: int) -> int:
-        """Pages that hold ``n_tokens`` tokens."""
+        """Pages that hold ``n_tokens`` tokens (an int >= 0)."""
+        n_tokens = check_int("n_tokens", n_tokens, low=0, what="a token count (an int >= 0)")
         return -(-n_tokens // self.page_size)
 
     def state(self) -> dict:
