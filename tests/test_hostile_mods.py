@@ -138,3 +138,19 @@ def test_a_bound_methods_data_is_followed():
     same = docs.ids[torch.arange(200)[:, None] + 100] == docs.ids[None, :]  # (Tq, Tk)
     want = mha.attention(q, k, v, mask=same[None, None], backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["nope", 3.5] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_a_device_block_plan_cannot_use_is_named(device):
+    with pytest.raises(ValueError, match="device: .* is not a device this torch can use"):
+        block_plan(mods.causal(), 1, 1, 10, 10, device=device, cache=False)
+
+
+@pytest.mark.parametrize("convert, words", [
+    (lambda r: r.to("meta"), "on meta, not on cpu"),
+    (lambda r: r.expand(1, 1, -1, -1).to_sparse(), "dense"),
+])
+def test_a_mask_mod_result_elsewhere_or_sparse_is_named(convert, words):
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ModError, match=f"mask_mod.*{words}"):
+        mha.attention(q, q, q, mask_mod=lambda b, h, i, j: convert(j <= i))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mha.checks import check_int
+from mha.checks import check_device, check_int
 from mha.mods import ModError, _Combine, _Mod, bind, check_mod, eval_mask_mod
 
 FULL, PARTIAL, EMPTY = 2, 1, 0
@@ -255,7 +255,7 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
         raise ValueError(f"a block plan of B={B}, h={h}, Tq={Tq}, Tk={Tk} in blocks of "
                          f"{block_q} x {block_k} would hold {blocks} blocks (a byte each), more "
                          f"than {_MAX_BLOCKS}; use larger block_q / block_k or shorter sequences")
-    device = torch.device("cpu" if device is None else device)
+    device = check_device("device", device) or torch.device("cpu")
     key = (mask_mod, B, h, Tq, Tk, block_q, block_k, str(device))
     try:
         hash(key)

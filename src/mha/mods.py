@@ -89,6 +89,10 @@ def eval_mask_mod(mod, b, h, q_idx, kv_idx, where_: str) -> torch.Tensor:
         got = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
         raise ModError(f"mask_mod must return a bool tensor (True = may attend), got {got} on "
                        f"{where(q_idx, kv_idx, where_)}; compare, e.g. `kv_idx <= q_idx`")
+    if r.layout != torch.strided or r.device != kv_idx.device:
+        raise ModError(f"mask_mod must return a dense bool tensor on the indices' device, got "
+                       f"layout {r.layout} on {r.device}, not on {kv_idx.device}, on "
+                       f"{where(q_idx, kv_idx, where_)}")
     if r.dim() > 4 or any(g not in (1, w) for g, w in
                           zip((1,) * (4 - r.dim()) + tuple(r.shape), full, strict=True)):
         raise ModError(f"mask_mod returned shape {tuple(r.shape)}, not broadcastable to "
