@@ -230,3 +230,17 @@ def test_a_big_file_that_is_no_zip_is_refused_without_reading_it(tmp_path):
     assert f"refused: path: {big} is not a torch.export archive (not a zip file)" in out, out
     grew = int(out.split("grew_kib")[1])
     assert grew < (128 << 10), f"peak memory grew by {grew} KiB"
+
+
+def test_an_archive_torch_cannot_read_names_the_cause_without_a_logged_traceback(
+        saved, tmp_path, capfd):
+    """Weights cut short: torch.export.load logs the real error with its traceback as a
+    warning, then raises "check the warnings above"; the refusal carries the cause itself."""
+    def cut(rel, data):
+        return data[:len(data) // 2] if rel.startswith("data/weights/") and \
+            not rel.endswith(".json") else data
+
+    path = _rewrite(saved, tmp_path / "cut.pt2", change=cut)
+    capfd.readouterr()
+    _refused(path, "torch.export.load cannot read it", "out of bounds for storage")
+    assert "Traceback" not in capfd.readouterr().err

@@ -24,8 +24,10 @@ before any entry is inflated.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import os
 import re
 import tempfile
@@ -107,12 +109,36 @@ def load(path) -> torch.export.ExportedProgram:
         except _ZIP_ERRORS as e:
             raise ValueError(f"path: {path} is a damaged zip archive ({e})") from None
     _load_ops(ops)
+    with _logged_errors() as logged:
+        try:
+            return torch.export.load(io.BytesIO(data))
+        except _LOAD_ERRORS as e:
+            # torch.export.load logs the error it met (with its traceback) as a warning, then
+            # raises "check the warnings above": the logged error is the cause
+            cause = logged[-1] if logged else e
+            why = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            raise ValueError(f"path: {path}: torch.export.load cannot read it "
+                             f"({type(cause).__name__}: {why})") from e
+
+
+@contextlib.contextmanager
+def _logged_errors():
+    """The exceptions ``torch.export`` logs while the block runs, kept instead of printed with
+    their tracebacks (its other messages pass as usual)."""
+    caught: list[BaseException] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            caught.append(record.exc_info[1])
+            return False
+        return True
+
+    logger = logging.getLogger("torch.export")
+    logger.addFilter(keep)
     try:
-        return torch.export.load(io.BytesIO(data))
-    except _LOAD_ERRORS as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"path: {path}: torch.export.load cannot read it "
-                         f"({type(e).__name__}: {why})") from e
+        yield caught
+    finally:
+        logger.removeFilter(keep)
 
 
 def _check_directory(path: Path, archive: zipfile.ZipFile, size: int) -> None:
