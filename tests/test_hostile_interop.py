@@ -74,3 +74,35 @@ def test_options_without_an_equivalent_are_named(option):
         mha.MultiHeadAttention.from_torch(t)
     other = {"add_bias_kv", "add_zero_attn"} - {option}
     assert other.pop() not in str(e.value)  # only the option that is set
+
+
+def _without(m: mha.MultiHeadAttention, name: str) -> mha.MultiHeadAttention:
+    """``m`` with the bias of projection ``name`` removed (a checkpoint without that bias)."""
+    getattr(m, name).bias = None
+    return m
+
+
+@pytest.mark.parametrize("drop", ["in_proj", "out_proj", "k_proj"])
+def test_to_torch_of_a_module_with_one_bias_removed_computes_its_function(drop):
+    torch.manual_seed(0)
+    kw = dict(kdim=12, vdim=20) if drop == "k_proj" else {}
+    m = mha.MultiHeadAttention(32, 4, **kw).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    m = _without(m, drop)
+    t = m.to_torch().eval()
+    q, k, v = _inputs(t)
+    with torch.no_grad():
+        torch.testing.assert_close(_torch_out(t, q, k, v), m(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("drop", ["in_proj", "out_proj"])
+def test_io_save_of_a_module_with_one_bias_removed_is_refused(tmp_path, drop):
+    """The file stores one bias flag: such a module was written as a file load refuses."""
+    from mha import io
+
+    m = _without(mha.MultiHeadAttention(32, 4), drop)
+    with pytest.raises(ValueError, match=rf"m: {drop}.bias is None while"):
+        io.save(m, tmp_path / "m.safetensors")
+    assert not list(tmp_path.iterdir())

@@ -60,11 +60,16 @@ def to_torch(m: nn.Module) -> nn.MultiheadAttention:
                          f"num_heads={m.num_heads}, num_kv_heads={m.num_kv_heads}, "
                          f"head_dim={m.head_dim}, v_head_dim={m.v_head_dim}, d_model={m.d_model}")
     ref = m.out_proj.weight
-    t = nn.MultiheadAttention(m.d_model, m.num_heads, dropout=m.dropout,
-                              bias=m.out_proj.bias is not None, kdim=m.kdim, vdim=m.vdim,
-                              batch_first=True, device=ref.device, dtype=ref.dtype)
+    projections = m.projection_weights()  # ((W^Q, b^Q), (W^K, b^K), (W^V, b^V))
+    # a projection without its bias (removed from a module built with bias=True) is one with
+    # zeros; torch's module has the in-projection biases and W_O's, each all or none
+    bias = m.out_proj.bias is not None or any(b is not None for _, b in projections)
+    t = nn.MultiheadAttention(m.d_model, m.num_heads, dropout=m.dropout, bias=bias,
+                              kdim=m.kdim, vdim=m.vdim, batch_first=True, device=ref.device,
+                              dtype=ref.dtype)
     with torch.no_grad():
-        (wq, bq), (wk, bk), (wv, bv) = m.projection_weights()
+        (wq, bq), (wk, bk), (wv, bv) = ((w, w.new_zeros(w.shape[0]) if b is None else b)
+                                        for w, b in projections)
         if t._qkv_same_embed_dim:
             t.in_proj_weight.copy_(torch.cat([wq, wk, wv], dim=0))  # (3*d_model, d_model)
         else:
@@ -75,5 +80,8 @@ def to_torch(m: nn.Module) -> nn.MultiheadAttention:
             t.in_proj_bias.copy_(torch.cat([bq, bk, bv]))
         t.out_proj.weight.copy_(m.out_proj.weight)
         if t.out_proj.bias is not None:
-            t.out_proj.bias.copy_(m.out_proj.bias)
+            if m.out_proj.bias is None:
+                t.out_proj.bias.zero_()
+            else:
+                t.out_proj.bias.copy_(m.out_proj.bias)
     return t.train(m.training)

@@ -58,6 +58,15 @@ def save(m: MultiHeadAttention, path: str | Path) -> None:
         raise ValueError(f"m is split over {m.tensor_parallel} ranks "
                          f"(mha.distributed.tensor_parallel) and holds this rank's heads only; "
                          f"save the module before splitting it")
+    names = ("in_proj" if m.packed else "q_proj", *(() if m.packed else ("k_proj", "v_proj")),
+             "out_proj")
+    missing = [n for n in names if getattr(m, n).bias is None]
+    if 0 < len(missing) < len(names):
+        kept = [n for n in names if n not in missing]
+        raise ValueError(f"m: {', '.join(n + '.bias' for n in missing)} is None while "
+                         f"{', '.join(n + '.bias' for n in kept)} is not: the file stores one "
+                         f"bias flag for all projections (set the missing biases to zeros, "
+                         f"which computes the same)")
     path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; give a file name in it")
