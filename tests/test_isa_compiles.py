@@ -62,7 +62,7 @@ PRELUDE = ("#include <ATen/ATen.h>", "#include <ATen/Parallel.h>", "#include <to
 PCH_MIN_CASES = 4  # a precompiled header costs about two plain compiles (18 CPU-s, 400 MB)
 
 
-def _command(target: str, tmp_path) -> list[str]:
+def _command(target: str) -> list[str]:
     """The compiler, the build's flags but ``-march=native``, ``target`` and the include paths."""
     from torch.utils.cpp_extension import include_paths
 
@@ -85,7 +85,7 @@ def _precompile(target: str, tmp_path) -> Path | None:
     ``-include`` (GCC loads the ``.gch`` beside it), or None when the compiler cannot."""
     header = tmp_path / "prelude.h"
     header.write_text("".join(f"{ln}\n" for ln in PRELUDE))
-    cmd = [*_command(target, tmp_path), "-x", "c++-header", str(header), "-o", f"{header}.gch"]
+    cmd = [*_command(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return header if r.returncode == 0 else None
 
@@ -94,7 +94,7 @@ def _compile(source: str, target: str, macros, tmp_path,
              prelude: Path | None = None) -> subprocess.CompletedProcess:
     """``source`` compiled for ``target``, syntax only, with its path's macros checked;
     ``prelude``: a precompiled ``PRELUDE`` for the same target, loaded first."""
-    cmd = _command(target, tmp_path)
+    cmd = _command(target)
     wrapper = tmp_path / f"isa_{source.replace('/', '_')}"
     checks = "".join(f'#ifndef {m}\n#error "{m} is not defined: the {target} path was not '
                      'compiled"\n#endif\n' for m in macros)
