@@ -356,3 +356,35 @@ def test_scheduler_refuses_bad_sampling_with_nothing_queued(pair):
     with pytest.raises(TypeError, match="sampling must be"):
         s.add([5, 6], 3, {"temperature": 1.0})
     assert not s.waiting and s._next_rid == 0
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_step_interrupted_after_its_draws_resumes_to_the_same_tokens(pair, fail_at,
+                                                                       monkeypatch):
+    """Ctrl-C once the step's tokens are drawn but before the requests take them: every
+    running request waits again and its generator is back where it was, so the resumed run
+    draws each token once (the same tokens as a run never interrupted)."""
+    import mha.llm.serving as serving
+
+    _, ll = pair
+    requests = [(PROMPTS[0], 8, HOT), (PROMPTS[1], 8, SamplingParams(temperature=0.8, seed=5)),
+                (PROMPTS[2], 8, None)]
+    want, _ = _run(ll, requests)
+    s = serving.Scheduler(ll, num_pages=64, page_size=4, max_seqs=8, max_len=64)
+    rids = [s.add(p, n, sampling) for p, n, sampling in requests]
+    draw, calls = serving.next_tokens, []
+
+    def interrupted(*args, **kwargs):
+        tokens = draw(*args, **kwargs)  # the generators have moved on
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return tokens
+
+    monkeypatch.setattr(serving, "next_tokens", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.run()
+    monkeypatch.undo()
+    assert s.cache.free_pages == 64 and sorted(s.interrupted) == rids
+    got = s.run()
+    assert [got[r] for r in rids] == want

@@ -31,9 +31,10 @@ chunk besides what the running requests' next chunks need. Preemption: when the 
 hold a step's tokens (:class:`mha.PagePoolExhausted`: running requests grew into new pages),
 the request admitted last is preempted: its pages are freed and it waits again with its prompt
 plus the tokens generated so far (recomputed when it is admitted again), and the step is
-retried; greedy (and seeded) tokens do not change. A forward that raises (Ctrl-C, an error
-in a layer) preempts every running request the same way before the exception propagates, so a
-later :meth:`Scheduler.run` resumes to the same tokens.
+retried; greedy (and seeded) tokens do not change. A forward or a draw that raises (Ctrl-C, an
+error in a layer) preempts every running request the same way before the exception propagates
+(the sampled requests' generators set back to before the step), so a later
+:meth:`Scheduler.run` resumes to the same tokens.
 
 A long-running caller (:mod:`mha.llm.server`) streams each step's tokens (:meth:`Scheduler.step`
 returns them) and takes each finished or cancelled request once (:meth:`Scheduler.take`), so
@@ -312,19 +313,21 @@ class Scheduler:
             pos += range(r.done, r.done + len(c))
             cu.append(cu[-1] + len(c))
         step = Step(self.cache, [r.seq for r, _ in chunks], cu)
+        emit = [r.done + len(c) == len(r.tokens) for r, c in chunks]  # (R,) yields a token
+        params = [r.sampling if e else GREEDY for (r, _), e in zip(chunks, emit, strict=True)]
+        gens = [r.generator if e else None for (r, _), e in zip(chunks, emit, strict=True)]
+        drawn = [(g, g.get_state()) for g in gens if g is not None]  # (sampled rows only)
         try:
             with torch.no_grad():
                 logits = self.runner.logits(ids, pos, step)  # (R, V): each chunk's last token
+            nxt = next_tokens(logits, params, gens).tolist()  # (R, V) -> (R,)
         except BaseException:  # Ctrl-C or an error: the cache holds part of the step's K/V
+            for g, state in drawn:  # the recomputed token draws its uniform again, once
+                g.set_state(state)
             self.interrupted = [r.rid for r in self.running]
             self._requeue_running()
             raise
         self.forwards += 1
-        emit = [r.done + len(c) == len(r.tokens) for r, c in chunks]  # (R,) yields a token
-        nxt = next_tokens(logits, [r.sampling if e else GREEDY  # (R, V) -> (R,)
-                                      for (r, _), e in zip(chunks, emit, strict=True)],
-                          [r.generator if e else None
-                           for (r, _), e in zip(chunks, emit, strict=True)]).tolist()
         new = {}
         for (r, c), tok, e in zip(chunks, nxt, emit, strict=True):
             r.done += len(c)
