@@ -154,3 +154,34 @@ def test_a_mask_mod_result_elsewhere_or_sparse_is_named(convert, words):
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ModError, match=f"mask_mod.*{words}"):
         mha.attention(q, q, q, mask_mod=lambda b, h, i, j: convert(j <= i))
+
+
+class _CountingList(list):
+    """A list that counts the items read from it (how much a fingerprint looks at)."""
+
+    read = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            _CountingList.read += 1
+            yield item
+
+
+# A module-level table of Python numbers that a mask_mod's code names (never a tensor).
+TABLE = _CountingList(_CountingList(range(256)) for _ in range(256))
+
+
+def _names_a_table(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) if TABLE else kv_idx < 0
+
+
+def test_what_a_fingerprint_looks_at_is_bounded_in_all():
+    """Each call with a cached plan fingerprints what the mask_mod reads: the first items of
+    each container, and a bounded number in all, not a 256 x 256 table of ints that its code
+    names whole (65,792 items, ~11 ms of every call)."""
+    from mha import blockplan
+
+    first = block_plan(_names_a_table, 1, 1, 16, 16)
+    _CountingList.read = 0
+    assert block_plan(_names_a_table, 1, 1, 16, 16) is first
+    assert 0 < _CountingList.read <= blockplan._READ_BUDGET

@@ -23,9 +23,10 @@ by (mask_mod, B, h, Tq, Tk, block sizes, device). Built-in mask_mods are keyed b
 parameters, tensors by content; a custom function by identity, and its plan is built anew when
 a tensor it reads has changed since (:func:`_reads`: the tensors in its closure, in the globals
 its code names, among a bound method's or callable object's tensor fields and a partial's
-arguments — compared by identity, storage and version counter, so in-place writes and
-rebinding are seen). Data it reads any other way (a Python list, a tensor written through
-``.data``) is not seen: pass ``cache=False`` then (or make a new function).
+arguments, at most :data:`_READ_BUDGET` container items in all — compared by identity,
+storage and version counter, so in-place writes and rebinding are seen). Data it reads any
+other way (a Python list, a tensor written through ``.data``, a tensor past those items) is
+not seen: pass ``cache=False`` then (or make a new function).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ _CACHE_SIZE = 64  # plans kept (least recently used dropped first)
 _MAX_BLOCKS = 1 << 32  # a plan's block states are a byte each: at most 4 GiB of them
 _CHUNK = 1 << 24  # mask elements evaluated at once while building
 _READ_ITEMS = 256  # items of one container looked at for tensors a mask_mod reads
+_READ_BUDGET = 1024  # items of containers looked at in all, per call (bounds the fingerprint)
+_CONTAINERS = (list, tuple, set, frozenset, dict)
 _MAX_BLOCK = 1 << 24  # pairs in one block: a partial block's mask is kept, a byte per pair
 
 
@@ -279,14 +282,18 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
     return plan
 
 
-def _reads(fn, depth: int = 3, seen: set | None = None) -> tuple | None:
+def _reads(fn, depth: int = 3, seen: set | None = None,
+           budget: list[int] | None = None) -> tuple | None:
     """What a custom mask_mod reads that may change between calls: ``(id, data pointer,
     version, shape)`` of each tensor in its closure cells, in the globals its code (and the
-    code nested in it) names (and in the containers there), among the tensor fields of a bound
-    method's ``__self__`` / a callable object and a ``functools.partial``'s arguments, following functions and containers
-    found there ``depth`` levels down (the first :data:`_READ_ITEMS` of a container). None when a tensor's version cannot be read (inference
-    tensors). Built-ins are keyed by their parameters: nothing to read but their parts."""
+    code nested in it) names (and in the containers there), among the tensor fields of a
+    bound method's ``__self__`` / a callable object and a ``functools.partial``'s arguments,
+    following functions and containers found there ``depth`` levels down (the first
+    :data:`_READ_ITEMS` of a container, and :data:`_READ_BUDGET` container items in all: this
+    runs at every call). None when a tensor's version cannot be read (inference tensors).
+    Built-ins are keyed by their parameters: nothing to read but their parts."""
     seen = set() if seen is None else seen
+    budget = [_READ_BUDGET] if budget is None else budget  # container items left to look at
     if id(fn) in seen or depth < 0:
         return ()
     seen.add(id(fn))
@@ -299,10 +306,10 @@ def _reads(fn, depth: int = 3, seen: set | None = None) -> tuple | None:
         values = list(fn.mods)
     elif isinstance(fn, _Mod):
         return ()
-    elif isinstance(fn, (list, tuple, set, frozenset)):
-        values = list(itertools.islice(fn, _READ_ITEMS))
-    elif isinstance(fn, dict):
-        values = list(itertools.islice(fn.values(), _READ_ITEMS))
+    elif isinstance(fn, _CONTAINERS):
+        items = fn.values() if isinstance(fn, dict) else fn
+        values = list(itertools.islice(items, min(_READ_ITEMS, budget[0])))
+        budget[0] -= len(values)
     elif isinstance(fn, functools.partial):
         values = [fn.func, *fn.args, *fn.keywords.values()]
     elif isinstance(fn, types.MethodType):
@@ -329,7 +336,9 @@ def _reads(fn, depth: int = 3, seen: set | None = None) -> tuple | None:
         if isinstance(value, (types.ModuleType, type, str, bytes, int, float, bool)) or \
                 value is None:
             continue
-        got = _reads(value, depth - 1, seen)
+        if budget[0] <= 0 and isinstance(value, _CONTAINERS):
+            continue  # (no container item left to look at)
+        got = _reads(value, depth - 1, seen, budget)
         if got is None:
             return None
         out.extend(got)
