@@ -185,3 +185,24 @@ def test_what_a_fingerprint_looks_at_is_bounded_in_all():
     _CountingList.read = 0
     assert block_plan(_names_a_table, 1, 1, 16, 16) is first
     assert 0 < _CountingList.read <= blockplan._READ_BUDGET
+
+
+def test_a_tensor_rebound_twice_is_not_taken_for_the_first():
+    """A closure's tensor rebound twice between calls: the third tensor may take the first's
+    Python object address and storage (both freed), so identity, storage and version alone
+    match the plan of the first mask; the plan must still be rebuilt. Repeated, as whether
+    the addresses are reused is up to the allocators."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 200, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    for _ in range(40):
+        table = torch.ones(300, dtype=torch.bool)  # (Tk,)
+
+        def fn(b, h, q_idx, kv_idx):
+            return table[kv_idx] & (kv_idx <= q_idx + 100)  # noqa: B023 -- the rebound one
+
+        mha.attention(q, k, v, mask_mod=fn)
+        table = torch.arange(300) % 2 == 0
+        table = torch.arange(300) % 3 != 0
+        got = mha.attention(q, k, v, mask_mod=fn)
+        want = mha.attention(q, k, v, mask=_truth(table, 200, 300), backend="reference")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -35,6 +35,7 @@ import functools
 import itertools
 import math
 import types
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -267,7 +268,7 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
     reads = _reads(mask_mod) if cache else None
     if reads is None:  # a tensor it reads cannot be followed (an inference tensor): no caching
         cache = False
-    if cache and key in _CACHE and _CACHE[key][0] == reads:
+    if cache and key in _CACHE and _unchanged(_CACHE[key][0], reads):
         _CACHE.move_to_end(key)
         return _CACHE[key][1]
     mod = bind(mask_mod, B, Tq, Tk)
@@ -284,8 +285,8 @@ def block_plan(mask_mod, B: int, h: int, Tq: int, Tk: int, *, block_q: int = 128
 
 def _reads(fn, depth: int = 3, seen: set | None = None,
            budget: list[int] | None = None) -> tuple | None:
-    """What a custom mask_mod reads that may change between calls: ``(id, data pointer,
-    version, shape)`` of each tensor in its closure cells, in the globals its code (and the
+    """What a custom mask_mod reads that may change between calls: ``(weak reference, data
+    pointer, version, shape)`` of each tensor in its closure cells, in the globals its code (and the
     code nested in it) names (and in the containers there), among the tensor fields of a
     bound method's ``__self__`` / a callable object and a ``functools.partial``'s arguments,
     following functions and containers found there ``depth`` levels down (the first
@@ -299,9 +300,11 @@ def _reads(fn, depth: int = 3, seen: set | None = None,
     seen.add(id(fn))
     if isinstance(fn, torch.Tensor):
         try:
-            return ((id(fn), fn.data_ptr(), fn._version, tuple(fn.shape)),)
+            version = fn._version
         except RuntimeError:  # "Inference tensors do not track version counter"
             return None
+        # a weak reference, not id(): a tensor made after this one died may take its address
+        return ((weakref.ref(fn), fn.data_ptr(), version, tuple(fn.shape)),)
     if isinstance(fn, _Combine):
         values = list(fn.mods)
     elif isinstance(fn, _Mod):
@@ -343,6 +346,14 @@ def _reads(fn, depth: int = 3, seen: set | None = None,
             return None
         out.extend(got)
     return tuple(out)
+
+
+def _unchanged(before: tuple, now: tuple) -> bool:
+    """:func:`_reads` at a plan's build (``before``) and now: the same live tensors (compared by
+    object: a dead one's weak reference is None), storages, versions and shapes."""
+    return len(before) == len(now) and all(
+        a[0]() is not None and a[0]() is b[0]() and a[1:] == b[1:]
+        for a, b in zip(before, now, strict=True))
 
 
 def _filled(cell) -> bool:
