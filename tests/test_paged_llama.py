@@ -134,6 +134,10 @@ def test_rows_keep_only_the_asked_tokens_logits(llama):
     (dict(cache=dict(num_kv_heads=4)), ValueError, r"cache must hold .*\(2, 2, 16, 16, "),
     (dict(cache=dict(num_layers=3)), ValueError, "cache must hold"),
     (dict(cache=dict(dtype=torch.bfloat16)), ValueError, "cache must hold"),
+    (dict(rows=torch.tensor([4])), ValueError, r"rows must be .*\[0, 4\)"),
+    (dict(rows=torch.tensor([-1])), ValueError, r"rows must be"),
+    (dict(rows=torch.tensor([[3]])), ValueError, r"rows must be"),
+    (dict(rows=torch.tensor([0.5])), TypeError, r"rows must be"),
 ])
 def test_a_refused_paged_forward_names_the_argument_and_writes_nothing(llama, change, err,
                                                                         match):
@@ -148,7 +152,8 @@ def test_a_refused_paged_forward_names_the_argument_and_writes_nothing(llama, ch
     call = dict(ids=torch.tensor([[5, 6, 7, 8]]), positions=torch.arange(4), cache=cache)
     call.update(change)
     with pytest.raises(err, match=match):
-        llama.forward_paged(call["ids"], call["positions"], call["cache"], [s], [0, 4])
+        llama.forward_paged(call["ids"], call["positions"], call["cache"], [s], [0, 4],
+                            rows=call.get("rows"))
     assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1])
 
 

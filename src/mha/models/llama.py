@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha.cache import ConcatKVCache, KVCache
-from mha.checks import check_bool, check_int, check_readable, check_scalar
+from mha.checks import check_bool, check_int, check_int_tensor, check_readable, check_scalar
 from mha.llm.sampling import Sampler
 from mha.module import MultiHeadAttention
 from mha.paged import PagedKVCache
@@ -441,7 +441,7 @@ class Llama(nn.Module):
 
         Refused before anything is written, naming the argument: ids outside ``[0, V)`` or not
         ``(1, N)``, positions not ``(N,)``, a cache of another layer count, K/V heads, head
-        dim or dtype than the model's."""
+        dim or dtype than the model's, rows not ``(R,)`` token indices in ``[0, N)``."""
         V = self.embed_tokens.num_embeddings
         w = self.embed_tokens.weight
         _check_ids(ids, V, w.device)
@@ -453,6 +453,8 @@ class Llama(nn.Module):
                              f"token's position in its sequence, got "
                              f"{tuple(getattr(positions, 'shape', ())) or type(positions).__name__}")
         _check_paged_cache(cache, self.settings, w.dtype)
+        if rows is not None:
+            rows = _check_rows(rows, ids.shape[1], w.device)
         x = self.embed_tokens(ids)  # (1, N) -> (1, N, d_model)
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(x, cache, i, seq_ids, cu_seqlens, positions)  # (1, N, d_model)
@@ -614,6 +616,18 @@ def _check_paged_cache(cache, s: LlamaSettings, dtype: torch.dtype) -> None:
     if got != want:
         raise ValueError(f"cache must hold (num_layers, h_kv, d_k, d_v, dtype) = {want} like "
                          f"the model, got {got}")
+
+
+def _check_rows(rows, N: int, device: torch.device) -> torch.Tensor:
+    """``rows``: an integer tensor ``(R,)`` of the step's token indices, in ``[0, N)``."""
+    what = f"(R,) of the step's token indices in [0, {N})"
+    rows = check_int_tensor("rows", rows, what, device)
+    if rows.dim() != 1:
+        raise ValueError(f"rows must be a tensor {what}, got shape {tuple(rows.shape)}")
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < N):
+        raise ValueError(f"rows must be a tensor {what}, got values from {int(rows.min())} to "
+                         f"{int(rows.max())}")
+    return rows
 
 
 def _described(x) -> str:
