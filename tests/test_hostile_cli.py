@@ -113,8 +113,6 @@ BAD = [  # (argv, exit code, substrings the one line must hold)
     # --impl mha (the model built from mha's own modules): refused before it loads
     (["generate", "hi", "--impl", "mha", "--attn", "sdpa"], 2, [
         "mha generate: --impl mha runs mha.MultiHeadAttention; --attn sdpa"]),
-    (["generate", "hi", "--impl", "mha", "--weights", "int8"], 2, [
-        "--impl mha keeps its projections' weights as loaded", "--weights int8"]),
     (["generate", "hi", "--impl", "mha", "--kv", "bf16"], 2, [
         "--kv 'bf16' is not served by --impl 'mha' in fp32"]),
     (["generate", "hi", "--impl", "mha", "--kv", "fp32", "--dtype", "bf16"], 2, [

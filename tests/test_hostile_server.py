@@ -507,14 +507,14 @@ def test_request_timeout_is_refused_unless_positive(models, tok):
 def test_ctrl_c_answers_the_requests_in_flight_with_503(models, tok, capsys, monkeypatch):
     """``mha serve`` interrupted while a request runs and another waits (max_seqs 1): both
     clients get a 503, the command exits 0 without a traceback."""
-    from types import SimpleNamespace
-
     import mha.cli.serve
     from mha.cli import main
+    from mha.llm.model import Loaded
     from mha.llm.server import Server
 
     monkeypatch.setattr(mha.cli.serve, "load_or_hint",
-                        lambda *a: SimpleNamespace(model=models["mha"], tokenizer=tok))
+                        lambda *a: Loaded(model=models["mha"], tokenizer=tok,
+                                          dtype=models["mha"].dtype, attn="mha"))
     got: dict[int, tuple] = {}
     serve_forever = Server.serve_forever
 

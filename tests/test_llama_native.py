@@ -292,7 +292,6 @@ def test_cli_chat_impl_mha_answers_as_generate(capsys, monkeypatch):
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
 @pytest.mark.parametrize("argv, match", [
     (["--attn", "sdpa"], "--impl mha runs mha.MultiHeadAttention; --attn sdpa"),
-    (["--weights", "int8"], "--impl mha keeps its projections' weights as loaded"),
     (["--kv", "bf16"], "--kv 'bf16' is not served by --impl 'mha' in fp32"),
     (["--impl", "jax"], "--impl: invalid choice: 'jax'"),
 ])
@@ -306,7 +305,6 @@ def test_cli_impl_mha_refuses_what_it_does_not_run(capsys, command, argv, match)
 
 @pytest.mark.parametrize("kw, match", [
     ({"attn": "sdpa"}, "impl='mha' runs mha.MultiHeadAttention; attn='sdpa'"),
-    ({"weights": "bf16"}, "impl='mha' keeps its projections' weights"),
     ({"kv": "bf16"}, "kv='bf16' is not served by impl='mha'"),
     ({"impl": "jax"}, "impl must be 'transformers' or 'mha', got 'jax'"),
 ])

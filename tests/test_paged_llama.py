@@ -374,10 +374,10 @@ def test_serve_impl_mha_serves_the_llama(served, capsys, monkeypatch):
     """``mha serve --impl mha --port 0`` (the tiny Llama in place of SmolLM2's): it says
     which model serves, answers as greedy generate, and Ctrl-C stops it (exit 0)."""
     import threading
-    from types import SimpleNamespace
 
     import mha.cli.serve
     from mha.cli import main
+    from mha.llm.model import Loaded
     from mha.llm.server import Server
     from test_server import PROMPTS as ASKED
     from test_server import greedy, post
@@ -385,9 +385,10 @@ def test_serve_impl_mha_serves_the_llama(served, capsys, monkeypatch):
     srv, eager, tok = served
     loads = []
 
-    def load_native(dtype):
-        loads.append(dtype)
-        return SimpleNamespace(model=srv.engine.scheduler.model, tokenizer=tok)
+    def load_native(dtype, weights="fp32"):
+        loads.append((dtype, weights))
+        return Loaded(model=srv.engine.scheduler.model, tokenizer=tok, dtype=torch.float32,
+                      attn="mha", weights=weights, impl="mha")
 
     def no_load(*a, **kw):
         raise AssertionError("--impl mha loaded transformers' model")
@@ -411,7 +412,7 @@ def test_serve_impl_mha_serves_the_llama(served, capsys, monkeypatch):
                  "--page-size", "4"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert loads == ["fp32"] and seen["runner"] == "LlamaRunner"
+    assert loads == [("fp32", "fp32")] and seen["runner"] == "LlamaRunner"
     assert "(mha.models.Llama) on http://127.0.0.1:" in out
     status, answer = seen["answer"]
     assert status == 200 and answer["choices"][0]["text"] == tok.decode(
@@ -419,8 +420,6 @@ def test_serve_impl_mha_serves_the_llama(served, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--impl", "mha", "--weights", "bf16"], "--impl mha keeps its projections' weights as "
-                                             "loaded (--weights fp32); --weights bf16"),
     (["--impl", "onnx"], "--impl: invalid choice: 'onnx'"),
 ])
 def test_a_bad_serve_impl_is_one_line_and_exit_2(argv, expected, capsys, monkeypatch):

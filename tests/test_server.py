@@ -560,14 +560,14 @@ def test_serve_prints_its_url_answers_and_stops_at_ctrl_c(models, tok, capsys, m
     """``mha serve --port 0`` (the tiny model in place of SmolLM2): the URL and a curl line on
     stdout, an answer equal to greedy generate, and Ctrl-C (KeyboardInterrupt while serving)
     ends it with exit 0 and the engine thread stopped."""
-    from types import SimpleNamespace
-
     import mha.cli.serve
     from mha.cli import main
+    from mha.llm.model import Loaded
     from mha.llm.server import Server
 
     monkeypatch.setattr(mha.cli.serve, "load_or_hint",
-                        lambda *a: SimpleNamespace(model=models["mha"], tokenizer=tok))
+                        lambda *a: Loaded(model=models["mha"], tokenizer=tok,
+                                          dtype=torch.float32, attn="mha"))
     seen = {}
     serve_forever = Server.serve_forever
 

@@ -1,16 +1,19 @@
 """Developer probe: SmolLM2-135M on mha's own model (``mha.models.Llama``, ``--impl mha``)
 against transformers' LlamaForCausalLM with mha's attention (``attn mha``, MhaCache), fp32,
-projections' weights fp32 in both (as loaded), in one process.
+in one process; the projections' weights as loaded (fp32) in both, or with ``--weights fp32
+bf16 int8`` each of those (bf16 / int8: packed for mha's weight-stationary kernel,
+:func:`mha.llm.weights.pack_weights`), both models per kind.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src \\
         python benchmarks/probes/llm_native.py [--prompt 128] [--new 32] [--rounds 7] \\
-        [--threads 1 2] [--rope-cost]
+        [--threads 1 2] [--weights fp32 bf16] [--rope-cost]
 
-Per thread count, each round runs both models (their order alternating) on the same prompt:
+Per thread count, each round runs every model (their order alternating) on the same prompt:
 a prefill of ``--prompt`` random tokens into a fresh cache (last position's logits only), then
 ``--new`` greedy one-token steps. Prints the medians over rounds of prefill tok/s and decode
-tok/s, and their ratios (mha / transformers). With 1 thread the clock is the thread's CPU time
-(``time.thread_time``: a busy machine's descheduling stays out); with more, wall time.
+tok/s, and their ratios (mha / transformers, per weights kind). With 1 thread the clock is
+the thread's CPU time (``time.thread_time``: a busy machine's descheduling stays out); with
+more, wall time.
 ``--rope-cost`` adds a third run: the native model with every layer's ``rope`` set to None
 (wrong logits, the same work otherwise), whose difference is what RoPE costs inside
 ``MultiHeadAttention`` (positions from the cache, angles and the rotation, once per layer).
@@ -71,18 +74,25 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--weights", nargs="+", default=["fp32"], choices=("fp32", "bf16", "int8"),
+                    help="the projections' weights, each kind run on both models")
     ap.add_argument("--rope-cost", action="store_true",
                     help="also time the native model without RoPE (its cost; wrong logits)")
     args = ap.parse_args()
-    hf = load("fp32", "mha").model
-    native = load_native("fp32").model
     ids = torch.randint(100, 49152, (1, args.prompt),
                         generator=torch.Generator().manual_seed(0))  # (1, P)
-    runs = {"transformers (attn mha)": lambda c: _hf(hf, ids, args.new, c),
-            "mha.models.Llama": lambda c: _native(native, ids, args.new, c)}
+    runs, pairs = {}, []
+    for w in args.weights:
+        hf = load("fp32", "mha", w).model
+        native = load_native("fp32", w).model
+        names = (f"transformers (attn mha) {w}", f"mha.models.Llama {w}")
+        runs[names[0]] = lambda c, hf=hf: _hf(hf, ids, args.new, c)
+        runs[names[1]] = lambda c, native=native: _native(native, ids, args.new, c)
+        pairs.append((w, names))
     if args.rope_cost:
+        native = load_native("fp32", args.weights[0]).model
         runs["mha.models.Llama, no rope"] = lambda c: _native(native, ids, args.new, c, False)
-    print(f"SmolLM2-135M fp32, prompt {args.prompt}, {args.new} new tokens, {args.rounds} "
+    print(f"SmolLM2-135M fp32 activations, prompt {args.prompt}, {args.new} new tokens, {args.rounds} "
           f"rounds, load average {os.getloadavg()[0]:.1f} at start")
     with torch.inference_mode():
         for threads in args.threads:
@@ -102,9 +112,11 @@ def main() -> None:
             print(f"\n{threads} thread(s), {'thread CPU time' if threads == 1 else 'wall time'}"
                   f" (load average {os.getloadavg()[0]:.1f})")
             for name, (pre, dec) in rates.items():
-                print(f"  {name:26s} prefill {pre:8.1f} tok/s   decode {dec:6.1f} tok/s")
-            (hp, hd), (mp, md) = list(rates.values())[:2]
-            print(f"  {'mha / transformers':26s} prefill {mp / hp:8.2f}x      decode {md / hd:6.2f}x")
+                print(f"  {name:30s} prefill {pre:8.1f} tok/s   decode {dec:6.1f} tok/s")
+            for w, (h_name, m_name) in pairs:
+                (hp, hd), (mp, md) = rates[h_name], rates[m_name]
+                print(f"  {'mha / transformers ' + w:30s} prefill {mp / hp:8.2f}x      "
+                      f"decode {md / hd:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,16 @@ class StateDictMismatch(ValueError, RuntimeError):
     that ``nn.Module.load_state_dict`` raises, for callers that catch that)."""
 
 
+def _apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection of ``x (..., in)`` -> ``(..., out)``: an ``nn.Linear`` through
+    :func:`mha.linear.linear` (the native tiles or torch's GEMM); any other module (a packed
+    projection, :class:`mha.llm.weights.PackedLinear`, holding its weight in its kernel's
+    layout) is called."""
+    if isinstance(layer, nn.Linear):
+        return linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 def _state_dict_mismatches(module: nn.Module, state_dict, prefix: str,
                            assign: bool = False) -> list[str]:
     """The entries of ``state_dict`` under ``prefix`` that ``nn.Module.load_state_dict`` would
@@ -276,7 +286,7 @@ class MultiHeadAttention(nn.Module):
         if self.tensor_parallel > 1:
             return self._project_sharded(query, key, value, self_attention)
         if self.packed and self_attention:
-            qkv = linear(query, self.in_proj.weight, self.in_proj.bias)  # one GEMM:
+            qkv = _apply(self.in_proj, query)  # one GEMM:
             # (B, T, d_model) -> (B, T, h*d_k + h_kv*d_k + h_kv*d_v)
             return qkv.split((self.q_width, self.k_width, self.v_width), dim=-1)
         (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
@@ -402,10 +412,12 @@ class MultiHeadAttention(nn.Module):
         one dtype) on the CPU, and the native op with the tiles of that dtype (bf16: AVX512_BF16;
         fp32: AVX-512)."""
         if not (self.packed and self.tensor_parallel == 1 and self.num_kv_heads == self.num_heads
-                and self.v_head_dim == self.head_dim):
+                and self.v_head_dim == self.head_dim and isinstance(self.in_proj, nn.Linear)
+                and isinstance(self.out_proj, nn.Linear)):
             raise ValueError("freeze() packs the fused forward's weights, which serves the "
                              "packed [W^Q; W^K; W^V] weight (kdim == vdim == d_model) with equal "
-                             "query and key/value heads on one rank")
+                             "query and key/value heads on one rank, and nn.Linear projections "
+                             "(not mha.llm.weights' packed modules)")
         w_qkv, w_o = self.in_proj.weight, self.out_proj.weight
         for name, p in (("in_proj.weight", w_qkv), ("out_proj.weight", w_o)):
             if p.device.type != "cpu" or p.dtype not in FUSED_DTYPES:
@@ -450,6 +462,9 @@ class MultiHeadAttention(nn.Module):
         if on:
             return f"the fused forward has no {', '.join(on)} ({UNSERVED_HELP})", None
         inp, out = self.in_proj, self.out_proj
+        if not (isinstance(inp, nn.Linear) and isinstance(out, nn.Linear)):
+            return ("the projections are packed modules (mha.llm.weights.pack_weights); the "
+                    "fused forward reads nn.Linear weights"), None
         params = inp.weight, inp.bias, out.weight, out.bias
         if torch.is_grad_enabled() and (query.requires_grad or any(
                 p is not None and p.requires_grad for p in params)):
@@ -618,8 +633,7 @@ class MultiHeadAttention(nn.Module):
         if self.tensor_parallel > 1:  # RowwiseParallel: partial products, one all-reduce
             y = self.out_proj(concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
         else:
-            y = linear(concat, self.out_proj.weight, self.out_proj.bias)  # (B, Tq, h*d_v) @ W_O
-            # -> (B, Tq, d_model)
+            y = _apply(self.out_proj, concat)  # (B, Tq, h*d_v) @ W_O -> (B, Tq, d_model)
         rec.record("concat heads", "Concat(head_1..head_h)", concat, "(B, Tq, h*d_v)")
         rec.record("output", "Y = Concat(...) W_O", y, "(B, Tq, d_model)")
         return y
@@ -674,22 +688,28 @@ class MultiHeadAttention(nn.Module):
                         "or storage moves; writes through p.data or .numpy() are not seen)")
         return "\n".join(lines + [f"forward: {forward}"])
 
-    def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None):
+    def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None, *,
+                  dtype: torch.dtype | None = None):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``
-        keys and ``(.., d_v)`` values, in the dtype and on the device of the weights;
-        ``kv_dtype="int8"`` stores them as int8 with per-token-per-head scales."""
+        keys and ``(.., d_v)`` values, in ``dtype`` (None: the weights'; give the activations'
+        dtype when the projections are packed, :mod:`mha.llm.weights`) on the device of the
+        weights; ``kv_dtype="int8"`` stores them as int8 with per-token-per-head scales."""
         from mha.cache import KVCache
 
         w = self.out_proj.weight
         return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, self.v_head_dim,
-                       dtype=w.dtype, device=w.device, kv_dtype=kv_dtype)
+                       dtype=w.dtype if dtype is None else dtype, device=w.device,
+                       kv_dtype=kv_dtype)
 
     def _check_inputs(self, query, key, value) -> None:
         check_tensor("query", query, 3, "(B, Tq, d_model)")
         check_tensor("key", key, 3, "(B, Tk, kdim)")
         check_tensor("value", value, 3, "(B, Tk, vdim)")
-        w = self.out_proj.weight
-        check_same(("query", "key", "value", "module weights"), (query, key, value, w))
+        names, tensors = ("query", "key", "value", "module weights"), (query, key, value,
+                                                                       self.out_proj.weight)
+        if not isinstance(self.out_proj, nn.Linear):  # packed: any floating input dtype
+            names, tensors = names[:3], tensors[:3]
+        check_same(names, tensors)
         if query.shape[-1] != self.d_model:
             raise ValueError(f"query must have shape (B, Tq, d_model) with d_model={self.d_model},"
                              f" got {tuple(query.shape)}")

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
     if args.impl == "mha":
         check_native(args)
-        load_native_or_hint(args.dtype)
+        load_native_or_hint(args.dtype, weights_of(args))
     else:
         try:
             check_kv(args.kv, args.attn)

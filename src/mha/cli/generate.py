@@ -100,35 +100,26 @@ def status(res) -> None:
     print(f"[{res.status()}]", file=sys.stderr, flush=True)
 
 
-def check_native_weights(args: argparse.Namespace) -> None:
-    """``--impl mha`` keeps its projections' weights as loaded (``--weights fp32``)."""
-    if weights_of(args) != "fp32":
-        raise UsageError(f"--impl mha keeps its projections' weights as loaded (--weights "
-                         f"fp32); --weights {args.weights} packs transformers' nn.Linear "
-                         "(use --impl transformers)")
-
-
 def check_native(args: argparse.Namespace) -> None:
-    """``--impl mha`` runs mha's own attention, cache and unpacked projections."""
+    """``--impl mha`` runs mha's own attention and cache (projections as ``--weights``)."""
     from mha.llm.model import check_dtype
     from mha.llm.native import check_native_kv
 
     if args.attn != "mha":
         raise UsageError(f"--impl mha runs mha.MultiHeadAttention; --attn {args.attn} chooses "
                          "transformers' attention (use --impl transformers)")
-    check_native_weights(args)
     try:
         check_native_kv(args.kv, check_dtype(args.dtype))
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ").replace("impl=", "--impl ")) from e
 
 
-def load_native_or_hint(dtype: str):
+def load_native_or_hint(dtype: str, weights: str = "fp32"):
     from mha.llm.model import ModelNotInstalled
     from mha.llm.native import load_native
 
     try:
-        return load_native(dtype)
+        return load_native(dtype, weights)
     except ModelNotInstalled as e:
         raise MissingExtra(str(e)) from e
 
@@ -150,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             check_kv(args.kv, args.attn)
         except ValueError as e:
             raise UsageError(str(e).replace("kv=", "--kv ").replace("attn=", "--attn ")) from e
-    loaded = (load_native_or_hint(args.dtype) if native
+    loaded = (load_native_or_hint(args.dtype, weights_of(args)) if native
               else load_or_hint(args.dtype, args.attn, weights_of(args)))
     tok = loaded.tokenizer
     ids = (tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw

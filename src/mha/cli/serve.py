@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 
-from mha.cli.generate import check_native_weights, load_native_or_hint, load_or_hint, weights_of
+from mha.cli.generate import load_native_or_hint, load_or_hint, weights_of
 from mha.cli.options import UsageError, int_between, positive_float, positive_int, thread_count
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -119,18 +119,17 @@ def run(args: argparse.Namespace) -> int:
         check_kv(args.kv, "mha")
     except ValueError as e:
         raise UsageError(str(e).replace("kv=", "--kv ")) from e
-    if args.impl == "mha":
-        check_native_weights(args)
     check_pool(args)
     why = _bind_problem(args.host, args.port)
     if why is not None:
         raise UsageError(why)
-    loaded = (load_native_or_hint(args.dtype) if args.impl == "mha"
+    loaded = (load_native_or_hint(args.dtype, weights_of(args)) if args.impl == "mha"
               else load_or_hint(args.dtype, "mha", weights_of(args)))
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from mha.llm.model import eos_token_ids
     from mha.llm.server import make_server
 
     try:
@@ -138,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                              num_pages=args.num_pages, page_size=args.page_size,
                              max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
                              kv_dtype=args.kv,
-                             eos_token_id=loaded.tokenizer.eos_token_id, threads=args.threads,
+                             eos_token_id=eos_token_ids(loaded), threads=args.threads,
                              model_name=MODEL_NAME, log=log, debug=args.debug,
                              request_timeout=args.request_timeout)
     except OSError as e:  # the port was taken while the model loaded

@@ -138,8 +138,9 @@ class Chat:
 
     A refused turn (too long for the context, or ``text`` not UTF-8 text) leaves the history
     as it was. ``impl="mha"``: the model built from mha's own modules
-    (:mod:`mha.llm.native`), which runs ``attn="mha"`` with ``weights="fp32"`` and K/V in the
-    model's dtype or int8; other values of those are refused naming the argument.
+    (:mod:`mha.llm.native`), which runs ``attn="mha"``, with the projections' ``weights`` (as
+    loaded, or packed bf16 / int8) and K/V in the model's dtype or int8; other values of those
+    are refused naming the argument.
     ``sampling``: None (greedy) or a :class:`SamplingParams`; one generator, seeded once,
     runs through every turn (the same seed replays the same conversation).
     """
@@ -161,12 +162,8 @@ class Chat:
             if attn != "mha":
                 raise ValueError(f"impl='mha' runs mha.MultiHeadAttention; attn={attn!r} "
                                  "chooses transformers' attention (use impl='transformers')")
-            if weights != "fp32":
-                raise ValueError(f"impl='mha' keeps its projections' weights as loaded "
-                                 f"(weights='fp32'); weights={weights!r} packs transformers' "
-                                 "nn.Linear (use impl='transformers')")
             self.kv = check_native_kv(kv, check_dtype(dtype))
-            self.loaded = load_native(dtype)
+            self.loaded = load_native(dtype, weights)
             self._run = run_native
         else:
             self.kv = check_kv(kv, attn)

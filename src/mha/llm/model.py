@@ -173,6 +173,9 @@ class Loaded:
     weights: str = "fp32"  #: the projections' weights: fp32 (as loaded) or packed bf16 / int8
     #: "transformers" (its LlamaForCausalLM, attention ``attn``) or "mha" (mha.models.Llama)
     impl: str = "transformers"
+    #: ``generation_config.json``'s eos_token_id for ``impl="mha"`` (transformers' model
+    #: carries its own ``generation_config``): None, an id or a list of ids
+    generation_eos: int | list | None = None
 
     @property
     def context(self) -> int:
@@ -180,6 +183,33 @@ class Loaded:
         if self.impl == "mha":
             return int(self.model.settings.max_position_embeddings)
         return int(self.model.config.max_position_embeddings)
+
+
+def _as_ids(eos) -> list:
+    """None, an id or a list of ids -> a list (values as given: checked by the user)."""
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def eos_token_ids(loaded: Loaded) -> int | list[int] | None:
+    """Every id that ends a reply of ``loaded``: the tokenizer's eos first, then the model
+    config's and the generation config's ``eos_token_id`` (each None, an id or a list:
+    Llama-3-style models list several, e.g. end-of-turn and end-of-text), without repeats.
+    One id as an int, several as a list, none as None (what
+    :class:`mha.llm.serving.Scheduler` takes)."""
+    model = loaded.model
+    if loaded.impl == "mha":
+        config_eos, gen_eos = model.settings.eos_token_id, loaded.generation_eos
+    else:
+        gen = getattr(model, "generation_config", None)
+        config_eos, gen_eos = model.config.eos_token_id, getattr(gen, "eos_token_id", None)
+    ids = []
+    for t in (*_as_ids(getattr(loaded.tokenizer, "eos_token_id", None)), *_as_ids(config_eos),
+              *_as_ids(gen_eos)):
+        if t not in ids:
+            ids.append(t)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def check_dtype(dtype) -> torch.dtype:
@@ -241,5 +271,5 @@ def _tokenizer(path: str):
 
 
 __all__ = ["ATTN", "DTYPES", "GGUF_NAME", "INSTALL_HINT", "Loaded", "ModelNotInstalled",
-           "cache_dir", "check_dtype", "check_gguf", "convert", "gguf_path", "load",
-           "require_extra"]
+           "cache_dir", "check_dtype", "check_gguf", "convert", "eos_token_ids", "gguf_path",
+           "load", "require_extra"]

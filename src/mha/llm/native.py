@@ -2,6 +2,10 @@
 :class:`mha.MultiHeadAttention` with :class:`mha.rope.Rotary`, one :class:`mha.KVCache` per
 layer) reads the converted directory of :func:`mha.llm.model.convert` (safetensors +
 config.json); transformers only provides the tokenizer. ``mha generate --impl mha``.
+With ``weights="bf16"`` / ``"int8"`` its projections (the attention's packed ``[W^Q; W^K; W^V]``
+and ``W_O``, the MLP's gate and up as one, down, and the LM head) are packed once for mha's
+weight-stationary kernel (:func:`mha.llm.weights.pack_weights`), as the transformers path packs
+its ``nn.Linear``.
 
 Shape legend: P prompt tokens, N new tokens.
 
@@ -27,21 +31,46 @@ from mha.llm.sampling import Sampler, SamplingParams, check_sampling
 KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
 
 
-def load_native(dtype="fp32") -> Loaded:
+def load_native(dtype="fp32", weights: str = "fp32") -> Loaded:
     """SmolLM2-135M-Instruct as :class:`mha.models.Llama` in ``dtype`` (fp32 or bf16), eval
-    mode, kept for the rest of the process (``Loaded.impl == "mha"``)."""
+    mode, kept for the rest of the process (``Loaded.impl == "mha"``). ``weights``: ``"fp32"``
+    keeps the projections as loaded (in ``dtype``); ``"bf16"`` / ``"int8"`` packs them
+    (:func:`mha.llm.weights.pack_weights`; without the native kernel: a warning, and the
+    model's own weights)."""
+    from mha.llm.weights import check_weights
+
     require_extra()
-    return _load_native(check_dtype(dtype))
+    return _load_native(check_dtype(dtype), check_weights(weights))
 
 
 @functools.cache
-def _load_native(dtype: torch.dtype) -> Loaded:
+def _load_native(dtype: torch.dtype, weights: str) -> Loaded:
+    from mha.llm.weights import pack_weights
     from mha.models.llama import Llama
+    from mha.ops import gemv
 
     path = convert()
     model = Llama.from_pretrained(path, dtype=dtype)
+    if weights != "fp32" and gemv.load() is not None:
+        import warnings
+
+        warnings.warn(f"mha: weights={weights!r} needs the packed kernel ({gemv.load()}); "
+                      "the projections keep the model's own weights", RuntimeWarning,
+                      stacklevel=3)
+        weights = "fp32"
+    pack_weights(model, weights)
     return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn="mha",
-                  impl="mha")
+                  weights=weights, impl="mha", generation_eos=_generation_eos(path))
+
+
+def _generation_eos(path):
+    """``path/generation_config.json``'s eos_token_id (None without the file or the key)."""
+    import json
+
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
 
 
 def check_native_kv(kv, dtype: torch.dtype) -> str | None:
@@ -88,7 +117,7 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     return Result(text=tok.decode(new, skip_special_tokens=True), prompt_tokens=P,
                   new_tokens=len(new), prefill_seconds=first - t0, decode_seconds=t1 - first,
                   attn="mha", dtype=str(loaded.dtype).replace("torch.", ""), tokens=new,
-                  kv=kv, impl="mha", sampling=sampling.describe())
+                  kv=kv, weights=loaded.weights, impl="mha", sampling=sampling.describe())
 
 
 __all__ = ["KV", "check_native_kv", "load_native", "run_native"]

@@ -250,7 +250,7 @@ class Engine:
             self._tickets[rid].events.put(("token", tok))
         for rid in list(s.finished):
             req = s.take(rid)
-            eos = s.eos_token_id is not None and req.output[-1:] == [s.eos_token_id]
+            eos = bool(req.output) and req.output[-1] in s.eos_token_ids
             self._tickets.pop(rid).events.put(("end", "stop" if eos else "length"))
         self.stats = self._snapshot()
 
@@ -870,13 +870,15 @@ def _messages(body: dict) -> list[dict]:
 
 def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
                 num_pages: int = 256, page_size: int = 16, max_seqs: int = 16,
-                prefill_chunk: int = 64, kv_dtype=None, eos_token_id: int | None = None,
+                prefill_chunk: int = 64, kv_dtype=None,
+                eos_token_id: int | list[int] | None = None,
                 threads: int | None = None, model_name: str = "mha",
                 log: Callable[[str], None] | None = None, debug: bool = False,
                 request_timeout: float = 30.0) -> Server:
     """A :class:`Server` on ``(host, port)`` over a new :class:`Scheduler` of ``loaded_model``
     (a transformers causal LM or an :class:`mha.models.Llama`; its context is each request's
-    limit). Call ``.start()``."""
+    limit). ``eos_token_id``: a request stops at this id or at any of a list of them (None:
+    at ``max_tokens`` only), as :class:`Scheduler` takes it. Call ``.start()``."""
     _check_timeout(request_timeout)  # (before the scheduler's pages are allocated)
     context = runner_for(loaded_model, "loaded_model").context  # refuses another kind
     if context is None:

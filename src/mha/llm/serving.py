@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha.checks import check_int, check_int_tensor
-from mha.llm.runs import check_fits
+from mha.llm.runs import check_eos_ids, check_fits
 from mha.llm.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
 from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, register: re-exported)
     NAME,
@@ -108,25 +108,24 @@ class Scheduler:
         max_len: tokens one request may hold (prompt + new tokens).
         prefill_chunk: prompt tokens per request per step (chunked prefill).
         kv_dtype: the K/V storage (None: the model's dtype; "bfloat16", "int8").
-        eos_token_id: stop a request there (None: run to ``max_new_tokens``); a token id of
-            the model's vocabulary ``[0, V)`` (any other id could never stop a request).
+        eos_token_id: stop a request at this token, or at any of a list of them (Llama-3-style
+            models list several; :func:`mha.llm.runs.check_eos_ids`); None: run to
+            ``max_new_tokens``. Each a token id of the model's vocabulary ``[0, V)`` (any
+            other id could never stop a request); kept as given (an int or a list).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, max_seqs: int = 16,
                  max_len: int = 512, prefill_chunk: int = 64, kv_dtype=None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | list[int] | None = None) -> None:
         self.runner = runner_for(model)  # how one step runs on this kind of model
         self.model = model
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, low=1,
                                        what="a positive int")
+        eos = check_eos_ids(eos_token_id, self.runner.vocab_size)  # None or a list of ids
         self.cache = PagedKVCache(num_pages, page_size, max_seqs=max_seqs, max_len=max_len,
                                   kv_dtype=kv_dtype, **self.runner.cache_shape())
-        self.eos_token_id = None if eos_token_id is None else check_int(
-            "eos_token_id", eos_token_id, low=0, what="a token id (an int >= 0) or None")
-        V = self.runner.vocab_size
-        if self.eos_token_id is not None and self.eos_token_id >= V:
-            raise ValueError(f"eos_token_id must be a token id of the model's vocabulary "
-                             f"[0, {V}), got {self.eos_token_id} (it could never stop a request)")
+        self.eos_token_id = eos if eos is None or isinstance(eos_token_id, (list, tuple)) \
+            else eos[0]  # as given: an id or a list of ids
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -136,6 +135,12 @@ class Scheduler:
         #: the requests of the last step if its forward raised (they wait again, first in line)
         self.interrupted: list[int] = []
         self._next_rid = 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that stop a request (empty: none), from :attr:`eos_token_id`."""
+        eos = self.eos_token_id
+        return frozenset(() if eos is None else eos if isinstance(eos, list) else (eos,))
 
     def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
@@ -329,12 +334,13 @@ class Scheduler:
             raise
         self.forwards += 1
         new = {}
+        stop = self.eos_token_ids
         for (r, c), tok, e in zip(chunks, nxt, emit, strict=True):
             r.done += len(c)
             if e:  # the prompt (and what was generated) is in the cache
                 r.output.append(tok)
                 new[r.rid] = tok
-                if r.finished or tok == self.eos_token_id:
+                if r.finished or tok in stop:
                     self.cache.free(r.seq)
                     self.finished[r.rid] = r
         self.running = [r for r in self.running if r.rid not in self.finished]

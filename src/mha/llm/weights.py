@@ -1,6 +1,9 @@
-"""Packed projection weights for an HF causal LM: :func:`pack_weights` replaces the model's
-``nn.Linear`` submodules by modules that hold their weight packed once, in bf16 or int8, for
-mha's weight-stationary kernel (:mod:`mha.ops.gemv`).
+"""Packed projection weights for an HF causal LM or :class:`mha.models.Llama`:
+:func:`pack_weights` replaces the model's ``nn.Linear`` submodules by modules that hold their
+weight packed once, in bf16 or int8, for mha's weight-stationary kernel (:mod:`mha.ops.gemv`).
+In :class:`mha.models.Llama` that is each attention's ``in_proj`` (``[W^Q; W^K; W^V]``) and
+``out_proj``, which :class:`mha.MultiHeadAttention` calls as modules when they are packed, the
+MLP's gate and up (as one) and down, and the LM head.
 
 Shape legend: x ``(B, T, K)``, weight ``(N, K)``; M = B T rows; I the MLP's intermediate size.
 
@@ -32,7 +35,8 @@ from mha.ops import gemv
 
 WEIGHTS = ("fp32", "bf16", "int8")  #: fp32: the model's own nn.Linear; bf16/int8: packed
 GEMV_ROWS = 16  #: rows up to which the packed kernel runs (above: the bf16 GEMM)
-FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  #: down(act(gate(x)) * up(x))
+#: down(act(gate(x)) * up(x)): transformers' and mha.models.llama.SwiGLU
+FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "SwiGLU")
 
 
 class PackedLinear(nn.Module):
@@ -88,7 +92,7 @@ def _packed(layer: nn.Linear, kind: str) -> PackedLinear:
 
 
 def _fusable(module: nn.Module) -> bool:
-    return (type(module).__name__ in FUSED_MLPS and
+    return (type(module).__name__ in FUSED_MLPS and callable(getattr(module, "act_fn", None)) and
             all(isinstance(getattr(module, n, None), nn.Linear)
                 for n in ("gate_proj", "up_proj", "down_proj")) and
             module.gate_proj.in_features == module.up_proj.in_features and

@@ -51,6 +51,7 @@ from torch import nn
 
 from mha.cache import ConcatKVCache, KVCache
 from mha.checks import check_bool, check_int, check_int_tensor, check_readable, check_scalar
+from mha.llm.runs import check_eos_ids
 from mha.llm.sampling import Sampler
 from mha.module import MultiHeadAttention
 from mha.paged import PagedKVCache
@@ -211,9 +212,10 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d_model, hidden, bias=False, **kw)
         self.up_proj = nn.Linear(d_model, hidden, bias=False, **kw)
         self.down_proj = nn.Linear(hidden, d_model, bias=False, **kw)
+        self.act_fn = F.silu  # transformers' LlamaMLP's name (mha.llm.weights.PackedMLP reads it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, d_model)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # (B, T, d_model)
 
 
 class LlamaLayer(nn.Module):
@@ -366,8 +368,10 @@ class Llama(nn.Module):
     # ------------------------------------------------------------------ running
     def new_caches(self, batch_size: int, max_len: int, kv_dtype: str | None = None
                    ) -> list[KVCache]:
-        """One empty :class:`mha.KVCache` per layer (``(batch_size, h_kv, max_len, d_k)``)."""
-        return [layer.self_attn.new_cache(batch_size, max_len, kv_dtype)
+        """One empty :class:`mha.KVCache` per layer (``(batch_size, h_kv, max_len, d_k)``) in
+        the model's dtype (its embedding's: the attention's projections may be packed)."""
+        dtype = self.embed_tokens.weight.dtype
+        return [layer.self_attn.new_cache(batch_size, max_len, kv_dtype, dtype=dtype)
                 for layer in self.layers]
 
     def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None, *,
@@ -480,22 +484,8 @@ class Llama(nn.Module):
     def _eos_ids(self, eos_token_id) -> list[int] | None:
         """``eos_token_id`` (an id or a list of ids) as a list of ids of the vocabulary
         ``[0, V)``; an id outside it could never stop a row (ValueError naming it)."""
-        if eos_token_id is None:
-            return None
-        many = isinstance(eos_token_id, (list, tuple))
-        if many and not eos_token_id:
-            raise ValueError("eos_token_id must be a token id or a non-empty list of them, "
-                             "got an empty list")
-        V = self.embed_tokens.num_embeddings
-        ids = []
-        for i, t in enumerate(eos_token_id if many else [eos_token_id]):
-            name = f"eos_token_id[{i}]" if many else "eos_token_id"
-            t = check_int(name, t, low=0, what="a token id (an int >= 0)")
-            if t >= V:
-                raise ValueError(f"{name} must be a token id of the model's vocabulary "
-                                 f"[0, {V}), got {t} (it could never stop generation)")
-            ids.append(t)
-        return ids
+        return check_eos_ids(eos_token_id, self.embed_tokens.num_embeddings,
+                             stops="generation")
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *,
