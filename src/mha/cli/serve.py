@@ -59,8 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="the model's weights and activations (default fp32)")
     p.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
-                   help="the projections' weights, as mha generate (default bf16; fp32 "
-                        "with --impl mha)")
+                   help="the projections' weights, as mha generate (default bf16)")
     p.add_argument("--kv", default=None, choices=("fp32", "bf16", "int8"),
                    help="how the paged cache stores K/V (default: the --dtype)")
     p.add_argument("--impl", default="transformers", choices=("transformers", "mha"),
