@@ -185,6 +185,22 @@ def test_the_fused_forward_is_not_taken_with_packed_projections():
     assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("kdim", [None, 48])
+def test_cross_attention_runs_through_packed_projections(kdim):
+    """Key / value given: the packed ``in_proj`` is applied to each input (its part kept), or
+    the separate packed q / k / v projections (kdim != d_model) each to its own."""
+    from mha.module import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 4, kdim=kdim, vdim=kdim).eval()
+    x, kv = torch.randn(1, 5, 64), torch.randn(1, 7, kdim or 64)
+    with torch.no_grad():
+        want = mha(x, kv, kv)
+        pack_weights(mha, "bf16")
+        got = mha(x, kv, kv)  # (1, 5, 64)
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
 # ------------------------------------------------------------------ serving the packed model
 PROMPTS = [_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 17, 5, 22)]
 

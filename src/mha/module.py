@@ -283,7 +283,8 @@ class MultiHeadAttention(nn.Module):
                 self_attention: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V before the head split: ``(B, Tq, h*d_k)``, ``(B, Tk, h_kv*d_k)``,
         ``(B, Tk, h_kv*d_v)``. Self-attention with the packed weight is one GEMM."""
-        if self.tensor_parallel > 1:
+        first = self.in_proj if self.packed else self.q_proj
+        if self.tensor_parallel > 1 or not isinstance(first, nn.Linear):
             return self._project_sharded(query, key, value, self_attention)
         if self.packed and self_attention:
             qkv = _apply(self.in_proj, query)  # one GEMM:
@@ -293,10 +294,12 @@ class MultiHeadAttention(nn.Module):
         return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
 
     def _project_sharded(self, query, key, value, self_attention: bool):
-        """Under tensor parallelism: through the nn.Linear modules, whose DTensor hooks
-        (ColwiseParallel) give this rank's heads and all-reduce the input's gradient. The packed
-        weight holds this rank's ``[W^Q_r; W^K_r; W^V_r]``; for cross-attention it is applied
-        to each input and the matching part kept (three GEMMs of the full local width)."""
+        """Through the projection modules: under tensor parallelism the nn.Linear modules,
+        whose DTensor hooks (ColwiseParallel) give this rank's heads and all-reduce the input's
+        gradient, and packed projections (:mod:`mha.llm.weights`), which hold their weights in
+        their kernel's layout. The packed weight holds (this rank's) ``[W^Q; W^K; W^V]``; for
+        cross-attention it is applied to each input and the matching part kept (three GEMMs of
+        the full width)."""
         widths = (self.q_width, self.k_width, self.v_width)
         if not self.packed:
             return self.q_proj(query), self.k_proj(key), self.v_proj(value)
