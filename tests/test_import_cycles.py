@@ -102,3 +102,21 @@ def test_mha_has_no_import_cycles():
     assert "mha.module" in graph and "mha.functional" in graph["mha.module"]  # the walk saw the tree
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_models_and_sampling_do_not_import_the_llm_or_cli_layers():
+    graph = import_graph()
+    for start in ("mha.models", "mha.models.llama", "mha.sampling"):
+        above = sorted(m for m in reachable(graph, start) if m.split(".")[1] in ("llm", "cli"))
+        assert above == [], f"{start} imports {above}"

@@ -249,7 +249,7 @@ def test_preempted_requests_recompute_to_the_same_tokens(llama, want):
 def test_sampled_requests_equal_sampled_generate_batched_and_preempted(llama):
     """Each request's own seeded generator: the Scheduler over the Llama draws what
     Llama.generate draws for that prompt alone, batched and after preemption."""
-    from mha.llm.sampling import SamplingParams
+    from mha.sampling import SamplingParams
 
     params = [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=40 + i)
               for i in range(len(PROMPTS))]

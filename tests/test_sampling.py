@@ -1,4 +1,4 @@
-"""mha.llm.sampling: the parameters' checks, the filters against transformers' warpers, the
+"""mha.sampling: the parameters' checks, the filters against transformers' warpers, the
 drawn frequencies against the exact filtered distribution, temperature 0 == greedy bitwise,
 and seeded tokens through mha.models.Llama.generate, transformers' generate (mha's sampler as
 its logits processor) and the continuous-batching Scheduler (alone == batched == preempted).
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mha.llm.sampling import (
+from mha.sampling import (
     GREEDY,
     Sampler,
     SamplingParams,

@@ -253,7 +253,7 @@ def sampled(model, prompt: list[int], m: int, **fields) -> list[int]:
     """transformers' generate with mha's sampler (its last logits processor) for the request
     fields ``fields`` (temperature, top_p, top_k, min_p, seed), stopping at eos (kept)."""
     from mha.llm.generation import _as_processors
-    from mha.llm.sampling import Sampler, SamplingParams
+    from mha.sampling import Sampler, SamplingParams
 
     sampler = Sampler.one_row(SamplingParams(**fields))
     with torch.no_grad():

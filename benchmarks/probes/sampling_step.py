@@ -1,5 +1,5 @@
 """Developer probe: what choosing the next token costs per decode step, greedy vs sampled
-(:func:`mha.llm.sampling.next_tokens`), at SmolLM2's vocabulary (V = 49152), fp32 logits.
+(:func:`mha.sampling.next_tokens`), at SmolLM2's vocabulary (V = 49152), fp32 logits.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=src \\
         python benchmarks/probes/sampling_step.py [--rows 1 8] [--rounds 15]
@@ -19,7 +19,7 @@ import time
 import torch
 
 from _timing import interleaved
-from mha.llm.sampling import SamplingParams, next_tokens
+from mha.sampling import SamplingParams, next_tokens
 
 V = 49152
 SETTINGS = {"temperature": SamplingParams(temperature=0.8, seed=0),

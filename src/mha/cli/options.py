@@ -168,7 +168,7 @@ def unit_float(text: str) -> float:
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    """``--temperature --top-k --top-p --min-p --seed`` (:mod:`mha.llm.sampling`); read them
+    """``--temperature --top-k --top-p --min-p --seed`` (:mod:`mha.sampling`); read them
     back with :func:`sampling_of`."""
     g = p.add_argument_group("sampling (default: greedy; docs/llm.md)")
     g.add_argument("--temperature", type=nonnegative_float, default=None,
@@ -188,9 +188,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_of(args: argparse.Namespace):
-    """The :class:`mha.llm.sampling.SamplingParams` of :func:`add_sampling_options`. A filter
+    """The :class:`mha.sampling.SamplingParams` of :func:`add_sampling_options`. A filter
     given without ``--temperature`` is refused (it would do nothing: the default is greedy)."""
-    from mha.llm.sampling import SamplingParams
+    from mha.sampling import SamplingParams
 
     if args.temperature is None:
         for option, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1),

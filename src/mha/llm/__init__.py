@@ -7,7 +7,7 @@ K/V cache (:mod:`mha.integrations.hf_cache`).
 * :mod:`mha.llm.weights` — :func:`pack_weights`: the projections' weights packed once in bf16
   or int8 for mha's weight-stationary decode kernel (any HF causal LM).
 * :mod:`mha.llm.generation` — :func:`generate` and :class:`Chat` (greedy, or sampled:
-  :mod:`mha.llm.sampling`), with streaming and the prefill/decode timings that
+  :mod:`mha.sampling`), with streaming and the prefill/decode timings that
   ``mha generate`` / ``mha chat`` print.
 
 Needs the ``mha[llm]`` extra (transformers, gguf, accelerate) and

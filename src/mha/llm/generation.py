@@ -1,4 +1,4 @@
-"""Generation (greedy, or sampled: :mod:`mha.llm.sampling`) with SmolLM2 through mha:
+"""Generation (greedy, or sampled: :mod:`mha.sampling`) with SmolLM2 through mha:
 transformers' ``generate`` with ``attn_implementation="mha"`` and
 :func:`mha.integrations.hf_cache.MhaCache` (preallocated K/V, written in place, no per-step
 mask).
@@ -14,7 +14,7 @@ token) and the decode (the rest) separately and can stream the text as it is dec
 ``"bf16"`` or ``"int8"`` (per-token-per-head scales, read in place by the decode kernel;
 see :mod:`mha.integrations.hf_cache`).
 
-``sampling`` (a :class:`mha.llm.sampling.SamplingParams`, None: greedy) samples through mha's
+``sampling`` (a :class:`mha.sampling.SamplingParams`, None: greedy) samples through mha's
 own sampler, which transformers' ``generate`` runs as its last logits processor (the one
 token drawn stays finite, so transformers' argmax takes it): the same draws as ``impl="mha"``
 (:mod:`mha.llm.native`) for the same seed, so the two give the same tokens as long as their
@@ -36,7 +36,7 @@ import torch
 from mha.checks import check_int, check_text
 from mha.llm.model import Loaded, load
 from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
-from mha.llm.sampling import Sampler, SamplingParams, check_sampling
+from mha.sampling import Sampler, SamplingParams, check_sampling
 
 KV = ("fp32", "bf16", "int8")  #: the K/V storages ``kv`` names
 

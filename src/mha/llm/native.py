@@ -10,7 +10,7 @@ its ``nn.Linear``.
 Shape legend: P prompt tokens, N new tokens.
 
 :func:`load_native` keeps the loaded model per process and dtype; :func:`run_native` decodes
-(greedy, or sampled: :mod:`mha.llm.sampling`) and times the prefill (up to the first new
+(greedy, or sampled: :mod:`mha.sampling`) and times the prefill (up to the first new
 token) and the decode (the rest), as :func:`mha.llm.generation.run_ids` does for the
 transformers path, so the two print the same status line.
 """
@@ -26,7 +26,7 @@ import torch
 from mha.checks import check_int
 from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
 from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
-from mha.llm.sampling import Sampler, SamplingParams, check_sampling
+from mha.sampling import Sampler, SamplingParams, check_sampling
 
 KV = ("int8",)  #: K/V storages besides the model's dtype (mha.KVCache's kv_dtype)
 

@@ -9,8 +9,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mha.checks import check_int
-
 
 @dataclass
 class Result:
@@ -81,28 +79,6 @@ def check_prompt_ids(ids) -> int:
         raise ValueError(f"ids must have shape (1, P) (one prompt), got {tuple(ids.shape)}")
     return ids.shape[1]
 
-
-def check_eos_ids(eos_token_id, vocab_size: int, *, stops: str = "a request"
-                  ) -> list[int] | None:
-    """``eos_token_id``: None (no stop), a token id, or a non-empty list / tuple of them (as
-    transformers' ``config.eos_token_id``: Llama-3-style models list several) -> None or the
-    list of ids. Each must be an int in the vocabulary ``[0, vocab_size)`` (an id outside it
-    could never stop ``stops``); refused naming the argument, or the list's item."""
-    if eos_token_id is None:
-        return None
-    many = isinstance(eos_token_id, (list, tuple))
-    if many and not eos_token_id:
-        raise ValueError("eos_token_id must be a token id or a non-empty list of them, "
-                         "got an empty list")
-    ids = []
-    for i, t in enumerate(eos_token_id if many else [eos_token_id]):
-        name = f"eos_token_id[{i}]" if many else "eos_token_id"
-        t = check_int(name, t, low=0, what="a token id (an int >= 0)")
-        if t >= vocab_size:
-            raise ValueError(f"{name} must be a token id of the model's vocabulary "
-                             f"[0, {vocab_size}), got {t} (it could never stop {stops})")
-        ids.append(t)
-    return ids
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, context: int) -> None:

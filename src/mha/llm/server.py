@@ -14,7 +14,7 @@ request's tokens to that request's own queue (:class:`Ticket`). Each HTTP connec
 thread (``ThreadingHTTPServer``) that validates the body, tokenizes, submits and waits on its
 ticket. A request that arrives while others run joins the running batch at the next step.
 
-Sampling (:mod:`mha.llm.sampling`): ``temperature`` (default 0: greedy, unlike OpenAI's 1),
+Sampling (:mod:`mha.sampling`): ``temperature`` (default 0: greedy, unlike OpenAI's 1),
 ``top_p``, ``seed`` (without one, a random seed per request), and the extensions ``top_k`` and
 ``min_p``; the same seed and fields give the same tokens, whatever else the server runs. A
 filter (``top_p`` < 1, ``top_k``, ``min_p``) without ``temperature`` is refused: it would do
@@ -57,10 +57,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from mha.llm.sampling import GREEDY as GREEDY_SAMPLING
-from mha.llm.sampling import SamplingParams
 from mha.llm.serving import Scheduler
 from mha.llm.step_runners import runner_for
+from mha.sampling import GREEDY as GREEDY_SAMPLING
+from mha.sampling import SamplingParams
 
 MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
 #: The method each endpoint takes (another method there: 405; another path: 404).

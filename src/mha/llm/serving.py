@@ -1,5 +1,5 @@
 """Continuous batching of a causal LM over :class:`mha.PagedKVCache`: a Hugging Face model or
-mha's own :class:`mha.models.Llama`; greedy, or sampled per request (:mod:`mha.llm.sampling`).
+mha's own :class:`mha.models.Llama`; greedy, or sampled per request (:mod:`mha.sampling`).
 
 Shape legend: N packed tokens of one step (every running request's chunk, end to end), R
 requests in a step, h / h_kv query / K/V heads, d head dim, V vocabulary.
@@ -12,7 +12,7 @@ position. Each attention layer writes the step's K/V into its pages and attends 
 (:meth:`mha.PagedKVCache.attend_varlen`: the decode rows in one native paged decode call, the
 prefill chunks in one call of the paged flash forward); the last token of each request whose prompt is complete
 yields its next token (argmax, or drawn with the request's own sampling parameters and
-generator: :func:`mha.llm.sampling.next_tokens`). Finished requests free their pages at once.
+generator: :func:`mha.sampling.next_tokens`). Finished requests free their pages at once.
 
 Sampling: each request's generator is seeded from its seed when it is added (a random seed
 when it has none) and reads one uniform per generated token, only when that request yields
@@ -55,9 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha.checks import check_int, check_int_tensor
-from mha.llm.runs import check_eos_ids, check_fits
-from mha.llm.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
+from mha.checks import check_eos_ids, check_int, check_int_tensor
+from mha.llm.runs import check_fits
 from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, register: re-exported)
     NAME,
     Step,
@@ -66,6 +65,7 @@ from mha.llm.step_runners import (  # noqa: F401 (NAME, attention_forward, regis
     runner_for,
 )
 from mha.paged import PagedKVCache, PagePoolExhausted
+from mha.sampling import GREEDY, SamplingParams, check_sampling, next_tokens
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Scheduler:
         prefill_chunk: prompt tokens per request per step (chunked prefill).
         kv_dtype: the K/V storage (None: the model's dtype; "bfloat16", "int8").
         eos_token_id: stop a request at this token, or at any of a list of them (Llama-3-style
-            models list several; :func:`mha.llm.runs.check_eos_ids`); None: run to
+            models list several; :func:`mha.checks.check_eos_ids`); None: run to
             ``max_new_tokens``. Each a token id of the model's vocabulary ``[0, V)`` (any
             other id could never stop a request); kept as given (an int or a list).
     """
@@ -144,7 +144,7 @@ class Scheduler:
 
     def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
         """Queue a request (prompt: token ids ``(P,)``, a list, tuple, integer tensor or
-        array; ``sampling``: None, greedy, or a :class:`mha.llm.sampling.SamplingParams`, a
+        array; ``sampling``: None, greedy, or a :class:`mha.sampling.SamplingParams`, a
         random seed drawn here when it has none); returns its id. Refused (nothing queued)
         when an id is not an integer of the model's vocabulary ``[0, V)``, when ``sampling`` is
         not a ``SamplingParams`` or None, or when the prompt and ``max_new_tokens`` exceed

@@ -28,7 +28,7 @@ name (:func:`llama_settings`).
 
 Decoding: :meth:`Llama.new_caches` (one :class:`mha.KVCache` per layer), ``forward(ids,
 caches=...)`` (prefill and steps are the same call; RoPE positions come from the caches) and
-:meth:`Llama.generate` (greedy, or sampled with :class:`mha.llm.sampling.SamplingParams`) that
+:meth:`Llama.generate` (greedy, or sampled with :class:`mha.sampling.SamplingParams`) that
 takes left-padded prompts of different lengths (``attention_mask`` as transformers': 1 = a real
 token).
 
@@ -50,12 +50,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha.cache import ConcatKVCache, KVCache
-from mha.checks import check_bool, check_int, check_int_tensor, check_readable, check_scalar
-from mha.llm.runs import check_eos_ids
-from mha.llm.sampling import Sampler
+from mha.checks import (
+    check_bool,
+    check_eos_ids,
+    check_int,
+    check_int_tensor,
+    check_readable,
+    check_scalar,
+)
 from mha.module import MultiHeadAttention
 from mha.paged import PagedKVCache
 from mha.rope import Rotary
+from mha.sampling import Sampler
 
 ROPE_TYPES = ("default", "linear", "llama3")  #: the config's rope types that Rotary serves
 
@@ -508,7 +514,7 @@ class Llama(nn.Module):
         receives each step's new tokens ``(B,)`` (streaming, timing). Refused before anything
         runs, naming the argument: ids outside ``[0, V)``, an ``attention_mask`` of other
         values than 0 / 1 or not left padding, a ``max_new_tokens`` whose caches cannot be
-        allocated. ``sampling`` (:mod:`mha.llm.sampling`): None (greedy), one
+        allocated. ``sampling`` (:mod:`mha.sampling`): None (greedy), one
         ``SamplingParams`` for every row (row i draws from ``seed + i``) or a list of B (each
         row from its own seed); a ``temperature=0`` row is the greedy argmax."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1,

@@ -134,7 +134,7 @@ def check_sampling(sampling) -> SamplingParams:
     if sampling is None:
         return GREEDY
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a mha.llm.sampling.SamplingParams or None "
+        raise TypeError(f"sampling must be a mha.sampling.SamplingParams or None "
                         f"(greedy), got {type(sampling).__name__}")
     return sampling
 
