@@ -17,6 +17,7 @@ from mha.sampling import (
     GREEDY,
     Sampler,
     SamplingParams,
+    filter_without_temperature,
     filtered,
     next_tokens,
     reference_filtered,
@@ -24,7 +25,7 @@ from mha.sampling import (
 
 # ----------------------------------------------------------------------------- the parameters
 BAD = [  # (field, value, error, words of the message)
-    ("temperature", -0.5, ValueError, "temperature must be a finite number in [0, inf)"),
+    ("temperature", -0.5, ValueError, "temperature must lie in [0.0, inf)"),
     ("temperature", float("nan"), ValueError, "temperature"),
     ("temperature", float("inf"), ValueError, "temperature"),
     ("temperature", True, TypeError, "temperature must be a number, got bool"),
@@ -33,12 +34,12 @@ BAD = [  # (field, value, error, words of the message)
     ("top_k", -1, ValueError, "top_k must be an int >= 0"),
     ("top_k", 2.0, TypeError, "top_k"),
     ("top_k", True, TypeError, "top_k"),
-    ("top_p", 0.0, ValueError, "top_p must be a finite number in (0, 1]"),
+    ("top_p", 0.0, ValueError, "top_p must lie in (0.0, 1.0]"),
     ("top_p", 1.0001, ValueError, "top_p"),
     ("top_p", float("nan"), ValueError, "top_p"),
     ("top_p", -0.1, ValueError, "top_p"),
     ("top_p", False, TypeError, "top_p"),
-    ("min_p", 1.5, ValueError, "min_p must be a finite number in [0, 1]"),
+    ("min_p", 1.5, ValueError, "min_p must lie in [0.0, 1.0]"),
     ("min_p", float("-inf"), ValueError, "min_p"),
     ("min_p", "x", TypeError, "min_p"),
     ("seed", -1, ValueError, "seed must be an int in [0, 2**64)"),
@@ -388,3 +389,22 @@ def test_a_step_interrupted_after_its_draws_resumes_to_the_same_tokens(pair, fai
     assert s.cache.free_pages == 64 and sorted(s.interrupted) == rids
     got = s.run()
     assert [got[r] for r in rids] == want
+
+
+@pytest.mark.parametrize("fields, refused", [
+    (dict(top_k=5), "top_k"), (dict(top_p=0.9), "top_p"), (dict(min_p=0.1), "min_p"),
+    (dict(top_k=0, min_p=0.0, top_p=1.0), None),  # every filter off: nothing to refuse
+])
+def test_a_filter_without_temperature_is_refused_in_the_callers_words(fields, refused):
+    names = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+             "min_p": "--min-p"}
+    got = filter_without_temperature(SamplingParams(**fields), temperature_given=False,
+                                     names=names)
+    if refused is None:
+        assert got is None
+        return
+    field, message = got
+    assert field == refused
+    assert message.startswith(f"{names[refused]} samples only with --temperature > 0")
+    assert filter_without_temperature(SamplingParams(temperature=0.7, **fields),
+                                      temperature_given=True, names=names) is None

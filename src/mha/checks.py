@@ -293,17 +293,18 @@ def check_int(name: str, value, *, low: int | None = None, what: str = "an int")
 
 
 def check_scalar(name: str, value, *, low: float, high: float | None = None,
-                 high_open: bool = False) -> float:
-    """A finite real number (Python or numpy; not a bool) in ``[low, high]`` (``[low, high)``
-    when ``high_open``); returned as float."""
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """A finite real number (Python or numpy; not a bool) in ``[low, high]`` (``(low, ...``
+    when ``low_open``, ``..., high)`` when ``high_open``); returned as float."""
     if isinstance(value, bool) or _numpy_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {_type_hint(value)}")
     value = float(value)
+    too_low = not (value > low if low_open else value >= low)  # NaN: too low
     too_high = high is not None and (value >= high if high_open else value > high)
-    if not -math.inf < value < math.inf or not value >= low or too_high:  # NaN: False
+    if not -math.inf < value < math.inf or too_low or too_high:
         bound = "" if high is None else (f", {high})" if high_open else f", {high}]")
-        raise ValueError(f"{name} must lie in [{low}{bound or ', inf)'} (a finite number), "
-                         f"got {value}")
+        raise ValueError(f"{name} must lie in {'(' if low_open else '['}{low}"
+                         f"{bound or ', inf)'} (a finite number), got {value}")
     return value
 
 

@@ -32,31 +32,15 @@ measures a step against the greedy argmax (docs/llm.md).
 from __future__ import annotations
 
 import math
-import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mha.checks import check_int
+from mha.checks import check_int, check_scalar
 
 SEED_LIMIT = 2**64  #: seeds are ints in [0, SEED_LIMIT) (torch.Generator.manual_seed's range)
-
-
-def _check_float(name: str, value, *, low: float, high: float | None = None,
-                 low_open: bool = False) -> float:
-    """A finite real number (not a bool) in ``[low, high]`` (``(low, high]`` when
-    ``low_open``): TypeError / ValueError naming ``name``."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_" \
-            or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    bad_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or bad_low or (high is not None and value > high):
-        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-        raise ValueError(f"{name} must be a finite number in {span}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -82,13 +66,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # (frozen: the checked values replace the given ones)
-        set_(self, "temperature", _check_float("temperature", self.temperature, low=0.0))
+        set_(self, "temperature", check_scalar("temperature", self.temperature, low=0.0))
         if self.top_k is not None:
             k = check_int("top_k", self.top_k, low=0, what="an int >= 0 (0: off) or None")
             set_(self, "top_k", k or None)
-        set_(self, "top_p", _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
+        set_(self, "top_p", check_scalar("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
         if self.min_p is not None:
-            set_(self, "min_p", _check_float("min_p", self.min_p, low=0.0, high=1.0) or None)
+            set_(self, "min_p", check_scalar("min_p", self.min_p, low=0.0, high=1.0) or None)
         if self.seed is not None:
             seed = check_int("seed", self.seed, low=0, what="an int in [0, 2**64) or None")
             if seed >= SEED_LIMIT:
@@ -137,6 +121,24 @@ def check_sampling(sampling) -> SamplingParams:
         raise TypeError(f"sampling must be a mha.sampling.SamplingParams or None "
                         f"(greedy), got {type(sampling).__name__}")
     return sampling
+
+
+def filter_without_temperature(params: SamplingParams, *, temperature_given: bool,
+                               names: Mapping[str, str]) -> tuple[str, str] | None:
+    """A top-k / top-p / min-p given without a temperature is refused: the default temperature
+    0 is greedy, so the filter would do nothing. ``names`` spells ``temperature``, ``top_k``,
+    ``top_p`` and ``min_p`` as the caller's user writes them (CLI options, JSON fields).
+    Returns None, or the first such field of ``params`` and the message naming it."""
+    if temperature_given:
+        return None
+    temperature = names["temperature"]
+    for field, on in (("top_k", params.top_k is not None), ("top_p", params.top_p < 1.0),
+                      ("min_p", params.min_p is not None)):
+        if on:
+            return field, (f"{names[field]} samples only with {temperature} > 0, and the "
+                           f"default {temperature} is 0 (greedy, the argmax): add "
+                           f"{temperature}, e.g. 1")
+    return None
 
 
 def reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -327,5 +329,5 @@ class Sampler:
         return next_tokens(logits, self.params, self.generators)  # (R, V) -> (R,)
 
 
-__all__ = ["GREEDY", "Sampler", "SamplingParams", "check_sampling", "filtered", "next_tokens",
-           "reference_filtered"]
+__all__ = ["GREEDY", "Sampler", "SamplingParams", "check_sampling", "filter_without_temperature",
+           "filtered", "next_tokens", "reference_filtered"]

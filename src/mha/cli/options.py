@@ -132,39 +132,30 @@ def thread_count(text: str) -> int:
     return value
 
 
-def _float(text: str, *, allow_zero: bool) -> float:
-    what = "a number >= 0" if allow_zero else "a positive number"
+def _float(text: str, *, what: str, ok) -> float:
+    """``text`` as a finite float for which ``ok(value)`` holds; else "must be ``what``"."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {what}, got {_got(text)}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or not ok(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
 
 
 def probability(text: str) -> float:
     """A ``type=`` for a probability in (0, 1] (``--top-p``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {_got(text)}") \
-            from None
-    if not 0 < value <= 1:  # (NaN: False)
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
-    return value
+    return _float(text, what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
 
 
 def unit_float(text: str) -> float:
     """A ``type=`` for a number in [0, 1] (``--min-p``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {_got(text)}") \
-            from None
-    if not 0 <= value <= 1:  # (NaN: False)
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
-    return value
+    return _float(text, what="a number in [0, 1]", ok=lambda v: 0 <= v <= 1)
+
+
+#: SamplingParams' fields as :func:`add_sampling_options` spells them.
+SAMPLING_OPTIONS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                    "min_p": "--min-p", "seed": "--seed"}
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -190,16 +181,15 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 def sampling_of(args: argparse.Namespace):
     """The :class:`mha.sampling.SamplingParams` of :func:`add_sampling_options`. A filter
     given without ``--temperature`` is refused (it would do nothing: the default is greedy)."""
-    from mha.sampling import SamplingParams
+    from mha.sampling import SamplingParams, filter_without_temperature
 
-    if args.temperature is None:
-        for option, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1),
-                           ("--min-p", args.min_p)):
-            if on:
-                raise UsageError(f"{option} samples only with --temperature > 0 (the default "
-                                 "0 is greedy, the argmax); add --temperature, e.g. 1")
-    return SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    refused = filter_without_temperature(params, temperature_given=args.temperature is not None,
+                                         names=SAMPLING_OPTIONS)
+    if refused:
+        raise UsageError(refused[1])
+    return params
 
 
 def utf8_text(text: str) -> str:
@@ -216,12 +206,12 @@ def utf8_text(text: str) -> str:
 
 def positive_float(text: str) -> float:
     """A ``type=`` for finite numbers > 0."""
-    return _float(text, allow_zero=False)
+    return _float(text, what="a positive number", ok=lambda v: v > 0)
 
 
 def nonnegative_float(text: str) -> float:
     """A ``type=`` for finite numbers >= 0."""
-    return _float(text, allow_zero=True)
+    return _float(text, what="a number >= 0", ok=lambda v: v >= 0)
 
 
 # ----------------------------------------------------------------------------- paths

@@ -60,7 +60,7 @@ from urllib.parse import urlsplit
 from mha.llm.serving import Scheduler
 from mha.llm.step_runners import runner_for
 from mha.sampling import GREEDY as GREEDY_SAMPLING
-from mha.sampling import SamplingParams
+from mha.sampling import SamplingParams, filter_without_temperature
 
 MAX_BODY = 1 << 20  #: bytes of a request body at most (413 past it)
 #: The method each endpoint takes (another method there: 405; another path: 404).
@@ -365,13 +365,11 @@ def _sampling(body: dict) -> SamplingParams:
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e), name) from None
     params = SamplingParams(**{SAMPLING[n]: v for n, v in given.items()})
-    if "temperature" not in given:  # OpenAI's default is 1: a filter alone would do nothing
-        for name, on in (("top_p", params.top_p < 1), ("top_k", params.top_k is not None),
-                         ("min_p", params.min_p is not None)):
-            if on:
-                raise BadRequest(f"{name}={json.dumps(given[name])} samples only with a "
-                                 "temperature > 0, and this server's default temperature is 0 "
-                                 "(greedy), unlike OpenAI's 1: send temperature too", name)
+    # (OpenAI's default temperature is 1, this server's 0: a filter alone would do nothing)
+    refused = filter_without_temperature(params, temperature_given="temperature" in given,
+                                         names={field: name for name, field in SAMPLING.items()})
+    if refused:
+        raise BadRequest(refused[1], refused[0])
     return params
 
 
