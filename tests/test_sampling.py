@@ -73,6 +73,23 @@ def test_next_tokens_refuses_bad_inputs_naming_them():
         next_tokens(torch.zeros(2, 4), [p], [p.generator()])
     with pytest.raises(ValueError, match=r"generators\[0\] is None"):
         next_tokens(torch.zeros(1, 4), [p], [None])
+    with pytest.raises(TypeError, match=r"params\[1\] must be a mha.sampling.SamplingParams, "
+                                        r"got dict"):
+        next_tokens(torch.zeros(2, 4), [GREEDY, {"temperature": 0.0}], [None, None])
+    with pytest.raises(TypeError, match=r"generators\[1\] must be a torch.Generator or None, "
+                                        r"got int"):
+        next_tokens(torch.zeros(2, 4), [p, p], [p.generator(), 7])
+    with pytest.raises(TypeError, match="params must be a list"):
+        next_tokens(torch.zeros(1, 4), iter([p]), [p.generator()])
+
+
+def test_next_tokens_refuses_a_bad_row_before_any_generator_draws():
+    p = SamplingParams(temperature=1.0, seed=0)
+    g = p.generator()
+    state = g.get_state()
+    with pytest.raises(ValueError, match=r"generators\[1\] is None"):
+        next_tokens(torch.zeros(2, 4), [p, p], [g, None])
+    assert torch.equal(g.get_state(), state)
     with pytest.raises(TypeError, match="sampling must be"):
         Sampler.for_batch({"temperature": 1.0}, 1)
     with pytest.raises(ValueError, match="B=2"):

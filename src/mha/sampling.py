@@ -253,6 +253,28 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams,
     return i if ids is None else int(ids[i])
 
 
+def _check_rows(params, generators, R: int) -> None:
+    """``params``: R :class:`SamplingParams`; ``generators``: R ``torch.Generator`` or None (a
+    generator wherever the row samples). Every row is checked before any generator draws."""
+    for name, seq in (("params", params), ("generators", generators)):
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a list with one entry per row of logits (R={R}), "
+                            f"got {type(seq).__name__}")
+    if len(params) != R or len(generators) != R:
+        raise ValueError(f"params and generators must hold one entry per row of logits "
+                         f"(R={R}), got {len(params)} and {len(generators)}")
+    for r, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"params[{r}] must be a mha.sampling.SamplingParams, got "
+                            f"{type(p).__name__}")
+        if g is not None and not isinstance(g, torch.Generator):
+            raise TypeError(f"generators[{r}] must be a torch.Generator or None, got "
+                            f"{type(g).__name__}")
+        if g is None and not p.greedy:
+            raise ValueError(f"generators[{r}] is None but params[{r}] samples "
+                             f"(temperature={p.temperature:g})")
+
+
 def next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """The next token of each row: ``logits (R, V)`` -> ``(R,)`` int64.
@@ -265,16 +287,11 @@ def next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"logits must be a floating tensor (R, V), got "
                          f"{getattr(logits, 'shape', type(logits).__name__)}")
     R = logits.shape[0]
-    if len(params) != R or len(generators) != R:
-        raise ValueError(f"params and generators must hold one entry per row of logits "
-                         f"(R={R}), got {len(params)} and {len(generators)}")
+    _check_rows(params, generators, R)
     tokens = logits.argmax(-1)  # (R,) the greedy tokens
     for r, (p, g) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
-        if g is None:
-            raise ValueError(f"generators[{r}] is None but params[{r}] samples "
-                             f"(temperature={p.temperature:g})")
         t = _sample_row(logits[r], p, g)
         if t is not None:
             tokens[r] = t
