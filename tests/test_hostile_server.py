@@ -606,3 +606,18 @@ def test_the_serve_pool_check_counts_what_the_pool_allocates(kv, dtype, kv_dtype
                      dtype=getattr(torch, dtype), kv_dtype=kv_dtype)
     held = sum(t.nbytes for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
     assert pool_bytes(6, 4, kv) == held
+
+
+def test_the_serve_pool_shape_is_the_packaged_models():
+    """``KV_SHAPE`` (kept as a constant: the pool is checked before the model loads) is the
+    (layers, K/V heads, head dim) of the packaged SmolLM2's config."""
+    pytest.importorskip("gguf", reason="the mha[llm] extra is not installed")
+    from mha.cli.serve import KV_SHAPE
+    from mha.llm.model import ModelNotInstalled, convert
+
+    try:
+        config = json.loads((convert() / "config.json").read_text())
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert KV_SHAPE == (config["num_hidden_layers"], config["num_key_value_heads"], head_dim)

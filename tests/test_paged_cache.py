@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import mha
 from mha.ops import decode
-from mha.paged import PagePoolExhausted
+from mha.paged import PagePoolExhausted, pool_bytes
 
 H_KV, D = 2, 8
 
@@ -242,6 +242,26 @@ def test_bad_sizes_name_the_argument():
         mha.PagedKVCache(4, 0, 2, 8, max_seqs=1, max_len=8)
     with pytest.raises(TypeError, match="max_len must be a positive int"):
         mha.PagedKVCache(4, 4, 2, 8, max_seqs=1, max_len=8.0)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.float32, "bf16"), (torch.float32, "int8"),
+                                             (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize("d_v", [None, 12])
+def test_pool_bytes_are_the_bytes_the_cache_allocates(dtype, kv_dtype, d_v):
+    args = (5, 4, 3, 8, d_v)
+    c = mha.PagedKVCache(*args, max_seqs=2, max_len=16, num_layers=2, dtype=dtype,
+                         kv_dtype=kv_dtype)
+    held = sum(t.nbytes for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
+    assert c.nbytes == held
+    assert pool_bytes(*args, num_layers=2, dtype=dtype, kv_dtype=kv_dtype) == held
+
+
+def test_pool_bytes_refuses_what_the_cache_refuses():
+    with pytest.raises(ValueError, match="num_pages must be a positive int, got 0"):
+        pool_bytes(0, 4, 2, 8)
+    with pytest.raises(ValueError, match="kv_dtype must be None"):
+        pool_bytes(4, 4, 2, 8, kv_dtype="int4")
 
 
 def test_append_on_a_multi_layer_cache_says_to_extend_then_write():

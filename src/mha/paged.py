@@ -131,6 +131,25 @@ def _check_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
                      f"'int8' (one float32 scale per token and K/V head), got {kv_dtype!r}")
 
 
+def pool_bytes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+               v_head_dim: int | None = None, *, num_layers: int = 1,
+               dtype: torch.dtype | None = None, kv_dtype=None) -> int:
+    """The bytes of the page pools a :class:`PagedKVCache` of these arguments allocates (the
+    same arguments): K ``(L, P, h_kv, p, d_k)`` and V ``(L, P, h_kv, p, d_v)`` in the storage
+    dtype, plus int8's two float32 scales per token and K/V head; the block table and the
+    per-sequence counters are not counted. Nothing is allocated: a size can be checked
+    against free memory first."""
+    sizes = dict(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim,
+                 num_layers=num_layers)
+    P, p, h_kv, d_k, d_v, L = (check_int(name, val, low=1, what="a positive int")
+                               for name, val in sizes.items())
+    store = _check_kv_dtype(kv_dtype, check_float_dtype("dtype", dtype)
+                            or torch.get_default_dtype())
+    scales = 2 * 4 if store == torch.int8 else 0  # k_scale, v_scale: float32 per token, head
+    return L * P * h_kv * p * ((d_k + d_v) * store.itemsize + scales)
+
+
 class PagedKVCache:
     """K/V of many sequences in fixed-size pages, per layer; see the module docstring.
 
@@ -197,6 +216,13 @@ class PagedKVCache:
     def max_len(self) -> int:
         """The tokens one sequence can hold: M pages."""
         return self.block_table.shape[1] * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the page pools (K, V, int8's scales): :func:`pool_bytes`."""
+        L, P, h_kv, p, d_k = self.k.shape
+        return pool_bytes(P, p, h_kv, d_k, self.v.shape[4], num_layers=L,
+                          dtype=self._dtype, kv_dtype=self.kv_dtype)
 
     @property
     def free_pages(self) -> int:
