@@ -87,17 +87,25 @@ def test_chat_line_that_is_not_utf8_is_one_line_and_the_chat_goes_on(capsys, mon
 @pytest.mark.parametrize("impl", ["transformers", "mha"])
 def test_chat_with_a_seed_replays_the_same_conversation(capsys, monkeypatch, impl):
     """The same seed gives the same two replies (one generator, seeded once, runs through
-    the turns); each turn's status line names the seed."""
+    the turns); each turn's status line names the seed. Another seed, and the greedy chat,
+    give other replies (the sampling is not ignored)."""
     outs = []
-    for _ in range(2):
+    for sampling in (["--temperature", "1.5", "--seed", "11"],
+                     ["--temperature", "1.5", "--seed", "11"],
+                     ["--temperature", "1.5", "--seed", "12"], []):
         monkeypatch.setattr("sys.stdin", io.StringIO("Name a color.\nAnother one?\n/exit\n"))
-        code = main(["chat", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "11",
-                     "--impl", impl, "--weights", "fp32"])
+        code = main(["chat", "--max-new-tokens", "6", *sampling, "--impl", impl,
+                     "--weights", "fp32"])
         out, err = capsys.readouterr()
         assert code == 0, err
-        assert [ln for ln in err.splitlines() if "seed 11" in ln and "tok/s" in ln][1:]
+        statuses = [ln for ln in err.splitlines() if "tok/s" in ln]
+        assert len(statuses) == 2, err  # two turns; a sampled one names its seed
+        assert all((f"seed {sampling[-1]}" in ln) if sampling else ("seed" not in ln)
+                   for ln in statuses), err
         outs.append(out)
-    assert outs[0] == outs[1] and outs[0].strip()
+    same_seed, other_seed, greedy = outs[1], outs[2], outs[3]
+    assert outs[0] == same_seed and same_seed.strip()
+    assert other_seed != same_seed and greedy != same_seed
 
 
 @needs_model
@@ -118,18 +126,26 @@ def test_empty_raw_prompt_is_one_line(capsys):
 
 @needs_model
 def test_generate_with_a_seed_gives_the_same_tokens_on_both_impls_and_runs(capsys):
-    """``--temperature 0.8 --seed 3``: transformers' model and mha.models.Llama (fp32 weights
-    both) draw the same tokens; the status line names the sampling and the seed."""
+    """``--temperature 1.5 --seed 3``: transformers' model and mha.models.Llama (fp32 weights
+    both) draw the same tokens; the status line names the sampling and the seed. Another seed,
+    and greedy, give other tokens (the sampling is not ignored)."""
     texts = []
-    for impl in (["--impl", "transformers", "--weights", "fp32"],
-                 ["--impl", "mha", "--weights", "fp32"]):
-        code = main(["generate", "Name three fruits.", "--max-new-tokens", "12",
-                     "--temperature", "0.8", "--top-p", "0.95", "--seed", "3", *impl])
+    for impl, sampling in ((["--impl", "transformers", "--weights", "fp32"], "3"),
+                           (["--impl", "mha", "--weights", "fp32"], "3"),
+                           (["--impl", "mha", "--weights", "fp32"], "4"),
+                           (["--impl", "mha", "--weights", "fp32"], None)):
+        options = [] if sampling is None else ["--temperature", "1.5", "--top-p", "0.95",
+                                               "--seed", sampling]
+        code = main(["generate", "Name three fruits.", "--max-new-tokens", "12", *options,
+                     *impl])
         out, err = capsys.readouterr()
         assert code == 0, err
-        assert "temperature 0.8 top-p 0.95 seed 3" in _one_line(err)
+        status = _one_line(err)
+        assert ("seed" not in status) if sampling is None else \
+            f"temperature 1.5 top-p 0.95 seed {sampling}" in status
         texts.append(out)
     assert texts[0] == texts[1] and texts[0].strip()
+    assert texts[2] != texts[1] and texts[3] != texts[1]
 
 
 @pytest.mark.parametrize("argv, match", [
