@@ -23,6 +23,7 @@ from mha.llm.server import TextStream, make_server  # noqa: E402
 from mha.ops import decode  # noqa: E402
 from test_server import (  # noqa: E402
     _tokenizer,
+    concurrently,
     fail_forward_on,
     get,
     greedy,
@@ -381,11 +382,7 @@ def test_fifty_clients_beyond_max_seqs_are_all_answered(server, models, tok):
     def client(i):
         got[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 4})
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    concurrently(50, client)
     for i, p in enumerate(prompts):
         status, out = got[i]
         assert status == 200, out
@@ -411,12 +408,8 @@ def test_cancellation_racing_completion_leaves_nothing_behind(server):
 def test_a_forward_that_raises_fails_its_step_only_and_frees_pages(server, monkeypatch):
     fail_forward_on(monkeypatch, server, 2)
     got: dict[int, tuple] = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, post(
-        server, "/v1/completions", {"prompt": [5 + i, 6], "max_tokens": 4}))) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    concurrently(3, lambda i: got.__setitem__(i, post(
+        server, "/v1/completions", {"prompt": [5 + i, 6], "max_tokens": 4})), timeout=30)
     assert sorted(st for st, _ in got.values()) in ([200, 200, 500], [200, 500, 500],
                                                     [500, 500, 500])
     assert wait_idle(server)["free_pages"] == NUM_PAGES

@@ -339,10 +339,9 @@ def served():
 
 
 def test_the_server_over_llama_answers_concurrent_clients_as_greedy_generate(served):
-    import threading
 
     from test_server import PROMPTS as ASKED
-    from test_server import greedy, post
+    from test_server import concurrently, greedy, post
 
     srv, eager, tok = served
     want = [greedy(eager, p, 10) for p in ASKED]  # transformers' generate, eos kept
@@ -351,11 +350,7 @@ def test_the_server_over_llama_answers_concurrent_clients_as_greedy_generate(ser
     def client(i):
         got[i] = post(srv, "/v1/completions", {"prompt": ASKED[i], "max_tokens": 10})
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ASKED))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    concurrently(len(ASKED), client)
     for i, w in enumerate(want):
         status, out = got[i]
         assert status == 200, out

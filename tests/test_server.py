@@ -166,6 +166,16 @@ def wait_idle(server, timeout: float = 20.0) -> dict:
     raise AssertionError(f"the engine is still busy: {h}")
 
 
+def concurrently(n: int, client, timeout: float = 60.0) -> None:
+    """``client(i)`` for i in range(n), each on its own thread, all started before any is
+    joined."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 @contextlib.contextmanager
 def gated(server, n: int):
     """Hold the engine's next step until ``n`` requests wait (they then start together)."""
@@ -236,11 +246,7 @@ def test_concurrent_clients_share_forwards(server, models, tok):
         got[i] = post(server, "/v1/completions", {"prompt": PROMPTS[i], "max_tokens": m})
 
     with gated(server, len(PROMPTS)):
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        concurrently(len(PROMPTS), client)
     for i, w in enumerate(want):
         status, out = got[i]
         assert status == 200, out
@@ -301,11 +307,7 @@ def test_sampled_requests_batched_get_the_tokens_they_get_alone(server, models, 
             got[i] = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
 
     with gated(server, len(PROMPTS)):
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        concurrently(len(PROMPTS), client)
     assert [got[i] for i in range(len(PROMPTS))] == alone
 
 
@@ -621,13 +623,8 @@ def test_streams_under_preemption_give_each_token_once(models, tok):
     got: dict[int, list] = {}
     try:
         with gated(small, 3):
-            threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, stream(
+            concurrently(3, lambda i: got.__setitem__(i, stream(
                 small, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12})))
-                for i in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
         assert wait_idle(small)["preemptions"] > 0
     finally:
         small.close()
