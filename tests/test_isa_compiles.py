@@ -6,8 +6,14 @@ only the paths its CPU has: an AVX2-only CPU runs the portable loops, AMD Zen 5 
 way ``mha build`` does but for a named target CPU — Cooper Lake (AVX-512 with BF16, no AMX) and
 Sapphire Rapids (AVX-512 with AMX), and Haswell (AVX2 only) for the packed projections' portable
 loop; and the AMX kernels on software tiles (Cooper Lake with ``-DMHA_AMX_EMULATE``, what a
-``MHA_AMX_EMULATE=1`` build compiles) — syntax and templates only (``-fsyntax-only``: nothing
-runs), and checks that the path's code was really seen (its feature macro is defined).
+``MHA_AMX_EMULATE=1`` build compiles) — nothing runs — and checks that the path's code was
+really seen (its feature macro is defined).
+A target lacking an instruction set some source uses (all but Sapphire Rapids) must also
+generate code: GCC reports an intrinsic outside its feature's guard (``_mm512_dpbf16_ps`` under
+``__AVX512F__`` alone, for Skylake-AVX512) only when it inlines the intrinsic, which
+``-fsyntax-only`` never does. Unoptimised GIMPLE for link-time optimisation is the cheapest
+compile that inlines them (``CODEGEN``); Sapphire Rapids, having every instruction set the
+sources use, is checked for syntax and templates only.
 Each compile is one single-threaded compiler process: the cases run once, as many at a time as
 this process may use CPUs (the ``compiled`` fixture), and each test reads its own result.
 Torch's headers are most of each compile (6 of its 8 CPU-s), and every translation unit begins
@@ -60,17 +66,33 @@ CASES = [  # (source, target, macros the source defines when the path is compile
 # them is compiled without the precompiled header
 PRELUDE = ("#include <ATen/ATen.h>", "#include <ATen/Parallel.h>", "#include <torch/library.h>")
 PCH_MIN_CASES = 4  # a precompiled header costs about two plain compiles (18 CPU-s, 400 MB)
+SYNTAX_ONLY = ("-fsyntax-only",)
+# Code generation as far as the always-inline intrinsics' target check, without optimisation or
+# machine code: -O0 replaces the build's -O3, and the output is GIMPLE for link-time
+# optimisation only (-fno-fat-lto-objects), discarded
+CODEGEN = ("-O0", "-flto", "-fno-fat-lto-objects")
+CODEGEN_OUT = ("-c", "-o", os.devnull)
+COMPLETE = {AMX}  # targets with every instruction set the sources use: syntax only
+
+
+def _mode(target: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The flags that replace the build's ``-O3`` for ``target`` (a precompiled header must be
+    made with the same) and those that name a translation unit's output."""
+    if target.split()[0] in COMPLETE:
+        return SYNTAX_ONLY, ()
+    return CODEGEN, CODEGEN_OUT
 
 
 def _command(target: str) -> list[str]:
-    """The compiler, the build's flags but ``-march=native``, ``target`` and the include paths."""
+    """The compiler, the build's flags but ``-march=native`` and ``-O3`` (``_mode`` gives
+    what replaces it), ``target`` and the include paths."""
     from torch.utils.cpp_extension import include_paths
 
     cxx = build.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler found (install g++, or set MHA_CXX/CXX to one)")
     incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], build.CSRC)]
-    flags = [f for f in build.FLAGS if f != "-march=native"]
+    flags = [f for f in build.FLAGS if f not in ("-march=native", "-O3")]
     return [cxx, *flags, *target.split(), *incs]
 
 
@@ -85,22 +107,25 @@ def _precompile(target: str, tmp_path) -> Path | None:
     ``-include`` (GCC loads the ``.gch`` beside it), or None when the compiler cannot."""
     header = tmp_path / "prelude.h"
     header.write_text("".join(f"{ln}\n" for ln in PRELUDE))
-    cmd = [*_command(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"]
+    opt, _ = _mode(target)
+    cmd = [*_command(target), *opt, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return header if r.returncode == 0 else None
 
 
 def _compile(source: str, target: str, macros, tmp_path,
              prelude: Path | None = None) -> subprocess.CompletedProcess:
-    """``source`` compiled for ``target``, syntax only, with its path's macros checked;
-    ``prelude``: a precompiled ``PRELUDE`` for the same target, loaded first."""
+    """``source`` compiled for ``target`` (``_mode``), with its path's macros checked;
+    ``prelude``: a precompiled ``PRELUDE`` for the same target, loaded first (a header GCC
+    cannot use is a warning, ``-Winvalid-pch``, that the test turns into a failure)."""
     cmd = _command(target)
-    wrapper = tmp_path / f"isa_{source.replace('/', '_')}"
+    wrapper = tmp_path / f"isa_{source.replace('/', '_')}.cpp"  # a .h would make a header
     checks = "".join(f'#ifndef {m}\n#error "{m} is not defined: the {target} path was not '
                      'compiled"\n#endif\n' for m in macros)
     wrapper.write_text(f'#include "{source}"\n{checks}')
-    pch = ["-include", str(prelude)] if prelude is not None else []
-    cmd = [cmd[0], "-fsyntax-only", *pch, *cmd[1:], str(wrapper)]
+    pch = ["-include", str(prelude), "-Winvalid-pch"] if prelude is not None else []
+    opt, out = _mode(target)
+    cmd = [cmd[0], *opt, *out, *pch, *cmd[1:], str(wrapper)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -149,6 +174,7 @@ def test_isa_path_compiles(source, target, macros, compiled):
         pytest.skip(f"the compiler does not know {target}: {r.stderr.strip()[:200]}")
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert r.returncode == 0, "\n".join(errors[:20]) or r.stderr[-2000:]
+    assert "Winvalid-pch" not in r.stderr, r.stderr[-2000:]  # the precompiled header was used
 
 
 def test_every_translation_unit_is_compiled_here():
