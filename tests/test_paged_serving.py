@@ -41,15 +41,27 @@ def prompts():
     return [ids[:3 + (i * 37) // 15] for i in range(16)]  # 3 … 40 tokens
 
 
+def _alone(model, prompt) -> list[int]:
+    """transformers' N greedy tokens of ``prompt`` generated on its own."""
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N,
+                         do_sample=False)  # (1, P + N)
+    return ids[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="module")
 def one_by_one(prompts):
+    """Each prompt's greedy tokens as generated on its own, from one ``generate`` call over the
+    prompts left-padded to the longest (the padding masked out, positions counted from each
+    prompt's first token); the most padded row is checked against its generation alone."""
     model = load("fp32", "sdpa").model
-    out = []
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])  # (16, P)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])  # (16, P)
     with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=N, min_new_tokens=N,
-                                 do_sample=False)  # (1, P + N)
-            out.append(ids[0, len(p):].tolist())
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
+                             do_sample=False, pad_token_id=0)[:, P:].tolist()  # (16, N)
+        shortest = min(range(len(prompts)), key=lambda i: len(prompts[i]))
+        assert out[shortest] == _alone(model, prompts[shortest])
     return out
 
 
