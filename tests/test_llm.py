@@ -44,10 +44,23 @@ def _ids(loaded, prompt):
     return gen.chat_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])  # (1, P)
 
 
+@pytest.fixture(scope="module")
+def greedy(mha_fp32):
+    """``prompt ->`` mha's generation of N greedy tokens (past EOS) with the fp32 cache, run
+    once per prompt and module: the tests below that start from it share it."""
+    done = {}
+
+    def tokens(prompt):
+        if prompt not in done:
+            done[prompt] = gen.run_ids(mha_fp32, _ids(mha_fp32, prompt), N, stop_at_eos=False)
+        return done[prompt]
+    return tokens
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_equal_eager(mha_fp32, eager_fp32, prompt):
+def test_greedy_tokens_equal_eager(mha_fp32, eager_fp32, greedy, prompt):
     ids = _ids(mha_fp32, prompt)
-    got = gen.run_ids(mha_fp32, ids, N, stop_at_eos=False)
+    got = greedy(prompt)
     want = gen.run_ids(eager_fp32, ids, N, stop_at_eos=False)
     assert got.new_tokens == N
     assert got.tokens == want.tokens, (got.text, want.text)
@@ -85,15 +98,18 @@ def test_logits_within_the_tolerance_rule(mha_fp32, eager_fp32):
 KV_LOGIT_TOL = {"bf16": 0.6, "int8": 2.1}
 
 
-@pytest.mark.parametrize("kv", list(KV_LOGIT_TOL))
-def test_kv_storage_logits_within_the_documented_tolerance(mha_fp32, kv):
-    """Teacher-forced along the fp32 cache's 20 greedy tokens, the logits with bf16 / int8
-    K/V stay within the documented tolerance (and do move: the storage rounds)."""
+@pytest.fixture(scope="module")
+def forced_logits(mha_fp32, greedy):
+    """``kv_dtype -> (N, V)`` logits teacher-forced along the fp32 cache's greedy tokens of
+    PROMPTS[0], with K/V stored as ``kv_dtype`` (None: fp32); each computed once per module."""
     ids = _ids(mha_fp32, PROMPTS[0])
     P = ids.shape[1]
-    ref = gen.run_ids(mha_fp32, ids, N, stop_at_eos=False).tokens
+    ref = greedy(PROMPTS[0]).tokens
+    done = {}
 
     def logits(kv_dtype):
+        if kv_dtype in done:
+            return done[kv_dtype]
         cache = MhaCache(mha_fp32.model.config, max_cache_len=P + N, kv_dtype=kv_dtype)
         m = mha_fp32.model
         with torch.no_grad():
@@ -101,9 +117,16 @@ def test_kv_storage_logits_within_the_documented_tolerance(mha_fp32, kv):
             for t in ref[:-1]:
                 out.append(m(input_ids=torch.tensor([[t]]), cache=cache,
                              use_cache=True).logits[0, -1])
-        return torch.stack(out)  # (N, V)
+        done[kv_dtype] = torch.stack(out)  # (N, V)
+        return done[kv_dtype]
+    return logits
 
-    diff = (logits(kv) - logits(None)).abs().max().item()
+
+@pytest.mark.parametrize("kv", list(KV_LOGIT_TOL))
+def test_kv_storage_logits_within_the_documented_tolerance(forced_logits, kv):
+    """Teacher-forced along the fp32 cache's 20 greedy tokens, the logits with bf16 / int8
+    K/V stay within the documented tolerance (and do move: the storage rounds)."""
+    diff = (forced_logits(kv) - forced_logits(None)).abs().max().item()
     assert 0 < diff <= KV_LOGIT_TOL[kv], diff
 
 
