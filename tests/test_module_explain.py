@@ -11,7 +11,7 @@ import mha.module
 from mha.ops import linear_choice
 from mha.ops import self_attention as fused
 
-NAMES = ("inputs", "layout", "options", "gradient", "shape", "tiles", "speed")
+NAMES = ("inputs", "layout", "options", "projections", "gradient", "shape", "tiles", "speed")
 STATES = {"holds": True, "fails": False, "not checked": None}
 
 
@@ -60,7 +60,8 @@ CASES = [
     ("cross-attention", lambda: _module(), (2, 8, 64), True, {}, False,
      {"layout": (False, "key / value given (cross-attention)")}),
     ("separate projections", lambda: _module(kdim=32, vdim=32), (2, 8, 64), True, {}, False,
-     {"layout": (False, "separate Q, K, V projections (kdim=32, vdim=32, d_model=64)")}),
+     {"layout": (False, "separate Q, K, V projections (kdim=32, vdim=32, d_model=64)"),
+      "projections": (None, "the packed [W^Q; W^K; W^V] only (see layout)")}),
     ("grouped heads", lambda: _module(num_kv_heads=2), (2, 8, 64), False, {}, False,
      {"layout": (False, "grouped key/value heads (h_kv=2, h=4)")}),
     ("value head dim", lambda: _module(v_head_dim=32), (2, 8, 64), False, {}, False,
@@ -102,6 +103,22 @@ def test_each_reason_fails_alone(anywhere, case):
         assert holds is want, (name, text)
         assert phrase in words, (name, text)
     assert text.splitlines()[-1].startswith("forward: step by step: "), text
+
+
+def test_packed_projections_fail_alone(anywhere):
+    """Projections packed by mha.llm.weights.pack_weights (bf16, like the query): only the
+    projections condition fails, and the module runs step by step for that reason."""
+    from mha.llm.weights import PackedLinear, pack_weights
+
+    m = pack_weights(_module(bias=False).bfloat16(), "bf16")
+    assert isinstance(m.in_proj, PackedLinear) and isinstance(m.out_proj, PackedLinear)
+    text = explain(m, torch.randn(2, 8, 64).bfloat16())
+    got = conditions(text)
+    assert tuple(got) == NAMES
+    assert [n for n, (holds, _) in got.items() if not holds] == ["projections"], text
+    assert "in_proj is PackedLinear, out_proj is PackedLinear" in got["projections"][1]
+    assert text.splitlines()[-1].startswith("forward: step by step: the projections are packed "
+                                            "modules"), text
 
 
 def test_missing_tiles(monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from mha.ops import linear_choice
 from mha.ops import self_attention as fused
@@ -35,7 +36,7 @@ class Condition:
 
     def __str__(self) -> str:
         state = {True: "holds", False: "fails", None: "not checked"}[self.holds]
-        return f"{self.name:<9} {state}: {self.words}"
+        return f"{self.name:<11} {state}: {self.words}"
 
 
 def unserved(call: dict) -> list[str]:
@@ -55,8 +56,9 @@ def fused_conditions(module, query: torch.Tensor, self_attention: bool,
     not among them."""
     tiles = _tiles(query.dtype) if query.dtype in fused.DTYPES else \
         Condition("tiles", None, "the fused op has bf16 and fp32 tiles only (see inputs)")
-    return [_dtype(module, query), _layout(module, self_attention), _call(call), _gradient(module, query),
-            _shape(module, query), tiles, _speed(module, query, tiles.holds)]
+    return [_dtype(module, query), _layout(module, self_attention), _call(call),
+            _projections(module), _gradient(module, query), _shape(module, query), tiles,
+            _speed(module, query, tiles.holds)]
 
 
 def _weights(module) -> list[tuple[str, torch.Tensor]]:
@@ -101,6 +103,21 @@ def _layout(module, self_attention: bool) -> Condition:
                          f"here: {'; '.join(failing)}")
     return Condition("layout", True, f"self-attention, packed [W^Q; W^K; W^V], h = h_kv = {h}, "
                      "one rank")
+
+
+def _projections(module) -> Condition:
+    """The fused forward reads ``nn.Linear`` weights; packed modules
+    (:func:`mha.llm.weights.pack_weights`) keep theirs in their own kernel's layout."""
+    if not module.packed:
+        return Condition("projections", None, "the packed [W^Q; W^K; W^V] only (see layout)")
+    odd = [f"{n} is {type(m).__name__}" for n, m in (("in_proj", module.in_proj),
+                                                     ("out_proj", module.out_proj))
+           if not isinstance(m, nn.Linear)]
+    if odd:
+        return Condition("projections", False, "the projections are packed modules "
+                         f"(mha.llm.weights.pack_weights; {', '.join(odd)}); the fused forward "
+                         "reads nn.Linear weights")
+    return Condition("projections", True, "in_proj and out_proj are nn.Linear")
 
 
 def _call(call: dict) -> Condition:
