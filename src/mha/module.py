@@ -323,7 +323,7 @@ class MultiHeadAttention(nn.Module):
                 value: torch.Tensor | None = None, *, mask=None, causal: bool = False,
                 key_lengths=None, need_weights: bool = False, backend: str | None = None,
                 cache=None, cu_seqlens=None, window: int | None = None, bias=None,
-                mask_mod=None, score_mod=None, positions=None):
+                mask_mod=None, score_mod=None, positions=None, angles=None):
         """query ``(B, Tq, d_model)``; key ``(B, Tk, kdim)`` and value ``(B, Tk, vdim)`` default
         to query (self-attention). ``mask``/``causal``/``key_lengths``/``window`` as in
         :func:`mha.attention` (True = may attend). Returns ``(B, Tq, d_model)``, or
@@ -359,7 +359,14 @@ class MultiHeadAttention(nn.Module):
         row's first real token in a left-padded batch); None = ``0 .. Tq-1``. With ``cache=``
         the positions come from the cache (:meth:`mha.KVCache.positions`: each row's length
         past its start) and with ``cu_seqlens=`` they restart at 0 in each sequence, so
-        ``positions`` must be None there."""
+        ``positions`` must be None there.
+
+        ``angles`` (only with ``rope``, ``positions`` None): the ``(C, S)`` of
+        ``self.rope.angles(...)`` (:meth:`mha.rope.Rotary.angles`, ``(B|1, Tq, r)`` each) for
+        the positions this call would take, computed once by a caller whose layers share one
+        ``Rotary`` and one set of positions (:class:`mha.models.Llama`: one per forward, not one
+        per layer); used as they are instead of the mode's positions (their shape, dtype and
+        device are checked, their values are the caller's)."""
         causal = check_bool("causal", causal)  # also with a cache, which masks causally anyway
         need_weights = check_bool("need_weights", need_weights)
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,
@@ -370,6 +377,8 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
+        if angles is not None:
+            self._check_angles(angles, query, positions)
         variants = self._variants(bias, mask_mod, score_mod)
         rec = trace.recorder()  # does nothing unless a trace is being recorded
         dropout_p = self.dropout if self.training else 0.0
@@ -377,7 +386,8 @@ class MultiHeadAttention(nn.Module):
             mask=mask, causal=causal, key_lengths=key_lengths, window=window,
             need_weights=need_weights or rec.on, backend=backend, cache=cache,
             cu_seqlens=cu_seqlens, dropout_p=dropout_p, **variants))
-        angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r) x 2
+        if angles is None:
+            angles = self._rope_angles(query, positions, cache, cu_seqlens)  # (B|1, Tq, r) x 2
         if reason is None:
             rope = None if angles is None else (*angles, self.rope.interleaved)
             return fused_forward(query, *weights, self.num_heads, self.head_dim ** -0.5,
@@ -532,6 +542,30 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None else "cu_seqlens (the positions restart in each sequence)"
             raise ValueError(f"positions must be None with {mode}")
 
+    def _check_angles(self, angles, query, positions) -> None:
+        """``angles``: ``(C, S)`` of :meth:`mha.rope.Rotary.angles` for ``query (B, Tq, ..)``,
+        ``(B|1, Tq, r)`` each, float32 (float64 for a float64 query), on its device."""
+        if self.rope is None:
+            raise ValueError("angles: this module has no rope; pass None")
+        if positions is not None:
+            raise ValueError("angles and positions: give one (angles are the positions' "
+                             "cos / sin, mha.rope.Rotary.angles)")
+        B, Tq = query.shape[0], query.shape[1]
+        r = self.rope.dim
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        if not (isinstance(angles, (tuple, list)) and len(angles) == 2):
+            raise TypeError(f"angles must be a pair (C, S) of mha.rope.Rotary.angles, got "
+                            f"{type(angles).__name__}")
+        for name, t in zip("CS", angles, strict=True):
+            if not (isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in (1, B)
+                    and t.shape[1] == Tq and t.shape[2] == r and t.dtype == work
+                    and t.device == query.device):
+                got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"angles: {name} must be (B|1, Tq, r) = ({B} or 1, {Tq}, {r}) "
+                                 f"{work} on {query.device} (Rotary.angles for this query), "
+                                 f"got {got}")
+
     def _rope_angles(self, query, positions, cache, cu_seqlens):
         """``(C, S)`` ``(B|1, Tq, r)`` (:meth:`mha.rope.Rotary.angles`) of the call's positions,
         or None without rope: the given ``positions`` or ``0 .. Tq-1`` (plain), the cache's
@@ -591,7 +625,8 @@ class MultiHeadAttention(nn.Module):
         return out.transpose(0, 1).unsqueeze(0), None  # (N, h, d_v) -> (1, h, N, d_v)
 
     def forward_paged(self, query: torch.Tensor, cache, layer: int, seq_ids, cu_seqlens,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, *,
+                      angles=None) -> torch.Tensor:
         """Self-attention of one packed step over a :class:`mha.PagedKVCache` (continuous
         batching): ``query (1, N, d_model)`` holds the step's new tokens of S sequences end to
         end, ``seq_ids[i]`` owning tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (the cache was
@@ -599,14 +634,18 @@ class MultiHeadAttention(nn.Module):
         ``layer``'s pages in place and each token attends causally (bottom-right) to its own
         sequence's keys (:meth:`mha.PagedKVCache.attend_varlen`: decode rows in one native
         paged decode call, prefill chunks in the paged flash forward). ``positions (N,)``
-        (with ``rope``, else None): each token's position in its sequence. The module's
+        (with ``rope``, else None): each token's position in its sequence, or instead
+        ``angles``, their ``(C, S)`` ``(1, N, r)`` of :meth:`mha.rope.Rotary.angles` computed
+        once for many layers (as :meth:`forward`'s ``angles``). The module's
         ``softcap``, ``sinks`` and ALiBi slopes apply; inference only (no dropout). Returns
         ``(1, N, d_model)``."""
         check_tensor("query", query, 3, "(1, N, d_model)")
         if query.shape[0] != 1 or query.shape[2] != self.d_model:
             raise ValueError(f"query must be (1, N, d_model) = (1, N, {self.d_model}) (the "
                              f"step's tokens packed in one row), got {tuple(query.shape)}")
-        if (positions is None) != (self.rope is None):
+        if angles is not None:
+            self._check_angles(angles, query, positions)
+        elif (positions is None) != (self.rope is None):
             raise ValueError("positions must be given (N,) with rope (each token's position in "
                              "its sequence) and None without" if self.rope is not None else
                              "positions: this module has no rope; pass None")
@@ -614,8 +653,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout={self.dropout} in training mode: the paged forward is "
                              "for inference (call .eval())")
         N = query.shape[1]
-        angles = None if self.rope is None else self.rope.angles(
-            positions, 1, N, query.device, query.dtype)  # (1, N, r) x 2
+        if angles is None and self.rope is not None:
+            angles = self.rope.angles(positions, 1, N, query.device, query.dtype)  # (1, N, r) x 2
         variants = {n: t for n, t in self._variants(None, None, None).items() if t is not None}
         rec = trace.recorder()  # does nothing unless a trace is being recorded
         q, k, v = self._project_heads(query, query, query, True, rec, angles)
@@ -670,7 +709,8 @@ class MultiHeadAttention(nn.Module):
         lines.append(f"  W_O: {describe(concat, self.out_proj.weight, self.out_proj.bias)}")
         variants = self._variants(kwargs.pop("bias", None), kwargs.pop("mask_mod", None),
                                   kwargs.pop("score_mod", None))
-        kwargs.pop("positions", None)  # rotary positions change no backend's verdict
+        kwargs.pop("positions", None)  # rotary positions (or their angles) change no backend's
+        kwargs.pop("angles", None)  # verdict
         q = query.new_empty(B, Tq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, Tq, d_k)
         k = query.new_empty(B, Tk, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_k)
         v = query.new_empty(B, Tk, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, h_kv, Tk, d_v)

@@ -239,18 +239,22 @@ class LlamaLayer(nn.Module):
         self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, **kw)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, *, angles=None) -> torch.Tensor:
         """``mask (B, 1, 1, T)`` (True = a real key) and ``positions (B, T)``: a left-padded
-        batch without a cache (:meth:`Llama.forward`'s ``attention_mask``)."""
+        batch without a cache (:meth:`Llama.forward`'s ``attention_mask``). ``angles``: the
+        RoPE ``(C, S)`` of these tokens (:meth:`Llama.rope_angles`), computed once for every
+        layer, instead of ``positions`` (:meth:`mha.MultiHeadAttention.forward`)."""
         return self.around(x, lambda h: self.self_attn(
-            h, causal=cache is None, cache=cache, mask=mask, positions=positions))
+            h, causal=cache is None, cache=cache, mask=mask, positions=positions,
+            angles=angles))
 
     def forward_paged(self, x: torch.Tensor, cache, layer: int, seq_ids, cu_seqlens,
-                      positions: torch.Tensor) -> torch.Tensor:
+                      positions: torch.Tensor | None, *, angles=None) -> torch.Tensor:
         """One packed step ``x (1, N, d_model)`` over layer ``layer`` of a
-        :class:`mha.PagedKVCache` (:meth:`mha.MultiHeadAttention.forward_paged`)."""
+        :class:`mha.PagedKVCache` (:meth:`mha.MultiHeadAttention.forward_paged`; ``positions``
+        or their ``angles``)."""
         return self.around(x, lambda h: self.self_attn.forward_paged(
-            h, cache, layer, seq_ids, cu_seqlens, positions))
+            h, cache, layer, seq_ids, cu_seqlens, positions, angles=angles))
 
     def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
                ) -> torch.Tensor:
@@ -422,11 +426,17 @@ class Llama(nn.Module):
             mask = (at[None] >= pads[:, None])[:, None, None]  # (B, T) -> (B, 1, 1, T)
             positions = (at[None] - pads[:, None]).clamp(min=0)  # (B, T)
         x = self.embed_tokens(ids)  # (B, T) -> (B, T, d_model)
+        # every layer's cache holds the same tokens (checked above): the first one's positions
+        # (B, T) or (1, T), read before the appends, are every layer's
+        at = positions if caches is None else caches[0].positions(T).to(ids.device)
+        angles = self.rope_angles(at, B, T, x)  # (B|1, T, r) x 2, or None
+        if angles is not None:
+            positions = None  # every layer rotates by the angles instead
         before = None if caches is None else _cache_states(caches)
         try:
             for i, layer in enumerate(self.layers):
                 cache = None if caches is None else caches[i]
-                x = layer(x, cache, mask, positions)  # (B, T, d_model)
+                x = layer(x, cache, mask, positions, angles=angles)  # (B, T, d_model)
         except BaseException:
             if before is not None:  # a later layer refused: the earlier appends are undone
                 for c, state in zip(caches, before, strict=True):
@@ -435,6 +445,17 @@ class Llama(nn.Module):
         if last:
             x = x[:, -1:]  # (B, T, d_model) -> (B, 1, d_model)
         return self.lm_head(self.norm(x))  # (B, T | 1, V)
+
+    def rope_angles(self, positions: torch.Tensor | None, B: int, T: int, x: torch.Tensor):
+        """The RoPE ``(C, S)`` ``(B|1, T, r)`` (:meth:`mha.rope.Rotary.angles`) of one forward's
+        tokens at ``positions`` (``(T,)``, ``(B, T)``, ``(1, T)``, or None = ``0 .. T-1``),
+        computed once and handed to every layer, whose attentions share one ``Rotary`` (the
+        first layer's); None when that layer has no rope. ``x``: the embedded tokens (their
+        device and dtype)."""
+        rope = self.layers[0].self_attn.rope if len(self.layers) else None
+        if rope is None:
+            return None
+        return rope.angles(positions, B, T, x.device, x.dtype)
 
     @torch.no_grad()
     def forward_paged(self, ids: torch.Tensor, positions: torch.Tensor, cache, seq_ids,
@@ -466,8 +487,12 @@ class Llama(nn.Module):
         if rows is not None:
             rows = _check_rows(rows, ids.shape[1], w.device)
         x = self.embed_tokens(ids)  # (1, N) -> (1, N, d_model)
+        angles = self.rope_angles(positions, 1, ids.shape[1], x)  # (1, N, r) x 2, or None
+        if angles is not None:
+            positions = None  # every layer rotates by the angles instead
         for i, layer in enumerate(self.layers):
-            x = layer.forward_paged(x, cache, i, seq_ids, cu_seqlens, positions)  # (1, N, d_model)
+            x = layer.forward_paged(x, cache, i, seq_ids, cu_seqlens, positions, angles=angles)
+            # (1, N, d_model)
         if rows is not None:
             x = x[:, rows]  # (1, N, d_model) -> (1, R, d_model)
         return self.lm_head(self.norm(x))  # (1, N | R, V)
