@@ -192,3 +192,24 @@ def test_angles_need_rope():
     angles = Rotary(16).angles(None, 1, 3, "cpu")
     with pytest.raises(ValueError, match="angles: this module has no rope"):
         m(torch.randn(1, 3, 64), angles=angles)
+
+
+def test_q_and_k_of_one_gemm_rotate_in_one_call_as_in_two(monkeypatch):
+    """Q's and K's columns of the QKV GEMM's output are rotated in one call on the h + h_kv
+    heads, bitwise as two calls (taken when they are separate tensors)."""
+    m = _module()
+    qkv = torch.randn(2, 5, 4 * 16 + 2 * 2 * 16)  # (B, T, h*d + 2*h_kv*d)
+    q, k, _ = qkv.split((64, 32, 32), dim=-1)
+    angles = m.rope.angles(torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]]), 2, 5,
+                           torch.device("cpu"))  # (B, T, r) x 2
+    calls = []
+    real = Rotary.rotate_tokens
+    monkeypatch.setattr(Rotary, "rotate_tokens", lambda self, x, *a: calls.append(x.shape) or
+                        real(self, x, *a))
+    joint = m._rotate_qk(q, k, angles)
+    assert calls == [(2, 5, 6, 16)]
+    calls.clear()
+    apart = m._rotate_qk(q.clone(), k.clone(), angles)
+    assert calls == [(2, 5, 4, 16), (2, 5, 2, 16)]
+    for a, b in zip(joint, apart, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)

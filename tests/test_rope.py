@@ -256,7 +256,9 @@ def test_positions_per_row_serve_a_left_padded_batch():
 
 
 def _rotated_heads(m, x, **kw) -> list[torch.Tensor]:
-    """The ``(B, T, heads, d)`` tensors Rotary.rotate_tokens returns during ``m(x, **kw)``."""
+    """The rotated Q ``(B, T, h, d)`` and K ``(B, T, h_kv, d)`` of ``m(x, **kw)``, from what
+    Rotary.rotate_tokens returns: one call on the ``h + h_kv`` heads (Q's and K's columns of
+    the QKV GEMM's output), split here, or one call each."""
     seen = []
     real = Rotary.rotate_tokens
 
@@ -270,6 +272,8 @@ def _rotated_heads(m, x, **kw) -> list[torch.Tensor]:
             m(x, **kw)
     finally:
         Rotary.rotate_tokens = real
+    if len(seen) == 1:
+        return [seen[0][:, :, :m.num_heads], seen[0][:, :, m.num_heads:]]
     return seen
 
 

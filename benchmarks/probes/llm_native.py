@@ -14,9 +14,12 @@ a prefill of ``--prompt`` random tokens into a fresh cache (last position's logi
 tok/s, and their ratios (mha / transformers, per weights kind). With 1 thread the clock is
 the thread's CPU time (``time.thread_time``: a busy machine's descheduling stays out); with
 more, wall time.
-``--rope-cost`` adds a third run: the native model with every layer's ``rope`` set to None
-(wrong logits, the same work otherwise), whose difference is what RoPE costs inside
-``MultiHeadAttention`` (positions from the cache, angles and the rotation, once per layer).
+``--rope-cost`` adds two runs: the native model with every layer's ``rope`` set to None
+(wrong logits, the same work otherwise), whose difference is what RoPE costs inside the model
+(the angles once per forward, :meth:`Llama.rope_angles`, and the rotation in every layer), and
+the native model with its angles computed per layer (``rope_angles`` returning None: each
+layer's ``MultiHeadAttention`` reads its cache's positions and takes their angles, as before
+the angles were shared; the same logits).
 """
 
 from __future__ import annotations
@@ -45,16 +48,20 @@ def _hf(model, ids, new: int, clock):
     return t1 - t0, clock() - t1
 
 
-def _native(model, ids, new: int, clock, rope: bool = True):
+def _native(model, ids, new: int, clock, rope: str = "once"):
+    """``rope``: "once" (as the model runs), "per layer" (each layer its own angles) or "off"."""
     ropes = [layer.self_attn.rope for layer in model.layers]
-    if not rope:
+    if rope == "off":
         for layer in model.layers:
             layer.self_attn.rope = None
+    if rope == "per layer":
+        model.rope_angles = lambda *a: None  # an instance attribute over the method
     try:
         return _native_run(model, ids, new, clock)
     finally:
         for layer, r in zip(model.layers, ropes, strict=True):
             layer.self_attn.rope = r
+        model.__dict__.pop("rope_angles", None)
 
 
 def _native_run(model, ids, new: int, clock):
@@ -77,7 +84,8 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["fp32"], choices=("fp32", "bf16", "int8"),
                     help="the projections' weights, each kind run on both models")
     ap.add_argument("--rope-cost", action="store_true",
-                    help="also time the native model without RoPE (its cost; wrong logits)")
+                    help="also time the native model without RoPE (its cost; wrong logits) and "
+                         "with its angles computed per layer")
     args = ap.parse_args()
     ids = torch.randint(100, 49152, (1, args.prompt),
                         generator=torch.Generator().manual_seed(0))  # (1, P)
@@ -91,7 +99,9 @@ def main() -> None:
         pairs.append((w, names))
     if args.rope_cost:
         native = load_native("fp32", args.weights[0]).model
-        runs["mha.models.Llama, no rope"] = lambda c: _native(native, ids, args.new, c, False)
+        runs["mha.models.Llama, no rope"] = lambda c: _native(native, ids, args.new, c, "off")
+        runs["mha.models.Llama, per-layer angles"] = \
+            lambda c: _native(native, ids, args.new, c, "per layer")
     print(f"SmolLM2-135M fp32 activations, prompt {args.prompt}, {args.new} new tokens, {args.rounds} "
           f"rounds, load average {os.getloadavg()[0]:.1f} at start")
     with torch.inference_mode():
@@ -112,10 +122,10 @@ def main() -> None:
             print(f"\n{threads} thread(s), {'thread CPU time' if threads == 1 else 'wall time'}"
                   f" (load average {os.getloadavg()[0]:.1f})")
             for name, (pre, dec) in rates.items():
-                print(f"  {name:30s} prefill {pre:8.1f} tok/s   decode {dec:6.1f} tok/s")
+                print(f"  {name:36s} prefill {pre:8.1f} tok/s   decode {dec:6.1f} tok/s")
             for w, (h_name, m_name) in pairs:
                 (hp, hd), (mp, md) = rates[h_name], rates[m_name]
-                print(f"  {'mha / transformers ' + w:30s} prefill {mp / hp:8.2f}x      "
+                print(f"  {'mha / transformers ' + w:36s} prefill {mp / hp:8.2f}x      "
                       f"decode {md / hd:6.2f}x")
 
 

@@ -9,8 +9,11 @@ With ``--cached`` tokens in a :class:`mha.KVCache`, times per call (thread CPU t
 thread, round-robin medians of ``--rounds``): ``angles``, the module's positions-from-the-cache
 plus :meth:`mha.rope.Rotary.angles` (``MultiHeadAttention._rope_angles``); ``rotate``, the
 rotation of one token's Q ``(1, 1, 9, 64)`` and K ``(1, 1, 3, 64)`` by them
-(:meth:`mha.rope.Rotary.rotate_tokens`, twice). A model of L layers spends L times each per
-step; computing the angles once per step would save at most ``(L - 1) x angles``.
+(:meth:`mha.rope.Rotary.rotate_tokens`, twice); ``rotate QK``, the same rotation as the module
+runs it on the QKV GEMM's output, Q's and K's columns in one call on 12 heads
+(``MultiHeadAttention._rotate_qk``). A model of L layers spends L times each per step;
+:class:`mha.models.Llama` computes the angles once per step (:meth:`Llama.rope_angles`), which
+saves ``(L - 1) x angles``.
 """
 
 from __future__ import annotations
@@ -40,16 +43,20 @@ def main() -> None:
         m(torch.randn(1, args.cached, 576), cache=cache)  # (B, T, d_model) prefill
         angles = m._rope_angles(query, None, cache, None)  # (1, 1, 64) x 2
         q, k = torch.randn(1, 1, 9, 64), torch.randn(1, 1, 3, 64)  # (B, Tn, h / h_kv, d)
+        qkv = torch.randn(1, 1, 15 * 64)  # (B, Tn, (h + 2 h_kv) d): the QKV GEMM's output
+        q_cols, k_cols, _ = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
 
         def rotate():
             m.rope.rotate_tokens(q, *angles)
             m.rope.rotate_tokens(k, *angles)
 
         med = interleaved({"angles": lambda: m._rope_angles(query, None, cache, None),
-                           "rotate": rotate}, args.rounds, min_time=0.05,
+                           "rotate": rotate,
+                           "rotate QK": lambda: m._rotate_qk(q_cols, k_cols, angles)},
+                          args.rounds, min_time=0.05,
                           clock=time.thread_time)
     for name, s in med.items():
-        print(f"{name:7s} {s * 1e6:7.1f} us per layer and step  (x30 layers: "
+        print(f"{name:9s} {s * 1e6:7.1f} us per layer and step  (x30 layers: "
               f"{s * 30e3:.2f} ms)")
 
 

@@ -509,12 +509,7 @@ class MultiHeadAttention(nn.Module):
         rec.record("project K", f"K = {src} W^K", k, "(B, Tk, h_kv*d_k)")
         rec.record("project V", f"V = {src} W^V", v, "(B, Tk, h_kv*d_v)")
         if angles is not None:  # RoPE in the projections' layout (heads not yet split)
-            B, T, _ = q.shape
-            q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, h*d_k) -> (B, T, h, d_k)
-            k = k.view(B, T, self.num_kv_heads, self.head_dim)
-            # (B, T, h_kv*d_k) -> (B, T, h_kv, d_k)
-            q = self.rope.rotate_tokens(q, *angles)  # (B, T, h, d_k)
-            k = self.rope.rotate_tokens(k, *angles)  # (B, T, h_kv, d_k)
+            q, k = self._rotate_qk(q, k, angles)  # (B, T, h, d_k), (B, T, h_kv, d_k)
             rec.record("rotate Q (RoPE)", "Q = rope(Q, positions)", q, "(B, Tq, h, d_k)")
             rec.record("rotate K (RoPE)", "K = rope(K, positions)", k, "(B, Tk, h_kv, d_k)")
             q, k = q.flatten(2), k.flatten(2)  # (B, T, heads, d_k) -> (B, T, heads*d_k)
@@ -525,6 +520,28 @@ class MultiHeadAttention(nn.Module):
         rec.record("split heads K", "reshape + transpose", k, "(B, h_kv, Tk, d_k)")
         rec.record("split heads V", "reshape + transpose", v, "(B, h_kv, Tk, d_v)")
         return q, k, v
+
+    def _rotate_qk(self, q, k, angles):
+        """Q ``(B, T, h*d_k)`` and K ``(B, T, h_kv*d_k)`` rotated by ``angles``: ``(B, T, h,
+        d_k)`` and ``(B, T, h_kv, d_k)``. Where K's columns follow Q's in one tensor (the QKV
+        GEMM's output, split) and no gradient is taken, both are rotated in one call on the
+        ``h + h_kv`` heads: every head is turned by the same ``(C, S)``, so the values are those
+        of two calls, at half the small ops of a decode step."""
+        B, T, _ = q.shape
+        H, H_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # inference only: a traced tensor has no data_ptr, and autograd would take the
+        # as_strided view relative to the GEMM output's storage, not to Q
+        if (not torch.compiler.is_compiling() and not q.requires_grad
+                and q.shape[:2] == k.shape[:2] and q.stride() == k.stride() and q.stride(-1) == 1
+                and q.dtype == k.dtype
+                and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size()):
+            qk = q.as_strided((B, T, (H + H_kv) * d), q.stride())  # Q's and K's columns
+            qk = qk.unflatten(-1, (H + H_kv, d))  # (B, T, (h+h_kv)*d_k) -> (B, T, h+h_kv, d_k)
+            qk = self.rope.rotate_tokens(qk, *angles)  # (B, T, h+h_kv, d_k), new
+            return qk[:, :, :H], qk[:, :, H:]  # (B, T, h, d_k), (B, T, h_kv, d_k)
+        q = q.view(B, T, H, d)  # (B, T, h*d_k) -> (B, T, h, d_k)
+        k = k.view(B, T, H_kv, d)  # (B, T, h_kv*d_k) -> (B, T, h_kv, d_k)
+        return self.rope.rotate_tokens(q, *angles), self.rope.rotate_tokens(k, *angles)
 
     def _check_rope_call(self, positions, self_attention: bool, cache, cu_seqlens) -> None:
         """``positions`` and ``rope`` fit the call's mode (checked before anything moves)."""
