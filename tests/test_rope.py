@@ -641,3 +641,21 @@ def test_rotation_refuses_what_the_library_refuses():
         rot.apply_rotary(torch.randn(2, 8))
     with pytest.raises(ValueError, match="head dim d >= the rotary dim 8"):
         rot.apply_rotary(torch.randn(1, 1, 2, 6))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 12, 64), (2, 7, 3, 24), (4, 300, 12, 64)])
+def test_the_rolled_and_the_halves_rotation_agree_bitwise(monkeypatch, shape):
+    """Small calls of halves rotate by one roll (``_ROLL_MAX``), larger ones add into each half:
+    the same values, bitwise, either way (r = d and partial r < d)."""
+    import mha.rope as rope_mod
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g)  # (B, T, H, d)
+    for r in (shape[-1], shape[-1] - 8):
+        rope = Rotary(r, theta=500.0)
+        C, S = rope.angles(None, shape[0], shape[1], x.device)  # (1, T, r) each
+        outs = []
+        for limit in (0, 1 << 30):  # halves, then rolled
+            monkeypatch.setattr(rope_mod, "_ROLL_MAX", limit)
+            outs.append(rope.rotate_tokens(x, C, S))
+        assert torch.equal(outs[0], outs[1])

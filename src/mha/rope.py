@@ -33,7 +33,8 @@ inputs) and its result is rounded once to the input's dtype. The float32 cos / s
 per device for positions ``0 .. n-1`` (``n`` grown in powers of two up to ``_TABLE_CAP``; calls
 reaching past it compute their own angles, uncached; the tables are not pickled), spread to one
 ``cos`` and one signed ``sin`` per dim (``x * C + partner(x) * S``: a multiply, then a
-multiply-add into each half of the pairs); under ``torch.compile`` / ``torch.export`` they are
+multiply-add into each half of the pairs, or for a small call of halves one multiply-add
+of the rolled halves); under ``torch.compile`` / ``torch.export`` they are
 computed from the positions instead (the same float64 formula), so a traced program holds no
 table and ``T`` may stay symbolic. Positions are ints in ``[0, MAX_POSITION]`` (``2**31 - 1``).
 """
@@ -60,6 +61,10 @@ SCALINGS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 _MIN_TABLE = 256  # positions of the first cached table (grown by doubling)
+#: the most rotated elements rotated by one ``roll`` of the halves (3 ops; a decode step's Q and
+#: K): fp32, 128 KiB, glibc's default mmap threshold, below which the rolled copy comes from the
+#: heap, already faulted in; larger calls add into each half instead (no copy)
+_ROLL_MAX = 1 << 15
 #: the largest cached table (a power of two): 2**15 positions of r float32 cos and sin each,
 #: 32 MiB for r = 128; positions past it are computed per call
 _TABLE_CAP = 1 << 15
@@ -220,10 +225,17 @@ def _rotate(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, interleaved: bool
     ``x[..., :r]``), in their dtype, rounded once to ``x``'s; the rest passes. For a pair
     ``(x1, x2)`` that is ``(x1 cos - x2 sin, x2 cos + x1 sin)``. One new tensor and two
     multiply-adds into its halves (no copy of the swapped pairs: each temporary of a large
-    call is fresh memory the kernel must fault in). Shapes below are for ``x (B, H, T, d)``;
+    call is fresh memory the kernel must fault in); a small call of halves (up to
+    ``_ROLL_MAX`` elements: a decode step) multiply-adds its halves rolled, in one op (the
+    same products and sums, so the same values, at a third of the small ops). Shapes below are for ``x (B, H, T, d)``;
     ``(B, T, H, d)`` goes the same way."""
     r = C.shape[-1]
     xr = x[..., :r].to(C.dtype)  # (B, H, T, r)
+    # eager only: under torch.compile / export the size test would fix a symbolic T
+    if not interleaved and not torch.compiler.is_compiling() and xr.numel() <= _ROLL_MAX:
+        # partner(x): the halves swapped
+        y = torch.addcmul(xr * C, xr.roll(r // 2, -1), S).to(x.dtype)  # (B, H, T, r)
+        return y if r == x.shape[-1] else torch.cat((y, x[..., r:]), dim=-1)  # (B, H, T, d)
     if interleaved:  # pairs (2i, 2i+1)
         one, two = (..., slice(0, r, 2)), (..., slice(1, r, 2))  # (B, H, T, r/2) views each
     else:  # pairs (i, i + r/2)
