@@ -77,6 +77,20 @@ def test_prefill_and_decode_equal_the_per_layer_angles(dtype, counted):
         assert torch.equal(g, w)
 
 
+def test_a_layer_with_its_own_rope_turns_by_it(counted):
+    """One layer's rope swapped for another (a different theta): the shared angles would be
+    layer 0's; each layer turns by its own instead, as the per-layer computation does."""
+    m = _llama()
+    m.layers[1].self_attn.rope = Rotary(m.layers[1].self_attn.rope.dim, theta=500.0)
+    ref = _per_layer(m)
+    ids = _ids()
+    with torch.no_grad():
+        counted.clear()
+        got = m(ids)
+        assert len(counted) == CFG.num_hidden_layers  # per layer: no shared angles
+        assert torch.equal(got, ref(ids))
+
+
 def test_left_padded_batches_equal_the_per_layer_angles():
     """Rows with 3 and 1 padding tokens: one pass with ``attention_mask`` (positions (B, P)),
     and caches with declared left padding (positions from the caches), then steps."""

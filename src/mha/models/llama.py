@@ -450,10 +450,11 @@ class Llama(nn.Module):
         """The RoPE ``(C, S)`` ``(B|1, T, r)`` (:meth:`mha.rope.Rotary.angles`) of one forward's
         tokens at ``positions`` (``(T,)``, ``(B, T)``, ``(1, T)``, or None = ``0 .. T-1``),
         computed once and handed to every layer, whose attentions share one ``Rotary`` (the
-        first layer's); None when that layer has no rope. ``x``: the embedded tokens (their
+        model builds them so); None when a layer holds another rope (one swapped in by the
+        user: each layer then turns by its own) or none. ``x``: the embedded tokens (their
         device and dtype)."""
         rope = self.layers[0].self_attn.rope if len(self.layers) else None
-        if rope is None:
+        if rope is None or any(layer.self_attn.rope is not rope for layer in self.layers):
             return None
         return rope.angles(positions, B, T, x.device, x.dtype)
 
