@@ -219,3 +219,22 @@ def test_the_scheduler_serves_the_packed_llama_as_its_generate(models, kind):
     rids = [s.add(p, 10) for p in PROMPTS]
     got = s.run()
     assert [got[r] for r in rids] == cut
+
+
+def test_without_the_packed_kernel_a_loaded_model_keeps_its_weights_and_warns(monkeypatch):
+    """pack_loaded (mha generate / chat / serve): the packed kernel refused on this machine
+    -> a RuntimeWarning naming why, the model's own nn.Linear weights, "fp32" returned."""
+    from mha.llm.weights import pack_loaded
+
+    m = _llama()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    monkeypatch.setattr(gemv, "load", lambda: "no AVX-512 on this CPU")
+    with pytest.warns(RuntimeWarning, match="no AVX-512 on this CPU"):
+        assert pack_loaded(m, "bf16") == "fp32"
+    assert not any(isinstance(x, (PackedLinear, PackedMLP)) for x in m.modules())
+    after = m.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k])
+                                                  for k in before)
+    monkeypatch.undo()  # the kernel runs here (the module's skip): packed
+    assert pack_loaded(m, "bf16") == "bf16"
+    assert any(isinstance(x, PackedMLP) for x in m.modules())

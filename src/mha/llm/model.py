@@ -245,20 +245,12 @@ def load(dtype="fp32", attn: str = "mha", weights: str = "fp32") -> Loaded:
 def _load(dtype: torch.dtype, attn: str, weights: str) -> Loaded:
     from transformers import AutoModelForCausalLM
 
-    from mha.llm.weights import pack_weights
-    from mha.ops import gemv
+    from mha.llm.weights import pack_loaded
 
     path = convert()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     model.eval()
-    if weights != "fp32" and gemv.load() is not None:
-        import warnings
-
-        warnings.warn(f"mha: weights={weights!r} needs the packed kernel ({gemv.load()}); "
-                      "the projections keep the model's own weights", RuntimeWarning,
-                      stacklevel=3)
-        weights = "fp32"
-    pack_weights(model, weights)
+    weights = pack_loaded(model, weights)
     return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn=attn,
                   weights=weights)
 

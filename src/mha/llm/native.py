@@ -45,20 +45,12 @@ def load_native(dtype="fp32", weights: str = "fp32") -> Loaded:
 
 @functools.cache
 def _load_native(dtype: torch.dtype, weights: str) -> Loaded:
-    from mha.llm.weights import pack_weights
+    from mha.llm.weights import pack_loaded
     from mha.models.llama import Llama
-    from mha.ops import gemv
 
     path = convert()
     model = Llama.from_pretrained(path, dtype=dtype)
-    if weights != "fp32" and gemv.load() is not None:
-        import warnings
-
-        warnings.warn(f"mha: weights={weights!r} needs the packed kernel ({gemv.load()}); "
-                      "the projections keep the model's own weights", RuntimeWarning,
-                      stacklevel=3)
-        weights = "fp32"
-    pack_weights(model, weights)
+    weights = pack_loaded(model, weights)
     return Loaded(model=model, tokenizer=_tokenizer(str(path)), dtype=dtype, attn="mha",
                   weights=weights, impl="mha", generation_eos=_generation_eos(path))
 

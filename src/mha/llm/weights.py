@@ -106,6 +106,21 @@ def check_weights(weights) -> str:
     return weights
 
 
+def pack_loaded(model: nn.Module, weights: str) -> str:
+    """:func:`pack_weights` for a model just loaded (``mha generate`` / ``chat`` / ``serve``):
+    without the packed kernel (:func:`mha.ops.gemv.load` says why) a RuntimeWarning, and the
+    model keeps its own weights. Returns the weights the model runs on."""
+    if weights != "fp32" and gemv.load() is not None:
+        import warnings
+
+        warnings.warn(f"mha: weights={weights!r} needs the packed kernel ({gemv.load()}); "
+                      "the projections keep the model's own weights", RuntimeWarning,
+                      stacklevel=4)
+        weights = "fp32"
+    pack_weights(model, weights)
+    return weights
+
+
 def pack_weights(model: nn.Module, weights: str = "bf16") -> nn.Module:
     """Replace ``model``'s projections by packed ones, in place, and return ``model``.
 
