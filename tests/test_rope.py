@@ -659,3 +659,13 @@ def test_the_rolled_and_the_halves_rotation_agree_bitwise(monkeypatch, shape):
             monkeypatch.setattr(rope_mod, "_ROLL_MAX", limit)
             outs.append(rope.rotate_tokens(x, C, S))
         assert torch.equal(outs[0], outs[1])
+
+
+def test_angles_take_a_device_by_name():
+    """``Rotary.angles(..., device="cpu")`` with positions: the same angles as with
+    ``torch.device("cpu")`` (a name compared unequal to the device and was refused as
+    "positions must be on cpu like the inputs, got cpu")."""
+    rope = Rotary(8)
+    p = torch.tensor([[3, 0, 7, 2]])  # (1, T)
+    by_name, by_device = rope.angles(p, 1, 4, "cpu"), rope.angles(p, 1, 4, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(by_name, by_device, strict=True))

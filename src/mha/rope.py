@@ -184,7 +184,8 @@ class Rotary:
         ``(1, T)`` ints >= 0; None = ``0 .. T-1``): each dim's ``cos`` and signed ``sin`` of
         its pair's angle, so that the rotation is ``x * C + partner(x) * S`` (``partner``
         swaps the two dims of each pair). float32 — float64 when ``dtype`` is float64 (the
-        rotation's precision for inputs of ``dtype``)."""
+        rotation's precision for inputs of ``dtype``). ``device``: a device or its name."""
+        device = torch.device(device)  # "cpu" compares unequal to torch.device("cpu")
         work = torch.float64 if dtype == torch.float64 else torch.float32
         eager = work == torch.float32 and not torch.compiler.is_compiling()
         if positions is None and eager and T <= _TABLE_CAP:
