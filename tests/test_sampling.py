@@ -425,3 +425,31 @@ def test_a_filter_without_temperature_is_refused_in_the_callers_words(fields, re
     assert message.startswith(f"{names[refused]} samples only with --temperature > 0")
     assert filter_without_temperature(SamplingParams(temperature=0.7, **fields),
                                       temperature_given=True, names=names) is None
+
+
+def test_an_interrupted_chat_turn_leaves_the_generator_as_before(monkeypatch):
+    """Chat.say interrupted after its draws (Ctrl-C mid-reply): the conversation's generator
+    goes back to before the turn, so the retried turn draws what it would have drawn."""
+    from mha.llm.generation import Chat
+
+    chat = Chat.__new__(Chat)  # the turn's bookkeeping only: no model loaded
+    chat.sampling = SamplingParams(temperature=1.0, seed=9).with_seed()
+    chat.generator = chat.sampling.generator()
+    chat.max_new_tokens, chat.kv, chat.messages = 4, None, []
+    chat.loaded = type("Loaded", (), {"tokenizer": None})()
+    draws = []
+
+    def run(loaded, ids, n, *, on_text, kv, sampling, generator):
+        draws.append(torch.rand(3, generator=generator))
+        if len(draws) == 1:
+            raise KeyboardInterrupt
+        return type("Result", (), {"text": "ok"})()
+
+    chat._run = run
+    monkeypatch.setattr("mha.llm.generation.chat_ids",
+                        lambda tok, messages: torch.zeros(1, 1, dtype=torch.long))  # (1, P)
+    with pytest.raises(KeyboardInterrupt):
+        chat.say("hi")
+    assert chat.messages == []
+    chat.say("hi")
+    assert torch.equal(draws[0], draws[1])

@@ -136,8 +136,8 @@ class Chat:
     """A conversation with SmolLM2: each :meth:`say` renders the whole history with the chat
     template and generates the reply (a cache of capacity ``P + max_new_tokens`` per turn).
 
-    A refused turn (too long for the context, or ``text`` not UTF-8 text) leaves the history
-    as it was. ``impl="mha"``: the model built from mha's own modules
+    A refused or interrupted turn (too long for the context, ``text`` not UTF-8 text, Ctrl-C)
+    leaves the history, and the sampling generator, as they were. ``impl="mha"``: the model built from mha's own modules
     (:mod:`mha.llm.native`), which runs ``attn="mha"``, with the projections' ``weights`` (as
     loaded, or packed bf16 / int8) and K/V in the model's dtype or int8; other values of those
     are refused naming the argument.
@@ -176,8 +176,14 @@ class Chat:
         check_text("text", text)
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = chat_ids(self.loaded.tokenizer, messages)  # (1, P)
-        res = self._run(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv,
-                        sampling=self.sampling, generator=self.generator)
+        state = None if self.generator is None else self.generator.get_state()
+        try:
+            res = self._run(self.loaded, ids, self.max_new_tokens, on_text=on_text, kv=self.kv,
+                            sampling=self.sampling, generator=self.generator)
+        except BaseException:  # Ctrl-C or an error mid-turn: the generator as before the turn
+            if state is not None:
+                self.generator.set_state(state)
+            raise
         self.messages = [*messages, {"role": "assistant", "content": res.text}]
         return res
 
