@@ -614,3 +614,39 @@ def test_the_serve_pool_shape_is_the_packaged_models():
         pytest.skip(str(e))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     assert KV_SHAPE == (config["num_hidden_layers"], config["num_key_value_heads"], head_dim)
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_connections_beyond_max_connections_get_a_503_without_a_thread(models, tok):
+    """max_connections=3 held by silent clients: a fourth connection is answered 503 (JSON)
+    at once, not left waiting behind them; once one silent client leaves, requests are
+    served again."""
+    with running(models["mha"], tok, max_seqs=2, request_timeout=30,
+                 max_connections=3) as srv:
+        port = srv.server_address[1]
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        try:
+            _until(lambda: srv._connections == 3)
+            threads = threading.active_count()
+            status, out = post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+            assert status == 503 and "max_connections" in out["error"]["message"], out
+            assert srv._connections == 3 and threading.active_count() == threads
+            silent.pop().close()
+            _until(lambda: srv._connections == 2)
+            status, out = post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+            assert status == 200, out
+        finally:
+            for c in silent:
+                c.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
+def test_a_bad_max_connections_is_refused_naming_it(models, tok, bad):
+    with pytest.raises(ValueError, match="max_connections must be a positive int"):
+        make_server(models["mha"], tok, max_connections=bad)

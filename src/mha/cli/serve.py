@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout", type=positive_float, default=30.0,
                    help="seconds a client may keep the server waiting for its request's "
                         "bytes before it is dropped (default 30)")
+    p.add_argument("--max-connections", type=positive_int, default=256,
+                   help="connections served at once, a thread each (default 256); one more "
+                        "is answered 503 at once")
     p.add_argument("--threads", type=thread_count, default=None,
                    help="torch threads of the engine (default: torch's)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
@@ -139,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                              kv_dtype=args.kv,
                              eos_token_id=eos_token_ids(loaded), threads=args.threads,
                              model_name=MODEL_NAME, log=log, debug=args.debug,
-                             request_timeout=args.request_timeout)
+                             request_timeout=args.request_timeout,
+                             max_connections=args.max_connections)
     except OSError as e:  # the port was taken while the model loaded
         raise UsageError(f"--host {args.host} --port {args.port} cannot be listened on: "
                          f"{e.strerror or e}") from e

@@ -41,6 +41,7 @@ Content-Length is dropped: 408 once the body began). After
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.server
 import json
@@ -411,6 +412,9 @@ class Server(http.server.ThreadingHTTPServer):
         request_timeout: seconds a socket read or write may wait (a client that sends
             nothing, or less body than its Content-Length, is dropped after it: 408 when a
             body was announced).
+        max_connections: connections served at once, one thread each; a connection beyond
+            them is answered 503 at once and closed, without a thread (silent clients would
+            otherwise each hold a thread up to ``request_timeout``).
     """
 
     daemon_threads = True
@@ -419,8 +423,12 @@ class Server(http.server.ThreadingHTTPServer):
 
     def __init__(self, address, engine: Engine, *, tokenizer=None, model_name: str = "mha",
                  log: Callable[[str], None] | None = None, debug: bool = False,
-                 request_timeout: float = 30.0) -> None:
+                 request_timeout: float = 30.0, max_connections: int = 256) -> None:
         self.request_timeout = _check_timeout(request_timeout)
+        self.max_connections = _check_connections(max_connections)
+        self._connections = 0  #: connections with a thread now
+        self._connections_lock = threading.Lock()
+        self._refused: collections.deque = collections.deque()  #: (close at, socket) past the cap
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.log, self.debug = log, debug
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not for concurrent use
@@ -461,6 +469,36 @@ class Server(http.server.ThreadingHTTPServer):
         self._closing.set()
         super().server_close()
 
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection, or, with ``max_connections`` served already, a 503
+        written on the socket (small: the kernel's buffer takes it) and the socket closed."""
+        with self._connections_lock:
+            full = self._connections >= self.max_connections
+            self._connections += not full
+        if not full:
+            super().process_request(request, client_address)
+            return
+        try:
+            request.settimeout(1.0)
+            request.sendall(FULL)
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            request.close()
+            return
+        # closed by _reap a second later: closing now, with the client's request unread,
+        # would reset the connection and could discard the 503 before the client reads it
+        with self._reading_lock:
+            self._refused.append((time.monotonic() + 1.0, request))
+            while len(self._refused) > REFUSED_HELD:
+                self._refused.popleft()[1].close()
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._connections_lock:
+                self._connections -= 1
+
     def reading(self, handler: Handler, started: bool) -> None:
         """``handler`` starts (``request_timeout`` from now) or ends reading a request."""
         with self._reading_lock:
@@ -481,6 +519,11 @@ class Server(http.server.ThreadingHTTPServer):
                     h.late = True
                     with contextlib.suppress(OSError):
                         h.connection.shutdown(socket.SHUT_RD)
+                while self._refused and self._refused[0][0] <= now:
+                    self._refused.popleft()[1].close()
+        with self._reading_lock:
+            while self._refused:
+                self._refused.popleft()[1].close()
 
     def handle_error(self, request, client_address) -> None:
         e = sys.exc_info()[1]
@@ -510,6 +553,26 @@ class Server(http.server.ThreadingHTTPServer):
             return ""
         with self.tokenizer_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _check_connections(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_connections must be a positive int, got {value!r}")
+    return value
+
+
+def _full_response() -> bytes:
+    body = json.dumps({"error": {"message": "too many connections: the server serves "
+                                 "max_connections at once; retry later",
+                                 "type": "server_error", "param": None,
+                                 "code": None}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
+            % len(body)) + body
+
+
+FULL = _full_response()  #: the answer to a connection beyond max_connections
+REFUSED_HELD = 1024  #: refused sockets held open (for their 503 to be read) at most
 
 
 def _check_timeout(value) -> float:
@@ -872,12 +935,13 @@ def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int =
                 eos_token_id: int | list[int] | None = None,
                 threads: int | None = None, model_name: str = "mha",
                 log: Callable[[str], None] | None = None, debug: bool = False,
-                request_timeout: float = 30.0) -> Server:
+                request_timeout: float = 30.0, max_connections: int = 256) -> Server:
     """A :class:`Server` on ``(host, port)`` over a new :class:`Scheduler` of ``loaded_model``
     (a transformers causal LM or an :class:`mha.models.Llama`; its context is each request's
     limit). ``eos_token_id``: a request stops at this id or at any of a list of them (None:
     at ``max_tokens`` only), as :class:`Scheduler` takes it. Call ``.start()``."""
     _check_timeout(request_timeout)  # (before the scheduler's pages are allocated)
+    _check_connections(max_connections)
     context = runner_for(loaded_model, "loaded_model").context  # refuses another kind
     if context is None:
         raise ValueError("loaded_model must declare its context (config.max_position_embeddings"
@@ -887,7 +951,8 @@ def make_server(loaded_model, tokenizer, *, host: str = "127.0.0.1", port: int =
                           kv_dtype=kv_dtype, eos_token_id=eos_token_id)
     engine = Engine(scheduler, threads=threads, log=log)
     return Server((host, port), engine, tokenizer=tokenizer, model_name=model_name, log=log,
-                  debug=debug, request_timeout=request_timeout)
+                  debug=debug, request_timeout=request_timeout,
+                  max_connections=max_connections)
 
 
 __all__ = ["Engine", "Server", "TextStream", "Ticket", "make_server"]
