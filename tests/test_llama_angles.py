@@ -227,3 +227,26 @@ def test_q_and_k_of_one_gemm_rotate_in_one_call_as_in_two(monkeypatch):
     assert calls == [(2, 5, 4, 16), (2, 5, 2, 16)]
     for a, b in zip(joint, apart, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_q_and_k_adjacent_in_memory_but_of_two_storages_rotate_apart():
+    """Q and K of separate allocations that happen to lie end to end in memory (an allocator
+    without chunk headers, as jemalloc's size classes, can place a decode step's separate Q and
+    K projections so) are rotated in two calls: one view of Q's storage over both would read
+    past it. Equal Q and K/V heads: Q's strides are K's, as the one-call rotation needs."""
+    torch.manual_seed(0)
+    m = mha.MultiHeadAttention(64, 4, rope=Rotary(16, theta=500.0), bias=False).eval()
+    H, H_kv, d = m.num_heads, m.num_kv_heads, m.head_dim
+    buf = bytearray(4 * (H + H_kv) * d)  # Q's floats, then K's
+    q = torch.frombuffer(buf, dtype=torch.float32, count=H * d)  # one storage ...
+    k = torch.frombuffer(memoryview(buf)[4 * H * d:], dtype=torch.float32)  # ... and another
+    g = torch.Generator().manual_seed(5)
+    q.copy_(torch.randn(H * d, generator=g))
+    k.copy_(torch.randn(H_kv * d, generator=g))
+    q, k = q.view(1, 1, H * d), k.view(1, 1, H_kv * d)  # (B, T, h*d_k), (B, T, h_kv*d_k)
+    assert k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size()
+    angles = m.rope.angles(torch.tensor([[3]]), 1, 1, torch.device("cpu"))  # (1, 1, r) x 2
+    got = m._rotate_qk(q, k, angles)
+    want = m._rotate_qk(q.clone(), k.clone(), angles)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -530,11 +530,13 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = q.shape
         H, H_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # inference only: a traced tensor has no data_ptr, and autograd would take the
-        # as_strided view relative to the GEMM output's storage, not to Q
+        # as_strided view relative to the GEMM output's storage, not to Q. One storage: two
+        # allocations may lie end to end, and a view of Q's storage cannot reach into K's
         if (not torch.compiler.is_compiling() and not q.requires_grad
                 and q.shape[:2] == k.shape[:2] and q.stride() == k.stride() and q.stride(-1) == 1
                 and q.dtype == k.dtype
-                and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size()):
+                and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size()
+                and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()):
             qk = q.as_strided((B, T, (H + H_kv) * d), q.stride())  # Q's and K's columns
             qk = qk.unflatten(-1, (H + H_kv, d))  # (B, T, (h+h_kv)*d_k) -> (B, T, h+h_kv, d_k)
             qk = self.rope.rotate_tokens(qk, *angles)  # (B, T, h+h_kv, d_k), new
