@@ -157,3 +157,22 @@ def test_mha_serve_passes_every_eos_id(model, monkeypatch, capsys):
     assert main(["serve", "--port", "0", "--num-pages", "16", "--page-size", "4"]) == 2
     assert seen["eos_token_id"] == [CFG.eos_token_id, 7, 9]
     assert "recorded" in capsys.readouterr().err
+
+
+def test_generate_with_impl_mha_stops_at_every_eos_id_as_serve(model):
+    """``run_native`` (``mha generate --impl mha``, ``mha chat --impl mha``) stops at every eos
+    id the model declares, as ``mha serve`` does (:func:`eos_token_ids`): here an id that only
+    the generation config lists, which the reply reaches on its third token."""
+    from mha.llm.native import run_native
+    from mha.models.llama import Llama
+    from test_server import _tokenizer
+
+    llama = Llama.from_hf(copy.deepcopy(model)).eval()
+    ids = torch.tensor([PROMPTS[1]])  # (1, P)
+    alone = llama.generate(ids, NEW)[0, ids.shape[1]:].tolist()  # no eos: NEW tokens
+    stop = alone[2]
+    assert stop not in alone[:2] and stop != CFG.eos_token_id and CFG.eos_token_id not in alone
+    loaded = Loaded(model=llama, tokenizer=_tokenizer(), dtype=torch.float32, attn="mha",
+                    impl="mha", generation_eos=[CFG.eos_token_id, stop])
+    assert run_native(loaded, ids, NEW).tokens == alone[:3]
+    assert run_native(loaded, ids, NEW, stop_at_eos=False).tokens == alone

@@ -24,7 +24,14 @@ from collections.abc import Callable
 import torch
 
 from mha.checks import check_int
-from mha.llm.model import Loaded, _tokenizer, check_dtype, convert, require_extra
+from mha.llm.model import (
+    Loaded,
+    _tokenizer,
+    check_dtype,
+    convert,
+    eos_token_ids,
+    require_extra,
+)
 from mha.llm.runs import Result, check_fits, check_prompt_ids, streamer
 from mha.sampling import Sampler, SamplingParams, check_sampling
 
@@ -81,8 +88,9 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
                kv: str | None = None, sampling: SamplingParams | None = None,
                generator: torch.Generator | None = None) -> Result:
     """Decode up to ``max_new_tokens`` after ``ids (1, P)`` with the native model (its caches
-    of capacity ``P + N``), stopping at the tokenizer's end-of-turn token unless
-    ``stop_at_eos=False``: greedy, or sampled with ``sampling`` from ``generator`` (None: a
+    of capacity ``P + N``), stopping at any eos id the model declares (the tokenizer's
+    end-of-turn token, the config's and the generation config's: :func:`eos_token_ids`, as
+    ``mha serve``) unless ``stop_at_eos=False``: greedy, or sampled with ``sampling`` from ``generator`` (None: a
     new one from its seed), as :func:`mha.llm.generation.run_ids` draws."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, low=1, what="a positive int")
     kv = check_native_kv(kv, loaded.dtype)
@@ -98,7 +106,7 @@ def run_native(loaded: Loaded, ids: torch.Tensor, max_new_tokens: int, *,
     def step(token: torch.Tensor) -> None:  # (1,)
         stream.put(token)
 
-    eos = tok.eos_token_id if stop_at_eos else None
+    eos = eos_token_ids(loaded) if stop_at_eos else None  # None, an id or a list
     t0 = time.perf_counter()
     out = loaded.model.generate(ids, max_new_tokens, eos_token_id=eos, kv_dtype=kv,
                                 on_token=step, sampling=sampler)  # (1, P + N)
