@@ -173,8 +173,10 @@ class KVCache:
         """``(B, h_kv, Tk, d_v)``: a view of the storage (no copy); int8: dequantized copy."""
         return self._read(self.v, self.v_scale)
 
-    def _read(self, store: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        Tk = self.max_length
+    def _read(self, store: torch.Tensor, scale: torch.Tensor | None,
+              Tk: int | None = None) -> torch.Tensor:
+        """The first ``Tk`` positions of ``store`` (default :attr:`max_length`)."""
+        Tk = self.max_length if Tk is None else Tk
         if scale is None:
             return store[:, :, :Tk]  # (B, h_kv, Tk, d)
         deq = store[:, :, :Tk].float() * scale[:, :, :Tk, None]  # (B, h_kv, Tk, d) * (.., 1)
@@ -222,13 +224,18 @@ class KVCache:
     def masks(self, Tq: int) -> dict:
         """The ``mha.attention`` keyword arguments that make the last Tq cached tokens of each
         row attend causally to that row's own keys (see the module docstring)."""
+        return self._masks(Tq, self.lengths.tolist(), self.starts.tolist())
+
+    def _masks(self, Tq: int, lengths: list[int], starts: list[int]) -> dict:
+        """:meth:`masks` from the rows' ``lengths`` and ``starts`` read once as lists (one
+        device read each, not one per reduction)."""
         L, S = self.lengths, self.starts
-        uniform = bool((L == L[0]).all()) and not bool(S.any())
-        if uniform:
+        late = any(starts)  # a row starts past position 0 (left padding)
+        if not late and all(n == lengths[0] for n in lengths):
             return {"causal": True} if Tq > 1 else {}
         out: dict = {"key_lengths": L}
-        if Tq > 1 or bool(S.any()):
-            Tk = self.max_length
+        if Tq > 1 or late:
+            Tk = max(lengths, default=0)
             j = torch.arange(Tk, device=self.device)  # (Tk,)
             i = torch.arange(Tq, device=self.device)  # (Tq,)
             last = (L - Tq).view(-1, 1, 1) + i.view(1, -1, 1)  # (B, Tq, 1)
@@ -242,10 +249,14 @@ class KVCache:
 
         Raises (changing nothing) when they do not fit, or their shape/dtype/device differs.
         """
+        self._append(k_new, v_new, self.lengths.tolist())
+
+    def _append(self, k_new: torch.Tensor, v_new: torch.Tensor, lengths: list[int]) -> None:
+        """:meth:`append`, the rows' ``lengths`` read once as a list (one device read for
+        the capacity check and the equal-rows test)."""
         self._check_new(k_new, v_new)
         Tn = k_new.shape[2]
-        end = self.lengths + Tn
-        if self.batch_size and int(end.max()) > self.capacity:
+        if lengths and max(lengths) + Tn > self.capacity:
             raise ValueError(f"KVCache is full: appending {Tn} token(s) to rows of lengths "
                              f"{self.lengths.tolist()} exceeds the capacity T_max={self.capacity}; "
                              "the cache is unchanged (make it larger with new_cache(batch_size, "
@@ -263,8 +274,8 @@ class KVCache:
             kq, ks = quantize_int8(k_new)  # (B, h_kv, Tn, d_k) int8, (B, h_kv, Tn) float32
             vq, vs = quantize_int8(v_new)  # (B, h_kv, Tn, d_v) int8, (B, h_kv, Tn) float32
             pairs = [(self.k, kq), (self.v, vq), (self.k_scale, ks), (self.v_scale, vs)]
-        L0 = int(self.lengths[0])
-        if bool((self.lengths == L0).all()):
+        L0 = lengths[0] if lengths else 0
+        if all(n == L0 for n in lengths):
             for store, new in pairs:
                 store[:, :, L0:L0 + Tn].copy_(new)  # (B, h_kv, Tn[, d]) into the storage
         else:  # ragged rows: one scatter per tensor, still only the new tokens are written
@@ -279,12 +290,16 @@ class KVCache:
     def appending(self, k_new: torch.Tensor, v_new: torch.Tensor):
         """Append, then yield ``(k_all (B, h_kv, Tk, d_k), v_all, masks)`` for attention over
         everything cached; if the body raises, the append is undone (lengths restored)."""
-        before = self.lengths.clone()
-        self.append(k_new, v_new)
+        before = self.lengths.tolist()  # (B,) as a list: one device read serves the step
+        self._append(k_new, v_new, before)
+        Tn = k_new.shape[2]
+        after = [n + Tn for n in before]  # the lengths the append wrote
+        Tk = max(after, default=0)
         try:
-            yield self.keys(), self.values(), self.masks(k_new.shape[2])
+            yield (self._read(self.k, self.k_scale, Tk), self._read(self.v, self.v_scale, Tk),
+                   self._masks(Tn, after, self.starts.tolist()))
         except BaseException:
-            self.lengths.copy_(before)
+            self.lengths.copy_(torch.tensor(before, dtype=torch.int64, device=self.device))
             raise
 
     def truncate(self, n) -> None:
