@@ -378,3 +378,24 @@ def test_a_padded_forward_refuses_right_padding_and_caches():
                                                           "caches"):
         m(ids, caches, attention_mask=torch.ones_like(ids))
     assert all(int(c.lengths.sum()) == 0 for c in caches)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: c.append(torch.zeros(3, 2, 1, 16), torch.zeros(3, 2, 1, 16)),
+     r"caches\[1\] must hold the same tokens as caches\[0\] .*lengths \[12, 12, 12\] against "
+     r"\[11, 11, 11\]"),
+    (lambda c: c.mark_left_padding(torch.tensor([0, 2, 0])),
+     r"caches\[1\] must hold the same tokens as caches\[0\] .*starts \[0, 2, 0\] against "
+     r"\[0, 0, 0\]"),
+])
+def test_caches_holding_other_tokens_are_refused_and_nothing_appended(change, match):
+    _, m = _pair()
+    ids = _ids()  # (3, 11)
+    caches = m.new_caches(3, 16)
+    with torch.no_grad():
+        m(ids, caches)
+        change(caches[1])
+        lengths = [c.lengths.clone() for c in caches]
+        with pytest.raises(ValueError, match=match):
+            m(ids[:, :1], caches)
+    assert all(torch.equal(c.lengths, n) for c, n in zip(caches, lengths, strict=True))

@@ -661,19 +661,19 @@ def _check_same_tokens(caches) -> None:
     caches have them; equal lengths of ConcatKVCaches): the tokens' positions come from each
     layer's cache."""
     first = caches[0]
+    want = {name: t.tolist() for name in ("lengths", "starts")
+            if isinstance(t := getattr(first, name, None), torch.Tensor)}  # read once a step
     for i, c in enumerate(caches[1:], start=1):
         if isinstance(first, ConcatKVCache) and isinstance(c, ConcatKVCache) and \
                 c.max_length != first.max_length:
             raise ValueError(f"caches[{i}] must hold the same tokens as caches[0] (one per "
                              f"layer, all fed the same ids): {c.max_length} tokens against "
                              f"{first.max_length}")
-        for name in ("lengths", "starts"):
-            a, b = getattr(first, name, None), getattr(c, name, None)
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not (
-                    a.shape == b.shape and torch.equal(a, b.to(a.device))):
+        for name, a in want.items():
+            b = getattr(c, name, None)
+            if isinstance(b, torch.Tensor) and (b := b.tolist()) != a:
                 raise ValueError(f"caches[{i}] must hold the same tokens as caches[0] (one "
-                                 f"per layer, all fed the same ids): {name} {b.tolist()} "
-                                 f"against {a.tolist()}")
+                                 f"per layer, all fed the same ids): {name} {b} against {a}")
 
 
 def _cache_state(cache):
