@@ -229,3 +229,29 @@ def test_concat_baseline_has_the_same_protocol():
                          m(x[:, 8:10], cache=base)], dim=1)
         _assert_budget(got, m, x, "concat")
     assert base.max_length == 10
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("rows", ["equal", "ragged", "left padded"])
+@pytest.mark.parametrize("Tn", [1, 3])
+def test_appending_yields_what_keys_values_and_masks_give_and_undoes_on_error(rows, Tn,
+                                                                              kv_dtype):
+    g = torch.Generator().manual_seed(0)
+    c = mha.KVCache(3, 2, 12, 8, kv_dtype=kv_dtype)  # (B, h_kv, T_max, d)
+    if rows == "left padded":
+        c.mark_left_padding(torch.tensor([0, 2, 1]))
+    c.append(*(torch.randn(3, 2, 4, 8, generator=g) for _ in range(2)))  # 4 tokens a row
+    if rows == "ragged":
+        c.truncate(torch.tensor([4, 2, 3]))
+    new = [torch.randn(3, 2, Tn, 8, generator=g) for _ in range(2)]  # (B, h_kv, Tn, d)
+    before = c.lengths.clone()
+    with c.appending(*new) as (k_all, v_all, masks):
+        assert torch.equal(k_all, c.keys()) and torch.equal(v_all, c.values())
+        want = c.masks(Tn)
+        assert masks.keys() == want.keys()
+        assert all(torch.equal(masks[n], want[n]) if isinstance(want[n], torch.Tensor)
+                   else masks[n] == want[n] for n in want)
+    assert torch.equal(c.lengths, before + Tn)
+    with pytest.raises(RuntimeError, match="the body"), c.appending(*new):
+        raise RuntimeError("the body")
+    assert torch.equal(c.lengths, before + Tn)  # the second append undone
