@@ -58,25 +58,26 @@ def _module_at(rev: str, path: str, name: str) -> types.ModuleType:
     return mod
 
 
+def _put(owner, name, value, absent) -> None:
+    """``owner.name = value``, or the attribute deleted when ``value is absent``."""
+    if value is absent:
+        if name in owner.__dict__:
+            delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
 @contextlib.contextmanager
 def _patched(pairs):
     """Set ``(owner, name, value)`` attributes (None value = delete), restore them after."""
     saved = [(o, n, o.__dict__.get(n, _MISSING)) for o, n, _ in pairs]
     try:
         for o, n, v in pairs:
-            if v is None:
-                if n in o.__dict__:
-                    delattr(o, n)
-            else:
-                setattr(o, n, v)
+            _put(o, n, v, None)
         yield
     finally:
         for o, n, v in saved:
-            if v is _MISSING:
-                if n in o.__dict__:
-                    delattr(o, n)
-            else:
-                setattr(o, n, v)
+            _put(o, n, v, _MISSING)
 
 
 _MISSING = object()
