@@ -15,6 +15,7 @@ from mha.cli import main
 
 XEON_FLAGS = "fpu sse avx avx2 fma avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
 ZEN5_FLAGS = "fpu sse avx avx2 fma avx512f avx512bw avx512_bf16 avx_vnni"
+ZEN4_FLAGS = "fpu sse avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni"
 ZEN3_FLAGS = "fpu sse avx fma avx2 sha_ni vaes"
 
 
@@ -27,10 +28,14 @@ def cpuinfo(vendor: str, name: str, family: int, model: int, flags: str, n: int 
 @pytest.mark.parametrize("text, kind, flags", [
     (cpuinfo("GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+", 6, 143, XEON_FLAGS),
      "xeon-amx", list(cpu.ISA_FLAGS)),
-    (cpuinfo("AuthenticAMD", "AMD EPYC", 26, 2, ZEN5_FLAGS), "epyc-avx512",
+    (cpuinfo("AuthenticAMD", "AMD EPYC", 26, 2, ZEN5_FLAGS), "epyc-zen5-avx512",
      ["avx2", "fma", "avx512f", "avx512_bf16"]),
-    (cpuinfo("AuthenticAMD", "AMD EPYC", 25, 1, ZEN3_FLAGS), "epyc-avx2", ["avx2", "fma"]),
-    (cpuinfo("AuthenticAMD", "AMD Ryzen 9 7950X", 25, 97, ZEN5_FLAGS), "ryzen-avx512",
+    (cpuinfo("AuthenticAMD", "AMD EPYC", 25, 1, ZEN3_FLAGS), "epyc-zen3-avx2", ["avx2", "fma"]),
+    (cpuinfo("AuthenticAMD", "AMD EPYC", 25, 17, ZEN4_FLAGS), "epyc-zen4-avx512",
+     ["avx2", "fma", "avx512f", "avx512_bf16"]),
+    (cpuinfo("AuthenticAMD", "AMD Ryzen 9 7950X", 25, 97, ZEN4_FLAGS), "ryzen-zen4-avx512",
+     ["avx2", "fma", "avx512f", "avx512_bf16"]),
+    (cpuinfo("AuthenticAMD", "AMD EPYC", 27, 0, ZEN5_FLAGS), "epyc-avx512",
      ["avx2", "fma", "avx512f", "avx512_bf16"]),
     (cpuinfo("GenuineIntel", "QEMU Virtual CPU", 6, 6, "fpu sse sse2"), "intel-portable", []),
     ("", "cpu-portable", []),
@@ -87,7 +92,7 @@ def a_run(kind: str, fastest_peer: float = 2.0) -> dict:
 
 
 def test_speedups_are_against_the_fastest_peer_not_mha_nor_probes():
-    rows = report.rows_from_run(a_run("epyc-avx2"))
+    rows = report.rows_from_run(a_run("epyc-zen3-avx2"))
     best, ratios = speedups([r for r in rows if r.case == "c1"])
     assert best.impl == "torch sdpa"
     assert ratios == {"mha:flash_cpu": 4.0, "mha auto": 4.0, "torch sdpa": 1.0,
@@ -100,11 +105,11 @@ def test_speedups_are_against_the_fastest_peer_not_mha_nor_probes():
 
 def test_plot_renders_ratio_panels_from_a_json_fixture(tmp_path):
     saved = tmp_path / "run.json"
-    saved.write_text(json.dumps(a_run("epyc-avx2")))
+    saved.write_text(json.dumps(a_run("epyc-zen3-avx2")))
     out = plot(report.load_json(saved), tmp_path / "p.png")
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    nothing = a_run("epyc-avx2")
+    nothing = a_run("epyc-zen3-avx2")
     nothing["rows"] = [r for r in nothing["rows"] if r["case"] == "alone"]
     with pytest.raises(ValueError, match="no case has a measured peer"):
         plot(nothing, tmp_path / "none.png")
@@ -117,24 +122,24 @@ def test_markdown_rewrites_only_the_section_of_the_run_kind(tmp_path, headline_o
                                                                             report.MD_END)
     # the single-section form: one block without kinds is replaced by the kind's section
     doc.write_text(f"# doc\n\n{begin}\nold table, no kind\n{end}\n\nafter\n")
-    first = a_run("epyc-avx512", fastest_peer=2.0)
+    first = a_run("epyc-zen5-avx512", fastest_peer=2.0)
     report.write_markdown(first, doc, headline_only=headline_only)
     report.write_markdown(a_run("xeon-amx", fastest_peer=3.0), doc, headline_only=headline_only)
     text = doc.read_text()
     assert "old table, no kind" not in text and text.startswith("# doc\n\n")
     assert text.endswith(f"{end}\n\nafter\n")
-    assert text.index("begin epyc-avx512 -->") < text.index("begin xeon-amx -->")
+    assert text.index("begin epyc-zen5-avx512 -->") < text.index("begin xeon-amx -->")
     render = report.headline if headline_only else report.markdown
     assert render(first) in text
     # a new run of the first kind replaces its section and keeps the other kind's
-    again = a_run("epyc-avx512", fastest_peer=5.0)
+    again = a_run("epyc-zen5-avx512", fastest_peer=5.0)
     report.write_markdown(again, doc, headline_only=headline_only, plot_link="r/latest-e.png")
     text2 = doc.read_text()
     assert render(first) not in text2 and render(again) in text2
-    assert "![mha bench, epyc-avx512](r/latest-e.png)" in text2
+    assert "![mha bench, epyc-zen5-avx512](r/latest-e.png)" in text2
     assert render(a_run("xeon-amx", fastest_peer=3.0)) in text2
-    assert text2.count("begin epyc-avx512 -->") == 1 and text2.count("begin xeon-amx -->") == 1
-    assert text2.index("begin epyc-avx512 -->") < text2.index("begin xeon-amx -->")
+    assert text2.count("begin epyc-zen5-avx512 -->") == 1 and text2.count("begin xeon-amx -->") == 1
+    assert text2.index("begin epyc-zen5-avx512 -->") < text2.index("begin xeon-amx -->")
 
 
 def test_from_json_files_the_outputs_under_the_run_kind(tmp_path, capsys):
@@ -152,7 +157,7 @@ def test_from_json_files_the_outputs_under_the_run_kind(tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["../../etc/x", "Xeon AMX", "", "a" * 41])
 def test_a_saved_run_with_an_unusable_kind_is_refused(tmp_path, capsys, kind):
     saved = tmp_path / "run.json"
-    run = a_run("epyc-avx2")
+    run = a_run("epyc-zen3-avx2")
     run["meta"]["cpu_info"]["kind"] = kind
     saved.write_text(json.dumps(run))
     out = tmp_path / "results"

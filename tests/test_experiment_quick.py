@@ -13,7 +13,7 @@ from mha.experiments import heads
 
 # per run: at 40 steps the best Markov loss is 0.24 under chance (the test needs 0.1) and the
 # least fall of a held-out loss is 0.11 (recall, 32 heads); at 60 steps 0.29 and 0.13, for a
-# third more training (the sweep's CPU time 24.8 s against 32.4 s on epyc-avx512, 1 thread)
+# third more training (the sweep's CPU time 24.8 s against 32.4 s on epyc-zen5-avx512, 1 thread)
 STEPS = 40
 
 

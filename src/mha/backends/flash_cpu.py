@@ -50,7 +50,7 @@ def _defers(call: AttentionCall) -> str | None:
     """On a CPU without AVX-512 the kernel runs its portable loops. Measured there (AMD EPYC,
     AVX2 only, 2 threads, one process, (B, 8, T, 64)): SDPA's fused kernel is faster at
     Tk >= 512 for fp32 and bf16 forward and fp32 training (2.2-3.1x in the `mha bench` record
-    benchmarks/results/latest-epyc-avx2.json), while the portable loops stay
+    benchmarks/results/latest-epyc-zen3-avx2.json), while the portable loops stay
     ahead below Tk = 512 (1.1-1.8x at T = 32-256), with a sliding window (2.8x), in decode, and
     in bf16 training (3-8x: SDPA's bf16 backward). So dispatch leaves such calls to sdpa when
     sdpa needs no (Tq, Tk) mask for them."""

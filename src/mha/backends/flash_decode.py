@@ -42,7 +42,7 @@ def _extra_reasons(call: AttentionCall) -> list[str]:
 # head per K/V head all the same (docs/kernel.md "Few query rows: decode kernel or tiles").
 DEFER_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 KEEP_MHA_TK = 256
-# The tile kernels those thresholds were measured against (epyc-avx512); with another one (the
+# The tile kernels those thresholds were measured against (epyc-zen5-avx512); with another one (the
 # portable loops, AMX tiles) flash_decode keeps every call it serves.
 MEASURED_TILES = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512bf16", "avx512f")}
 

@@ -9,9 +9,9 @@ run and keeps
 * ``flags``: the subset of :data:`ISA_FLAGS` the CPU has (the ones mha's kernels and the
   peers' libraries choose paths by);
 * ``cpus`` (logical CPUs the kernel lists) and ``usable`` (the ones this process may run on);
-* ``kind``: a short label derived from the above by :func:`kind` — ``<line>-<isa>`` such as
-  ``xeon-amx``, ``epyc-avx512``, ``epyc-avx2`` — under which docs and result files keep the
-  latest figures of each kind of machine apart;
+* ``kind``: a short label derived from the above by :func:`kind` — ``<line>[-<core>]-<isa>``
+  such as ``xeon-amx``, ``epyc-zen5-avx512``, ``epyc-zen4-avx512``, ``epyc-zen3-avx2`` — under
+  which docs and result files keep the latest figures of each kind of machine apart;
 * ``native``: the native kernel path mha compiled here (``mha.ops.flash.isa()`` and the tile each
   dtype runs), or why it could not be built.
 
@@ -32,6 +32,25 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16",
 KIND_PATTERN = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 _VENDOR_LINE = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
 _PRODUCT_LINES = ("xeon", "epyc", "core", "ryzen", "threadripper")
+
+# AMD's cores by (cpu family, model range), as AMD numbers them. A VM shows every EPYC as "AMD
+# EPYC", and the flags alone do not tell a Zen 4 (512-bit operations issued as two 256-bit
+# halves, ~half the FMA and vdpbf16ps rate per clock) from a Zen 5 (full-width AVX-512): both
+# have avx512f and avx512_bf16. Intel's model names name the part, so no table is kept for them.
+AMD_CORES = (
+    (23, range(0x00, 0x30), "zen"), (23, range(0x30, 0x100), "zen2"),
+    (25, range(0x00, 0x10), "zen3"), (25, range(0x10, 0x20), "zen4"),
+    (25, range(0x20, 0x60), "zen3"), (25, range(0x60, 0xB0), "zen4"),
+    (26, range(0x00, 0x100), "zen5"),
+)
+
+
+def core(vendor: str | None, family: int | None, model: int | None) -> str | None:
+    """The core (``zen4``, ``zen5``, ...) of an AMD CPU from :data:`AMD_CORES`, else None."""
+    if vendor != "AuthenticAMD" or family is None or model is None:
+        return None
+    return next((name for fam, models, name in AMD_CORES if fam == family and model in models),
+                None)
 
 
 def parse_cpuinfo(text: str) -> dict:
@@ -60,11 +79,12 @@ def parse_cpuinfo(text: str) -> dict:
             "cpus": cpus or None}
 
 
-def kind(vendor: str | None, model_name: str | None, flags) -> str:
-    """``<line>-<isa>``: the product line named in the model name (xeon, epyc, ...; else the
-    vendor: intel, amd; else ``cpu``) and the widest matrix/vector path the flags allow
-    (``amx`` with AMX-BF16 tiles, ``avx512`` with AVX-512F, ``avx2`` with AVX2 + FMA, else
-    ``portable``)."""
+def kind(vendor: str | None, model_name: str | None, flags, family: int | None = None,
+         model: int | None = None) -> str:
+    """``<line>[-<core>]-<isa>``: the product line named in the model name (xeon, epyc, ...;
+    else the vendor: intel, amd; else ``cpu``), the core where :func:`core` knows it, and the
+    widest matrix/vector path the flags allow (``amx`` with AMX-BF16 tiles, ``avx512`` with
+    AVX-512F, ``avx2`` with AVX2 + FMA, else ``portable``)."""
     name = (model_name or "").lower()
     line = next((p for p in _PRODUCT_LINES if p in name), None)
     line = line or _VENDOR_LINE.get(vendor or "", "cpu")
@@ -77,7 +97,8 @@ def kind(vendor: str | None, model_name: str | None, flags) -> str:
         isa = "avx2"
     else:
         isa = "portable"
-    return f"{line}-{isa}"
+    named = core(vendor, family, model)
+    return f"{line}-{named}-{isa}" if named else f"{line}-{isa}"
 
 
 def native_path() -> dict:
@@ -114,7 +135,8 @@ def record(cpuinfo_text: str | None = None, *, with_native: bool = True) -> dict
         rec["usable"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         rec["usable"] = os.cpu_count()
-    rec["kind"] = kind(rec["vendor"], rec["model_name"], rec["flags"])
+    rec["kind"] = kind(rec["vendor"], rec["model_name"], rec["flags"], rec["family"],
+                       rec["model"])
     if with_native:
         rec["native"] = native_path()
     return rec
@@ -148,7 +170,7 @@ def of_run(run: dict) -> dict:
 
 
 def describe(rec: dict) -> str:
-    """One line for headers and plot titles, e.g. ``epyc-avx2: AMD EPYC (family 25 model 1
+    """One line for headers and plot titles, e.g. ``epyc-zen3-avx2: AMD EPYC (family 25 model 1
     stepping 1; avx2 fma; 2 CPUs); native kernels float32 portable, bfloat16 portable``."""
     ids = " ".join(f"{k} {rec[k]}" for k in ("family", "model", "stepping")
                    if rec.get(k) is not None)
@@ -175,7 +197,7 @@ def check_record(rec, where: str = "meta.cpu_info") -> None:
     k = rec.get("kind")
     if not isinstance(k, str) or not KIND_PATTERN.fullmatch(k) or len(k) > 40:
         raise ValueError(f"{where}.kind must be a short label of lower-case letters, digits and "
-                         f"dashes (e.g. epyc-avx2), got {str(k)[:40]!r}")
+                         f"dashes (e.g. epyc-zen3-avx2), got {str(k)[:40]!r}")
     flags = rec.get("flags", [])
     if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
         raise ValueError(f"{where}.flags must be an array of strings")

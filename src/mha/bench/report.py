@@ -288,7 +288,7 @@ def headline(run: dict) -> str:
 
 
 def _kind_markers(begin: str, end: str, kind: str) -> tuple[str, str]:
-    """``<!-- mha-bench:begin -->`` -> ``<!-- mha-bench:begin epyc-avx2 -->`` (and the end)."""
+    """``<!-- mha-bench:begin -->`` -> ``<!-- mha-bench:begin epyc-zen3-avx2 -->`` (and the end)."""
     return begin[:-4] + f" {kind} -->", end[:-4] + f" {kind} -->"
 
 
@@ -296,7 +296,7 @@ def write_markdown(run: dict, path: Path, *, headline_only: bool = False,
                    plot_link: str | None = None) -> None:
     """Put the run into ``path`` between the markers: the full tables, or with
     ``headline_only`` the one-line-per-case summary. Between the markers, each CPU kind has
-    its own section (its own markers, e.g. ``<!-- mha-bench:begin epyc-avx2 -->``): the run
+    its own section (its own markers, e.g. ``<!-- mha-bench:begin epyc-zen3-avx2 -->``): the run
     replaces the section of its kind only, or is added after the others. Text between the
     outer markers that belongs to no kind's section (the single-section form) is replaced.
     Without the outer markers the block is appended to the file. ``plot_link``: a path to

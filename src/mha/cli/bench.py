@@ -3,7 +3,7 @@
 Measures this machine's peaks, runs the suites (``mha.bench.<name>``; see
 ``mha.bench.core`` for how to add one), prints tables, and writes, under ``--out``, the latest
 run of this CPU kind (``latest-<kind>.json`` and ``latest-<kind>.png``; the kind, e.g.
-``epyc-avx2``, comes from the CPU record, ``mha.bench.cpu``) and a timestamped copy.
+``epyc-zen3-avx2``, comes from the CPU record, ``mha.bench.cpu``) and a timestamped copy.
 ``--markdown FILE`` writes the tables into FILE between ``<!-- mha-bench:begin/end -->``
 markers, in the section of this CPU kind (other kinds' sections are kept); ``--from-json``
 redoes the outputs from a saved run without measuring.

@@ -107,10 +107,10 @@ PRESETS = {
     "tiny": HeadsConfig(preset="tiny", d_model=16, heads=(1, 4), tasks=("lags", "markov"),
                         seeds=1, steps=60, batch=32, warmup=10, eval_size=256, eval_points=3),
     # every divisor of 64, one seed, short training (`mha experiment heads --quick`: ~2.3 CPU-min
-    # on epyc-avx512, docs/experiments.md)
+    # on epyc-zen5-avx512, docs/experiments.md)
     "quick": HeadsConfig(preset="quick", seeds=1, steps=300, warmup=30, eval_points=3),
     # the real run, sized for a shared 2-core machine: `mha experiment heads --out DIR` took
-    # 44 min of wall time and 15 min of CPU time on epyc-avx512, 1 thread
+    # 44 min of wall time and 15 min of CPU time on epyc-zen5-avx512, 1 thread
     # (docs/experiments/results.json: environment.wall_time_s, the runs' cpu_s summed)
     "full": HeadsConfig(),
 }

@@ -5,7 +5,7 @@ tiles), decided by a measurement made once per CPU model and cached beside the b
 Shape legend: B batch, h heads, T length (Tq = Tk), d head dim.
 
 No rule names a vendor: which kernel is faster depends on the CPU's ``vdpbf16ps`` rate against
-its fp32 FMA rate (on ``epyc-avx512``, AMD Zen 5, twice the FLOPs: the peaks ``mha bench``
+its fp32 FMA rate (on ``epyc-zen5-avx512``, AMD Zen 5, twice the FLOPs: the peaks ``mha bench``
 measures, docs/kernel.md), and other CPUs differ. So the first load of the flash kernel on a
 machine times both kernels and keeps the faster.
 Nothing is measured where there is nothing to choose (:func:`mha.ops.flash.bf16_choice` says
@@ -21,7 +21,7 @@ fastest of ``linear_choice.ROUNDS`` batches of about ``BATCH_S`` each
 (:func:`mha.ops.linear_choice._fastest`). On one thread and its CPU clock
 (``time.thread_time``): what differs between the kernels is the core's arithmetic, and a
 machine shared with other work stretches wall-clock times of a parallel call by its slowest
-thread. On ``epyc-avx512`` at load 2.9, ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
+thread. On ``epyc-zen5-avx512`` at load 2.9, ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 python benchmarks/probes/bf16_choice.py --cases 1,8,512,64,dense --rounds 7`` with
 ``--threads 2`` (wall clock) timed both kernels equal (12.0 ms, 1.00x, twice), where
 ``--threads 1`` (that thread's CPU clock) gives 1.88x (1.50 / 2.82 ms). The process's torch

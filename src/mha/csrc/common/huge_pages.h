@@ -2,7 +2,7 @@
 // A fresh 32 MB at::empty (above glibc's largest mmap threshold, so every call maps new pages)
 // takes 8192 page faults of 4 KB when the kernel first writes it: allocating and filling
 // (4, 2048, 16, 64) fp32 took ~12 ms against ~2.4 ms with MADV_HUGEPAGE (one thread,
-// epyc-avx512, THP in "madvise" mode), ~6 % of a 4x16x2048x64 causal forward. Header-only.
+// epyc-zen5-avx512, THP in "madvise" mode), ~6 % of a 4x16x2048x64 causal forward. Header-only.
 #pragma once
 
 #include <cstddef>

@@ -168,7 +168,7 @@ void run(Kind kind, const void* packed, const float* scale, int64_t M, int64_t N
   // Threads only for a weight of kParallelBytes or more (SmolLM2: the MLP and the lm_head; its
   // q/k/v/o weights, 0.2-0.7 MB, stay on the calling thread), in tasks of >= kTaskBytes: a
   // parallel region costs microseconds to fork and join on idle cores. SmolLM2's 8k decode step
-  // on the idle epyc-avx512 (docs/llm.md): 1 MB against 8 MB (the lm_head only) 0.93x the time,
+  // on the idle epyc-zen5-avx512 (docs/llm.md): 1 MB against 8 MB (the lm_head only) 0.93x the time,
   // 256 KB within noise of 1 MB. On cores shared with other processes a region waits at its
   // join for a worker that is not running, and 1 MB lost to 8 MB there (docs/llm.md).
   const int64_t bytes = Kp * kCols * (kind == Kind::kBf16 ? 2 : 1);  // per panel
