@@ -55,7 +55,8 @@ from mha.ops.self_attention import Panels, why_not_fused
 from mha.ops.self_attention import describe as describe_fused
 from mha.ops.self_attention import self_attention as fused_forward
 from mha.ops.self_attention import tiles as fused_tiles
-from mha.rope import Rotary, as_rotary
+from mha.paged import check_step
+from mha.rope import Rotary, as_rotary, check_positions
 from mha.scores import alibi_slopes
 from mha.varlen import varlen_attention
 
@@ -655,7 +656,10 @@ class MultiHeadAttention(nn.Module):
         paged decode call, prefill chunks in the paged flash forward). ``positions (N,)``
         (with ``rope``, else None): each token's position in its sequence, or instead
         ``angles``, their ``(C, S)`` ``(1, N, r)`` of :meth:`mha.rope.Rotary.angles` computed
-        once for many layers (as :meth:`forward`'s ``angles``). The module's
+        once for many layers (as :meth:`forward`'s ``angles``). ``positions`` must be each
+        token's place in its sequence as the extended cache holds it
+        (:meth:`mha.PagedKVCache.positions`), and ``cu_seqlens`` must cover the N tokens:
+        refused naming them, before anything is written. The module's
         ``softcap``, ``sinks`` and ALiBi slopes apply; inference only (no dropout). Returns
         ``(1, N, d_model)``."""
         check_tensor("query", query, 3, "(1, N, d_model)")
@@ -672,6 +676,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout={self.dropout} in training mode: the paged forward is "
                              "for inference (call .eval())")
         N = query.shape[1]
+        if angles is None:  # (with angles, the caller checked the positions they turn by)
+            if positions is not None:
+                positions = check_positions(positions, 1, N, query.device)  # (N,) int64
+            check_step(cache, N, positions, seq_ids, cu_seqlens)
         if angles is None and self.rope is not None:
             angles = self.rope.angles(positions, 1, N, query.device, query.dtype)  # (1, N, r) x 2
         variants = {n: t for n, t in self._variants(None, None, None).items() if t is not None}

@@ -347,6 +347,24 @@ class PagedKVCache:
         self.refcount[page] = 1
         self.block_table[s, index] = page
 
+    def positions(self, seq_ids, cu_seqlens=None) -> torch.Tensor:
+        """``(N,)`` int64 on the cache's device: the place in its sequence of each token of a
+        step just :meth:`extend`-ed, sequence ``seq_ids[i]`` owning tokens
+        ``cu_seqlens[i]:cu_seqlens[i+1]`` (None: one token each). Sequence s's n tokens are its
+        last: ``lengths[s] - n .. lengths[s] - 1``, where :meth:`write` stores them, so these
+        are their RoPE positions. Ids and offsets are checked as :meth:`write` checks them."""
+        seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
+        dev = self.k.device
+        n = torch.tensor(counts, dtype=torch.long, device=dev)  # (S',)
+        ends = self.lengths[torch.tensor(seqs, dtype=torch.long, device=dev)]  # (S',)
+        if bool((ends < n).any()):
+            i = int((ends < n).nonzero()[0])
+            raise ValueError(f"sequence {seqs[i]} holds {int(ends[i])} tokens, fewer than the "
+                             f"{counts[i]} of this step (extend it first)")
+        first = torch.cumsum(n, 0) - n  # (S',) each sequence's first row in the step
+        offset = torch.repeat_interleave(ends - n - first, n)  # (N,)
+        return torch.arange(int(n.sum()), device=dev) + offset  # (N,)
+
     # ------------------------------------------------------------------ K/V
     def write(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor,
               cu_seqlens=None) -> None:
@@ -680,3 +698,29 @@ class PagedKVCache:
                                       torch.tensor(counts, dtype=torch.long, device=dev))  # (N,)
         p = self.page_size
         return self.block_table[row, pos // p].long(), pos % p
+
+
+def check_step(cache, N: int, positions: torch.Tensor | None, seq_ids, cu_seqlens) -> None:
+    """A packed step's arguments agree with ``cache``, a :class:`PagedKVCache` already
+    :meth:`~PagedKVCache.extend`-ed by the step's tokens: ``cu_seqlens`` covers the step's
+    ``N`` tokens, and ``positions (N,)`` (int64 on any device; None: not checked) is each
+    token's place in its sequence (:meth:`PagedKVCache.positions`). Any other position would
+    rotate the token's query and key by another angle (RoPE) and give wrong logits with no
+    error. Refused naming the argument, before anything is written."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a mha.PagedKVCache, got {type(cache).__name__}")
+    want = cache.positions(seq_ids, cu_seqlens)  # (N',)
+    if want.numel() != N:
+        raise ValueError(f"cu_seqlens must cover the step's N = {N} tokens (offsets from 0 to "
+                         f"N, one token per sequence when None), got offsets covering "
+                         f"{want.numel()}")
+    if positions is None:
+        return
+    wrong = positions.reshape(-1) != want.to(positions.device)  # (N,)
+    if bool(wrong.any()):
+        j = int(wrong.nonzero()[0])
+        raise ValueError(f"positions must be each token's place in its sequence (its sequence's "
+                         f"last tokens after extend: lengths - n .. lengths - 1), got "
+                         f"{int(positions.reshape(-1)[j])} for token {j}, which the cache holds "
+                         f"at {int(want[j])}; another position would rotate its query and key "
+                         f"by another angle (RoPE)")

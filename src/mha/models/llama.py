@@ -59,8 +59,8 @@ from mha.checks import (
     check_scalar,
 )
 from mha.module import MultiHeadAttention
-from mha.paged import PagedKVCache
-from mha.rope import Rotary
+from mha.paged import PagedKVCache, check_step
+from mha.rope import Rotary, check_positions
 from mha.sampling import Sampler
 
 ROPE_TYPES = ("default", "linear", "llama3")  #: the config's rope types that Rotary serves
@@ -472,7 +472,10 @@ class Llama(nn.Module):
         ``(1, R, V)``, sparing the LM head the others.
 
         Refused before anything is written, naming the argument: ids outside ``[0, V)`` or not
-        ``(1, N)``, positions not ``(N,)``, a cache of another layer count, K/V heads, head
+        ``(1, N)``, positions not ``(N,)`` or not each token's place in its sequence as the
+        extended cache holds it (:meth:`mha.PagedKVCache.positions`: another position would
+        turn the token by another RoPE angle), ``seq_ids`` / ``cu_seqlens`` the cache refuses
+        or offsets not covering the N tokens, a cache of another layer count, K/V heads, head
         dim or dtype than the model's, rows not ``(R,)`` token indices in ``[0, N)``."""
         V = self.embed_tokens.num_embeddings
         w = self.embed_tokens.weight
@@ -487,6 +490,8 @@ class Llama(nn.Module):
         _check_paged_cache(cache, self.settings, w.dtype)
         if rows is not None:
             rows = _check_rows(rows, ids.shape[1], w.device)
+        positions = check_positions(positions, 1, ids.shape[1], w.device)  # (N,) int64
+        check_step(cache, ids.shape[1], positions, seq_ids, cu_seqlens)
         x = self.embed_tokens(ids)  # (1, N) -> (1, N, d_model)
         angles = self.rope_angles(positions, 1, ids.shape[1], x)  # (1, N, r) x 2, or None
         if angles is not None:

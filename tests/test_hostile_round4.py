@@ -1,0 +1,134 @@
+"""Hostile use of the newest surfaces: :mod:`mha.sampling`, :class:`mha.models.Llama` with
+packed weights, the paged forwards (:meth:`Llama.forward_paged`,
+:meth:`mha.MultiHeadAttention.forward_paged`), :meth:`Llama.rope_angles` and saved programs.
+Each test gives what a careless or hostile caller would, and expects a refusal that names the
+argument, with nothing changed, or the right answer; never a silently wrong one.
+
+Shape legend: R rows of logits, V vocabulary, N tokens of a packed step, S sequences.
+Models are small random Llamas built from a config dict (nothing downloaded).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+import mha
+from mha.models import Llama
+from mha.ops import decode
+from mha.paged import PagedKVCache
+from mha.rope import Rotary
+
+CFG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=50, max_position_embeddings=64)
+
+needs_decode = pytest.mark.skipif(decode.unavailable() is not None,
+                                  reason=f"decode kernel unavailable: {decode.unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama.from_config(CFG).eval()
+
+
+# ----------------------------------------------------------------------------- paged steps
+def _step(model: Llama, lengths=(5, 3)):
+    """A cache of the model's shape holding sequences of ``lengths`` tokens, just extended by
+    all of them: ``(cache, seq_ids, cu_seqlens, ids (1, N), positions (N,))``."""
+    s = model.settings
+    cache = PagedKVCache(16, 4, s.num_kv_heads, s.head_dim, max_seqs=3, max_len=32,
+                         num_layers=s.num_layers)
+    seqs = [cache.add_sequence() for _ in lengths]
+    cache.extend(seqs, list(lengths))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    ids = torch.arange(3, 3 + cu[-1])[None]  # (1, N)
+    positions = torch.cat([torch.arange(n) for n in lengths])  # (N,)
+    return cache, seqs, cu, ids, positions
+
+
+@needs_decode
+@pytest.mark.parametrize("shift", ["one token", "one sequence", "past the context"])
+def test_paged_positions_that_are_not_the_tokens_places_are_refused(llama, shift):
+    """A position other than the token's place in its sequence turns its query and key by
+    another RoPE angle: wrong logits with no error, unless refused (naming positions) before
+    any page is written."""
+    cache, seqs, cu, ids, positions = _step(llama)
+    good = llama.forward_paged(ids, positions, cache, seqs, cu)  # (1, N, V)
+    bad = positions.clone()
+    if shift == "one token":
+        bad[6] += 1
+    elif shift == "one sequence":
+        bad[5:] += 2
+    else:
+        bad[:] += 1000
+    before = cache.state()
+    with pytest.raises(ValueError, match="positions must be each token's place"):
+        llama.forward_paged(ids, bad, cache, seqs, cu)
+    after = cache.state()
+    assert all(torch.equal(before[k], after[k]) for k in ("k", "v", "lengths", "block_table"))
+    assert torch.equal(llama.forward_paged(ids, positions, cache, seqs, cu), good)
+
+
+@needs_decode
+def test_paged_positions_of_a_cache_extended_more_than_the_step_are_refused(llama):
+    """Extended by 9 but fed 3 tokens at 0..2: the tokens land at 6..8, not where their
+    positions say."""
+    cache, seqs, cu, ids, positions = _step(llama, (5, 3))
+    cache.extend([seqs[1]], [6])
+    with pytest.raises(ValueError, match="positions must be .* got 0 for token 5, which the "
+                                         "cache holds at 6"):
+        llama.forward_paged(ids, positions, cache, seqs, cu)
+    # the same step at the places the cache holds is served
+    right = torch.cat([torch.arange(5), torch.arange(6, 9)])
+    assert llama.forward_paged(ids, right, cache, seqs, cu).shape == (1, 8, CFG["vocab_size"])
+
+
+@needs_decode
+@pytest.mark.parametrize("cu", [[0, 5, 7], [0, 4, 7], None])
+def test_paged_offsets_that_do_not_cover_the_tokens_name_cu_seqlens(llama, cu):
+    cache, seqs, _, ids, positions = _step(llama)
+    with pytest.raises(ValueError, match=r"cu_seqlens must cover the step's N = 8 tokens"):
+        llama.forward_paged(ids, positions, cache, seqs, cu)
+
+
+@needs_decode
+def test_a_paged_step_not_extended_first_is_refused(llama):
+    cache, seqs, cu, ids, positions = _step(llama)
+    cache.free(seqs[1])
+    seqs[1] = cache.add_sequence()  # holds no token
+    with pytest.raises(ValueError, match="holds 0 tokens, fewer than the 3 of this step"):
+        llama.forward_paged(ids, positions, cache, seqs, cu)
+
+
+@needs_decode
+def test_the_module_paged_forward_checks_positions_and_offsets():
+    torch.manual_seed(0)
+    attn = mha.MultiHeadAttention(32, 4, num_kv_heads=2, rope=Rotary(8), bias=False).eval()
+    cache = PagedKVCache(8, 4, 2, 8, max_seqs=2, max_len=16)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.extend([a, b], [3, 2])
+    x = torch.randn(1, 5, 32)  # (1, N, d_model)
+    good = torch.tensor([0, 1, 2, 0, 1])
+    with torch.no_grad():
+        want = attn.forward_paged(x, cache, 0, [a, b], [0, 3, 5], good)  # (1, N, d_model)
+        with pytest.raises(ValueError, match="positions must be each token's place"):
+            attn.forward_paged(x, cache, 0, [a, b], [0, 3, 5], torch.tensor([0, 1, 2, 3, 4]))
+        with pytest.raises(ValueError, match="cu_seqlens must cover the step's N = 5"):
+            attn.forward_paged(x, cache, 0, [a, b], [0, 3, 4], good)
+        with pytest.raises(TypeError, match="cache must be a mha.PagedKVCache"):
+            attn.forward_paged(x, "pages", 0, [a, b], [0, 3, 5], good)
+        assert torch.equal(attn.forward_paged(x, cache, 0, [a, b], [0, 3, 5], good), want)
+
+
+def test_paged_cache_positions_are_each_sequences_last_places():
+    cache = PagedKVCache(8, 4, 1, 8, max_seqs=3, max_len=16)
+    a, b, c = (cache.add_sequence() for _ in range(3))
+    cache.extend([a, b, c], [6, 2, 1])
+    got = cache.positions([c, a, b], [0, 1, 3, 4])  # c's last 1, a's last 2, b's last 1
+    assert got.tolist() == [0, 4, 5, 1]
+    assert cache.positions([a, b]).tolist() == [5, 1]  # one token each
+
