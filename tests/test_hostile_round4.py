@@ -10,7 +10,6 @@ Models are small random Llamas built from a config dict (nothing downloaded).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -132,3 +131,38 @@ def test_paged_cache_positions_are_each_sequences_last_places():
     assert got.tolist() == [0, 4, 5, 1]
     assert cache.positions([a, b]).tolist() == [5, 1]  # one token each
 
+
+# ----------------------------------------------------------------------------- sampling
+SAMPLED = mha.sampling.SamplingParams(temperature=1.0, seed=0)
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(2, 0), torch.zeros(1, 3, device="meta")],
+                         ids=["V=0", "meta"])
+def test_logits_without_tokens_or_values_are_refused_naming_them(logits):
+    for p, g in ((mha.sampling.GREEDY, None), (SAMPLED, SAMPLED.generator())):
+        with pytest.raises(ValueError, match="logits"):
+            mha.sampling.next_tokens(logits, [p] * logits.shape[0], [g] * logits.shape[0])
+
+
+def test_a_logit_that_requires_grad_samples_without_a_warning(recwarn):
+    x = torch.randn(2, 5, requires_grad=True)
+    mha.sampling.next_tokens(x, [SAMPLED] * 2, [SAMPLED.generator(i) for i in range(2)])
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+
+
+@pytest.mark.parametrize("row,want", [([0.0, -200.0], 0), ([0.0, 1.0, -200.0], 1),
+                                      ([-200.0, 0.0, -200.0], 1)])
+def test_a_uniform_next_to_one_never_draws_a_token_of_no_mass(monkeypatch, row, want):
+    """u * total rounds up to the total in float32 for u within 2**-24 of 1 (one draw in ~16
+    million): the token drawn must still be one with mass, not the last kept token, whose
+    exp(x - max) underflows to 0."""
+    real = torch.rand
+
+    def near_one(*args, **kwargs):
+        return torch.tensor(1.0 - 2.0 ** -53, dtype=torch.float64)
+
+    monkeypatch.setattr(torch, "rand", near_one)
+    got = mha.sampling.next_tokens(torch.tensor([row]), [SAMPLED], [SAMPLED.generator()])
+    monkeypatch.setattr(torch, "rand", real)
+    assert got.tolist() == [want]
+    assert mha.sampling.filtered(torch.tensor(row), SAMPLED).softmax(-1)[want] > 0

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mha.checks import check_int, check_scalar
+from mha.checks import check_int, check_readable, check_scalar
 
 SEED_LIMIT = 2**64  #: seeds are ints in [0, SEED_LIMIT) (torch.Generator.manual_seed's range)
 
@@ -248,8 +248,10 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams,
     ids, x = _kept(x, params)  # (K,) or None (all V), (K,)
     cdf = (x - x.max()).exp().cumsum(0)  # (K,) unnormalised
     u = torch.rand((), generator=generator, dtype=torch.float64)
-    i = min(int(torch.searchsorted(cdf, (u * cdf[-1]).float().reshape(1), right=True)),
-            x.numel() - 1)
+    i = int(torch.searchsorted(cdf, (u * cdf[-1]).float().reshape(1), right=True))
+    if i == x.numel():  # u * total rounded up to the total (u within 2**-24 of 1): the last
+        # token that adds mass, not the last kept one (its exp may underflow to 0)
+        i = int(torch.searchsorted(cdf, cdf[-1:]))
     return i if ids is None else int(ids[i])
 
 
@@ -283,9 +285,11 @@ def next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     row; a sampled row reads exactly one uniform from its generator). Greedy rows, NaN rows:
     ``logits.argmax(-1)`` (see the module docstring)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 \
-            or not logits.dtype.is_floating_point:
-        raise ValueError(f"logits must be a floating tensor (R, V), got "
+            or not logits.dtype.is_floating_point or logits.shape[1] == 0:
+        raise ValueError(f"logits must be a floating tensor (R, V) with V >= 1, got "
                          f"{getattr(logits, 'shape', type(logits).__name__)}")
+    check_readable("logits", logits)
+    logits = logits.detach()  # (no gradient flows through a choice of token)
     R = logits.shape[0]
     _check_rows(params, generators, R)
     tokens = logits.argmax(-1)  # (R,) the greedy tokens
