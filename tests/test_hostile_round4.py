@@ -166,3 +166,24 @@ def test_a_uniform_next_to_one_never_draws_a_token_of_no_mass(monkeypatch, row, 
     monkeypatch.setattr(torch, "rand", real)
     assert got.tolist() == [want]
     assert mha.sampling.filtered(torch.tensor(row), SAMPLED).softmax(-1)[want] > 0
+
+
+# ----------------------------------------------------------------------------- rope angles
+@pytest.mark.parametrize("args,err,match", [
+    ((None, 2, -1), ValueError, "T must be a token count"),
+    ((None, 2, 2.5), TypeError, "T must be a token count"),
+    ((None, "2", 5), TypeError, "B must be a batch size"),
+    ((None, 0, 5), ValueError, "B must be a batch size"),
+])
+def test_rope_angles_check_their_sizes_by_name(llama, args, err, match):
+    """A T < 0 sliced the cached table to T - 1 rows ((1, 63, r) for T = -1): angles of a
+    length no call has."""
+    x = torch.randn(2, 5, CFG["hidden_size"])
+    with pytest.raises(err, match=match):
+        llama.rope_angles(*args, x)
+
+
+@pytest.mark.parametrize("x", [None, torch.ones(2, 5, dtype=torch.long)])
+def test_rope_angles_need_the_embedded_tokens(llama, x):
+    with pytest.raises(TypeError, match="x must be the embedded tokens"):
+        llama.rope_angles(None, 2, 5, x)

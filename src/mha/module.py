@@ -367,7 +367,9 @@ class MultiHeadAttention(nn.Module):
         the positions this call would take, computed once by a caller whose layers share one
         ``Rotary`` and one set of positions (:class:`mha.models.Llama`: one per forward, not one
         per layer); used as they are instead of the mode's positions (their shape, dtype and
-        device are checked, their values are the caller's)."""
+        device are checked, their values are the caller's: the angles of another rope, of
+        the same dim but another theta or scaling, cannot be told from this one's and rotate
+        by their angles, so they must come from ``self.rope``)."""
         causal = check_bool("causal", causal)  # also with a cache, which masks causally anyway
         need_weights = check_bool("need_weights", need_weights)
         _check_modes(query, key, value, mask=mask, key_lengths=key_lengths, window=window,

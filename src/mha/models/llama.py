@@ -452,7 +452,14 @@ class Llama(nn.Module):
         computed once and handed to every layer, whose attentions share one ``Rotary`` (the
         model builds them so); None when a layer holds another rope (one swapped in by the
         user: each layer then turns by its own) or none. ``x``: the embedded tokens (their
-        device and dtype)."""
+        device and dtype). B, T and x are checked by name (a T < 0 would slice the table to
+        the wrong length)."""
+        B = check_int("B", B, low=1, what="a batch size (a positive int)")
+        T = check_int("T", T, low=0, what="a token count (an int >= 0)")
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"x must be the embedded tokens, a floating tensor (its device and "
+                            f"dtype are the angles'), got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
         rope = self.layers[0].self_attn.rope if len(self.layers) else None
         if rope is None or any(layer.self_attn.rope is not rope for layer in self.layers):
             return None
