@@ -15,7 +15,7 @@ import torch
 
 import mha
 from mha.models import Llama
-from mha.ops import decode
+from mha.ops import decode, gemv
 from mha.paged import PagedKVCache
 from mha.rope import Rotary
 
@@ -173,7 +173,7 @@ def test_a_uniform_next_to_one_never_draws_a_token_of_no_mass(monkeypatch, row, 
     ((None, 2, -1), ValueError, "T must be a token count"),
     ((None, 2, 2.5), TypeError, "T must be a token count"),
     ((None, "2", 5), TypeError, "B must be a batch size"),
-    ((None, 0, 5), ValueError, "B must be a batch size"),
+    ((None, -1, 5), ValueError, "B must be a batch size"),
 ])
 def test_rope_angles_check_their_sizes_by_name(llama, args, err, match):
     """A T < 0 sliced the cached table to T - 1 rows ((1, 63, r) for T = -1): angles of a
@@ -187,3 +187,30 @@ def test_rope_angles_check_their_sizes_by_name(llama, args, err, match):
 def test_rope_angles_need_the_embedded_tokens(llama, x):
     with pytest.raises(TypeError, match="x must be the embedded tokens"):
         llama.rope_angles(None, 2, 5, x)
+
+
+# ----------------------------------------------------------------------------- packed weights
+@pytest.mark.skipif(gemv.load() is not None, reason=f"packed kernel unavailable: {gemv.load()}")
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_loading_weights_into_a_packed_llama_is_refused_and_changes_nothing(llama, kind):
+    """The packed projections hold their weights outside the state dict: a load would change
+    the norms and the embedding and keep the projections (load_state_dict reported all keys
+    matched), or be refused as 'not this config's weights' naming the model's own keys."""
+    import copy
+
+    from mha.llm.weights import pack_weights
+
+    packed = pack_weights(copy.deepcopy(llama), kind)
+    torch.manual_seed(1)
+    other = pack_weights(Llama.from_config(CFG).eval(), kind)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        before = packed(ids)  # (1, 3, V)
+    hf_names = {("model." + k).replace("in_proj", "q_proj"): v for k, v in
+                llama.state_dict().items()}
+    for load, state in ((packed.load_state_dict, other.state_dict()),
+                        (packed.load_hf_state_dict, hf_names)):
+        with pytest.raises(ValueError, match=r"projections are packed \(layers.0.self_attn"):
+            load(state)
+    with torch.no_grad():
+        assert torch.equal(packed(ids), before)

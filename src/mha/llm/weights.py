@@ -22,7 +22,9 @@ streams the narrow weights at close to the read bandwidth (``docs/llm.md`` has t
 
 The embedding stays as it is (with tied embeddings the lm_head gets a packed copy of the
 weight and the embedding keeps the original). The packed modules hold constants: no gradients
-(use the unpacked model to train), and ``model.to(...)`` does not convert them.
+(use the unpacked model to train), ``model.to(...)`` does not convert them, and they are not
+in ``model.state_dict()`` (:class:`mha.models.Llama` refuses ``load_state_dict`` and
+``load_hf_state_dict`` once packed: load the weights first, then pack).
 """
 
 from __future__ import annotations

@@ -340,7 +340,9 @@ class Llama(nn.Module):
         """Load transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...), q / k / v
         packed into each layer's ``in_proj``. Every key, shape and value is checked first
         (string keys; floating tensors with data, copied into the model's dtype): a refused
-        load names the keys and changes nothing."""
+        load names the keys and changes nothing. Refused too for a model whose projections
+        are packed (:mod:`mha.llm.weights`): load the unpacked model, then pack it."""
+        self._check_unpacked("load_hf_state_dict")
         _check_state(state)
         state = {k.removeprefix("model."): v for k, v in state.items()
                  if not k.endswith("rotary_emb.inv_freq")}
@@ -374,6 +376,24 @@ class Llama(nn.Module):
             for k, p in self.state_dict().items():
                 if k in ours:
                     p.copy_(ours[k])
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, refused for a model whose projections are packed
+        (:mod:`mha.llm.weights`): their weights are constants outside the state dict, so a
+        load would change the norms and the embedding only and keep the projections."""
+        self._check_unpacked("load_state_dict")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _check_unpacked(self, method: str) -> None:
+        """ValueError naming the first projection packed by :mod:`mha.llm.weights` (which
+        replaces nn.Linear modules by modules that hold their weights packed)."""
+        for name, module in self.named_modules():
+            if name.endswith(("_proj", "lm_head", ".mlp")) and type(module).__name__.startswith(
+                    "Packed"):
+                raise ValueError(f"{method}: the model's projections are packed ({name} is a "
+                                 f"{type(module).__name__}, whose weight is not in the state "
+                                 f"dict); load the weights into the unpacked model, then pack "
+                                 f"it (mha.llm.weights.pack_weights)")
 
     # ------------------------------------------------------------------ running
     def new_caches(self, batch_size: int, max_len: int, kv_dtype: str | None = None
@@ -454,7 +474,7 @@ class Llama(nn.Module):
         user: each layer then turns by its own) or none. ``x``: the embedded tokens (their
         device and dtype). B, T and x are checked by name (a T < 0 would slice the table to
         the wrong length)."""
-        B = check_int("B", B, low=1, what="a batch size (a positive int)")
+        B = check_int("B", B, low=0, what="a batch size (an int >= 0)")
         T = check_int("T", T, low=0, what="a token count (an int >= 0)")
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             raise TypeError(f"x must be the embedded tokens, a floating tensor (its device and "
