@@ -244,3 +244,20 @@ def test_an_archive_torch_cannot_read_names_the_cause_without_a_logged_traceback
     capfd.readouterr()
     _refused(path, "torch.export.load cannot read it", "out of bounds for storage")
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("mark", [b"big", b"little-endian", b""])
+def test_a_byteorder_other_than_this_machines_is_refused(saved, tmp_path, mark):
+    """torch.export.load ignores the byteorder entry and reads the raw tensor bytes in this
+    machine's order: an archive that declares another order would load with every weight's
+    bytes taken the wrong way round."""
+    import sys
+
+    with zipfile.ZipFile(saved) as z:
+        assert any(n.endswith("/byteorder") for n in z.namelist())
+    path = _rewrite(saved, tmp_path / "order.pt2",
+                    change=lambda rel, data: mark if rel == "byteorder" else data)
+    _refused(path, "byteorder", sys.byteorder)
+    same = _rewrite(saved, tmp_path / "same.pt2", change=lambda rel, data: (
+        sys.byteorder.encode() if rel == "byteorder" else data))
+    programs.load(same)  # the machine's own order still loads

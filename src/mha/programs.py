@@ -15,7 +15,8 @@ loaded, so :func:`load` loads mha's native ops first.
 refuses, tensors or objects stored as pickles), so a crafted file could run code. :func:`load`
 reads the archive into memory, refuses every entry it does not know to be inert (JSON, raw
 tensor bytes, sample inputs that ``torch.load(weights_only=True)`` reads), and only then hands
-the checked bytes to ``torch.export.load``. The zip's directory is checked first: a name
+the checked bytes to ``torch.export.load``. A ``byteorder`` other than this machine's is
+refused: ``torch.export.load`` ignores it and reads the raw tensor bytes in native order. The zip's directory is checked first: a name
 present twice (zipfile reads the last copy, torch's reader the first, ignoring case) or sizes
 it cannot honestly hold (compressed bytes past the file's end, an entry or all entries
 together inflating more than :data:`MAX_RATIO` times the file: a zip bomb) refuse the file
@@ -30,6 +31,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import zipfile
 import zlib
@@ -180,6 +182,13 @@ def _check_archive(path: Path, archive: zipfile.ZipFile) -> set[str]:
     root = next(iter(roots)) + "/"
     if archive.read(root + "archive_format").decode(errors="replace").strip() != "pt2":
         raise ValueError(f"path: {path} is not a torch.export .pt2 archive")
+    if root + "byteorder" in names:
+        mark = archive.read(root + "byteorder").decode(errors="replace").strip()
+        if mark != sys.byteorder:
+            raise ValueError(f"path: {path} declares byteorder {mark[:20]!r}, and this machine "
+                             f"is {sys.byteorder}-endian: torch.export.load reads the tensors' "
+                             f"raw bytes in this machine's order whatever the mark says, so "
+                             f"their values would be wrong: not loaded")
     inert: set[str] = set()  # raw tensor bytes listed by a config with use_pickle false
     ops: set[str] = set()
     for name in names:
