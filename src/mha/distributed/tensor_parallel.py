@@ -40,6 +40,11 @@ def tensor_parallel(module, device_mesh):
     DTensors, ``module.num_heads`` / ``num_kv_heads`` are this rank's (h / W, h_kv / W),
     ``module.new_cache`` caches this rank's K/V heads, and ``module(x)`` returns the full
     ``(B, Tq, d_model)`` output on every rank; gradients flow to the sharded parameters.
+    Every rank must then call it with the same inputs (ColwiseParallel takes the input as
+    replicated): a rank fed another ``x`` computes its heads from its own ``x`` and the
+    all-reduce mixes them into a wrong output on every rank, with no error. This is not
+    checked: a checksum all-reduced per call cost 0.27-0.35x a decode-sized forward on two
+    gloo ranks (docs/distributed.md); broadcast the inputs from one rank where they may differ.
     A mesh of one rank (a script run without a launcher) leaves the module as it is: every
     head is that rank's, the parameters stay tensors.
     """
