@@ -214,3 +214,41 @@ def test_loading_weights_into_a_packed_llama_is_refused_and_changes_nothing(llam
             load(state)
     with torch.no_grad():
         assert torch.equal(packed(ids), before)
+
+
+def _packed_attention(kind: str, dtype: torch.dtype) -> mha.MultiHeadAttention:
+    from mha.llm.weights import pack_weights
+
+    torch.manual_seed(0)
+    attn = mha.MultiHeadAttention(32, 4, num_kv_heads=2, bias=False).eval().to(dtype)
+    return pack_weights(torch.nn.ModuleDict({"attn": attn}).eval(), kind)["attn"]
+
+
+@pytest.mark.skipif(gemv.load() is not None, reason=f"packed kernel unavailable: {gemv.load()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_packed_modules_default_cache_has_the_models_dtype(kind, dtype):
+    """new_cache() read the packed copy's bf16: a float32 module's cached call was refused as
+    'k_new must be torch.bfloat16 like the cache'."""
+    attn = _packed_attention(kind, dtype)
+    cache = attn.new_cache(1, 8)
+    assert cache.dtype == dtype
+    x = torch.randn(1, 3, 32, dtype=dtype)
+    with torch.no_grad():
+        got = attn(x, cache=cache)  # (1, 3, d_model)
+        want = attn(x, causal=True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(gemv.load() is not None, reason=f"packed kernel unavailable: {gemv.load()}")
+@pytest.mark.parametrize("T", [1, 40], ids=["decode rows", "prefill rows"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_packed_projection_refuses_inputs_it_cannot_keep(T, dtype):
+    """float64 / float16 inputs failed in the kernel's check ('x must be a float32 or
+    bfloat16 CPU tensor') up to 16 rows, and above were rounded to bf16 by the prefill GEMM
+    and returned in their dtype, silently."""
+    attn = _packed_attention("bf16", torch.float32)
+    with torch.no_grad(), pytest.raises(TypeError, match="a packed projection .* takes float32 "
+                                                          "or bfloat16 inputs"):
+        attn(torch.randn(1, T, 32, dtype=dtype), causal=True)

@@ -763,15 +763,17 @@ class MultiHeadAttention(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None, *,
                   dtype: torch.dtype | None = None):
         """An empty :class:`mha.KVCache` for this module: ``(batch_size, h_kv, max_len, d_k)``
-        keys and ``(.., d_v)`` values, in ``dtype`` (None: the weights'; give the activations'
-        dtype when the projections are packed, :mod:`mha.llm.weights`) on the device of the
-        weights; ``kv_dtype="int8"`` stores them as int8 with per-token-per-head scales."""
+        keys and ``(.., d_v)`` values, in ``dtype`` (None: the weights'; with projections
+        packed by :mod:`mha.llm.weights`, the dtype the weights had before packing, not the
+        packed copy's bf16) on the device of the weights; ``kv_dtype="int8"`` stores them as
+        int8 with per-token-per-head scales."""
         from mha.cache import KVCache
 
         w = self.out_proj.weight
+        if dtype is None:  # a packed projection keeps its source dtype
+            dtype = getattr(self.out_proj, "source_dtype", w.dtype)
         return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, self.v_head_dim,
-                       dtype=w.dtype if dtype is None else dtype, device=w.device,
-                       kv_dtype=kv_dtype)
+                       dtype=dtype, device=w.device, kv_dtype=kv_dtype)
 
     def _check_inputs(self, query, key, value) -> None:
         check_tensor("query", query, 3, "(B, Tq, d_model)")

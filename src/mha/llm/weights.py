@@ -45,10 +45,14 @@ class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight ``(N, K)`` is packed as ``kind`` ("bf16" or "int8").
 
     ``weight`` is the kept ``(N, K)`` bf16 copy of the rounded weight (what the kernel reads,
-    for the prefill GEMM); ``bias`` stays fp32."""
+    for the prefill GEMM); ``bias`` stays fp32; ``source_dtype`` is the packed weight's own
+    dtype (the model's, what :meth:`mha.MultiHeadAttention.new_cache` defaults to). Inputs
+    are float32 or bfloat16, the kernel's (another dtype is refused on both paths: the prefill
+    GEMM would round a float64 input to bf16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> None:
         super().__init__()
+        self.source_dtype = weight.dtype
         self.packed = gemv.pack(weight, kind)
         self.weight = self.packed.unpack().to(torch.bfloat16)  # (N, K), already bf16-exact
         self.bias = None if bias is None else bias.detach().float().clone()  # (N,)
@@ -56,6 +60,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = self.packed.k, self.packed.n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"a packed projection ({self.kind} weights, mha.llm.weights) takes "
+                            f"float32 or bfloat16 inputs, got {x.dtype} (model.to(dtype) does "
+                            f"not convert packed modules): run the model in float32 or "
+                            f"bfloat16, converted before packing")
         rows = x.numel() // max(x.shape[-1], 1)
         if rows <= GEMV_ROWS:
             return gemv.gemv(x, self.packed, self.bias)  # (..., K) -> (..., N), x's dtype
