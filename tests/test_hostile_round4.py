@@ -252,3 +252,9 @@ def test_a_packed_projection_refuses_inputs_it_cannot_keep(T, dtype):
     with torch.no_grad(), pytest.raises(TypeError, match="a packed projection .* takes float32 "
                                                           "or bfloat16 inputs"):
         attn(torch.randn(1, T, 32, dtype=dtype), causal=True)
+
+
+def test_generate_names_the_row_whose_sampling_is_not_sampling_params(llama):
+    ids = torch.tensor([[5, 6], [7, 8]])
+    with pytest.raises(TypeError, match=r"sampling\[1\] must be a mha.sampling.SamplingParams"):
+        llama.generate(ids, 2, sampling=[SAMPLED, {"temperature": 1.0}])

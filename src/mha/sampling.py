@@ -113,12 +113,13 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def check_sampling(sampling) -> SamplingParams:
-    """``sampling``: a :class:`SamplingParams` or None (greedy); TypeError naming it."""
+def check_sampling(sampling, name: str = "sampling") -> SamplingParams:
+    """``sampling``: a :class:`SamplingParams` or None (greedy); TypeError naming it
+    (``name``)."""
     if sampling is None:
         return GREEDY
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a mha.sampling.SamplingParams or None "
+        raise TypeError(f"{name} must be a mha.sampling.SamplingParams or None "
                         f"(greedy), got {type(sampling).__name__}")
     return sampling
 
@@ -336,7 +337,7 @@ class Sampler:
             if len(sampling) != B:
                 raise ValueError(f"sampling must be one SamplingParams or a list of one per "
                                  f"row (B={B}), got a list of {len(sampling)}")
-            params = [check_sampling(s) for s in sampling]
+            params = [check_sampling(s, f"sampling[{i}]") for i, s in enumerate(sampling)]
             gens = [p.generator() for p in params]
         else:
             one = check_sampling(sampling).with_seed()
