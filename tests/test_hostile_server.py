@@ -548,6 +548,7 @@ def test_ctrl_c_answers_the_requests_in_flight_with_503(models, tok, capsys, mon
     (["--num-pages", str(10**12)], f"the page pool (--num-pages {10**12} x --page-size 16 "
                                    "tokens, K/V fp32) needs at least"),
     (["--num-pages", str(10**9), "--kv", "int8"], "lower --num-pages"),
+    (["--page-size", str(10**8)], "lower --num-pages or --page-size"),  # the page at fault
 ])
 def test_a_bad_serve_option_is_one_line_and_exit_2(argv, expected, capsys, monkeypatch):
     import mha.cli.serve

@@ -112,7 +112,7 @@ def check_pool(args: argparse.Namespace) -> None:
                    f"the page pool (--num-pages {args.num_pages} x --page-size "
                    f"{args.page_size} tokens, K/V {kv})")
     except MemoryError as e:
-        raise UsageError(f"{e}; lower --num-pages") from e
+        raise UsageError(f"{e}; lower --num-pages or --page-size") from e
 
 
 def run(args: argparse.Namespace) -> int:
