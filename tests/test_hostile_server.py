@@ -549,6 +549,7 @@ def test_ctrl_c_answers_the_requests_in_flight_with_503(models, tok, capsys, mon
                                    "tokens, K/V fp32) needs at least"),
     (["--num-pages", str(10**9), "--kv", "int8"], "lower --num-pages"),
     (["--page-size", str(10**8)], "lower --num-pages or --page-size"),  # the page at fault
+    (["--max-seqs", str(10**9)], "the block table (--max-seqs 1000000000 rows"),
 ])
 def test_a_bad_serve_option_is_one_line_and_exit_2(argv, expected, capsys, monkeypatch):
     import mha.cli.serve
@@ -602,11 +603,20 @@ def test_the_serve_pool_check_counts_what_the_pool_allocates(kv, dtype, kv_dtype
     assert pool_bytes(6, 4, kv) == held
 
 
+@pytest.mark.parametrize("page_size", [16, 100])
+def test_the_serve_block_table_check_counts_what_the_cache_allocates(page_size):
+    from mha.cli.serve import CONTEXT, table_bytes
+    from mha.paged import PagedKVCache
+
+    c = PagedKVCache(1, page_size, 1, 1, max_seqs=3, max_len=CONTEXT)
+    assert table_bytes(3, page_size) == c.block_table.nbytes + c.lengths.nbytes
+
+
 def test_the_serve_pool_shape_is_the_packaged_models():
     """``KV_SHAPE`` (kept as a constant: the pool is checked before the model loads) is the
     (layers, K/V heads, head dim) of the packaged SmolLM2's config."""
     pytest.importorskip("gguf", reason="the mha[llm] extra is not installed")
-    from mha.cli.serve import KV_SHAPE
+    from mha.cli.serve import CONTEXT, KV_SHAPE
     from mha.llm.model import ModelNotInstalled, convert
 
     try:
@@ -615,6 +625,7 @@ def test_the_serve_pool_shape_is_the_packaged_models():
         pytest.skip(str(e))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     assert KV_SHAPE == (config["num_hidden_layers"], config["num_key_value_heads"], head_dim)
+    assert CONTEXT == config["max_position_embeddings"]
 
 
 def _until(cond, timeout: float = 10.0) -> None:

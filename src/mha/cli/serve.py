@@ -32,6 +32,7 @@ _IMPLS = {"transformers": "transformers' LlamaForCausalLM", "mha": "mha.models.L
 #: num_key_value_heads, head_dim; a test reads them): the pool's size is checked before the
 #: model loads, and reading the GGUF file's metadata costs seconds
 KV_SHAPE = (30, 3, 64)
+CONTEXT = 8192  #: SmolLM2-135M's max_position_embeddings: the longest request (a test reads it)
 
 
 def add_parser(sub) -> None:
@@ -101,9 +102,16 @@ def pool_bytes(num_pages: int, page_size: int, kv: str) -> int:
     return paged_pool_bytes(num_pages, page_size, heads, d, num_layers=layers, kv_dtype=kv)
 
 
+def table_bytes(max_seqs: int, page_size: int) -> int:
+    """The bytes of the pool's block table and lengths: a row of int32 page ids per sequence,
+    enough pages for the model's context (:data:`CONTEXT`), and an int64 length."""
+    return max_seqs * (-(-CONTEXT // page_size) * 4 + 8)
+
+
 def check_pool(args: argparse.Namespace) -> None:
-    """``--num-pages`` x ``--page-size`` that this machine's free memory cannot hold is
-    refused before the model loads (it would fail, or swap, allocating the pool after)."""
+    """``--num-pages`` x ``--page-size`` (the K/V pool) or ``--max-seqs`` (the block table)
+    that this machine's free memory cannot hold is refused before the model loads (it would
+    fail, or swap, allocating the pool after)."""
     from mha.cli.options import check_fits
 
     kv = args.kv or args.dtype
@@ -113,6 +121,12 @@ def check_pool(args: argparse.Namespace) -> None:
                    f"{args.page_size} tokens, K/V {kv})")
     except MemoryError as e:
         raise UsageError(f"{e}; lower --num-pages or --page-size") from e
+    try:
+        check_fits(table_bytes(args.max_seqs, args.page_size),
+                   f"the block table (--max-seqs {args.max_seqs} rows of the pages of "
+                   f"{CONTEXT} tokens, the model's context, at --page-size {args.page_size})")
+    except MemoryError as e:
+        raise UsageError(f"{e}; lower --max-seqs") from e
 
 
 def run(args: argparse.Namespace) -> int:
