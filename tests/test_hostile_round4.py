@@ -1,6 +1,7 @@
-"""Hostile use of the newest surfaces: :mod:`mha.sampling`, :class:`mha.models.Llama` with
-packed weights, the paged forwards (:meth:`Llama.forward_paged`,
-:meth:`mha.MultiHeadAttention.forward_paged`), :meth:`Llama.rope_angles` and saved programs.
+"""Hostile use of the newest surfaces: :mod:`mha.sampling`, :class:`mha.models.Llama` and
+:class:`mha.MultiHeadAttention` with packed weights (:mod:`mha.llm.weights`), the paged
+forwards (:meth:`Llama.forward_paged`, :meth:`mha.MultiHeadAttention.forward_paged`) and
+:meth:`Llama.rope_angles`.
 Each test gives what a careless or hostile caller would, and expects a refusal that names the
 argument, with nothing changed, or the right answer; never a silently wrong one.
 
