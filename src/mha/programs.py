@@ -16,7 +16,8 @@ refuses, tensors or objects stored as pickles), so a crafted file could run code
 reads the archive into memory, refuses every entry it does not know to be inert (JSON, raw
 tensor bytes, sample inputs that ``torch.load(weights_only=True)`` reads), and only then hands
 the checked bytes to ``torch.export.load``. A ``byteorder`` other than this machine's is
-refused: ``torch.export.load`` ignores it and reads the raw tensor bytes in native order. The zip's directory is checked first: a name
+refused: ``torch.export.load`` ignores it and reads the raw tensor bytes in native order. The
+zip's directory is checked first: a name
 present twice (zipfile reads the last copy, torch's reader the first, ignoring case) or sizes
 it cannot honestly hold (compressed bytes past the file's end, an entry or all entries
 together inflating more than :data:`MAX_RATIO` times the file: a zip bomb) refuse the file
