@@ -354,13 +354,19 @@ class PagedKVCache:
         last: ``lengths[s] - n .. lengths[s] - 1``, where :meth:`write` stores them, so these
         are their RoPE positions. Ids and offsets are checked as :meth:`write` checks them."""
         seqs, counts = self._check_batch(seq_ids, self._counts(seq_ids, cu_seqlens))
+        ends = self.lengths[torch.tensor(seqs, dtype=torch.long, device=self.k.device)]  # (S',)
+        short = ends < torch.tensor(counts, dtype=torch.long, device=ends.device)  # (S',)
+        if bool(short.any()):
+            i = int(short.nonzero()[0])
+            raise ValueError(f"sequence {seqs[i]} holds {int(ends[i])} tokens, fewer than the "
+                             f"{counts[i]} of this step (extend it first)")
+        return self._last_positions(seqs, counts)  # (N,)
+
+    def _last_positions(self, seqs: list[int], counts: list[int]) -> torch.Tensor:
+        """``(N,)`` int64: the last counts[i] positions of each sequence seqs[i], in order."""
         dev = self.k.device
         n = torch.tensor(counts, dtype=torch.long, device=dev)  # (S',)
         ends = self.lengths[torch.tensor(seqs, dtype=torch.long, device=dev)]  # (S',)
-        if bool((ends < n).any()):
-            i = int((ends < n).nonzero()[0])
-            raise ValueError(f"sequence {seqs[i]} holds {int(ends[i])} tokens, fewer than the "
-                             f"{counts[i]} of this step (extend it first)")
         first = torch.cumsum(n, 0) - n  # (S',) each sequence's first row in the step
         offset = torch.repeat_interleave(ends - n - first, n)  # (N,)
         return torch.arange(int(n.sum()), device=dev) + offset  # (N,)
@@ -691,9 +697,7 @@ class PagedKVCache:
     def _slots(self, seqs: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page (N,), slot (N,))`` of the last counts[i] positions of each sequence."""
         dev = self.k.device
-        pos = torch.cat([torch.arange(int(self.lengths[s]) - n, int(self.lengths[s]), device=dev)
-                         for s, n in zip(seqs, counts, strict=True)] or
-                        [torch.zeros(0, dtype=torch.long, device=dev)])  # (N,)
+        pos = self._last_positions(seqs, counts)  # (N,)
         row = torch.repeat_interleave(torch.tensor(seqs, dtype=torch.long, device=dev),
                                       torch.tensor(counts, dtype=torch.long, device=dev))  # (N,)
         p = self.page_size
