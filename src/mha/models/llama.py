@@ -387,10 +387,9 @@ class Llama(nn.Module):
     def _check_unpacked(self, method: str) -> None:
         """ValueError naming the first projection packed by :mod:`mha.llm.weights` (which
         replaces nn.Linear modules by modules that hold their weights packed)."""
-        from mha.llm.weights import PackedLinear, PackedMLP
-
         for name, module in self.named_modules():
-            if isinstance(module, (PackedLinear, PackedMLP)):
+            if name.endswith(("_proj", "lm_head", ".mlp")) and type(module).__name__.startswith(
+                    "Packed"):
                 raise ValueError(f"{method}: the model's projections are packed ({name} is a "
                                  f"{type(module).__name__}, whose weight is not in the state "
                                  f"dict); load the weights into the unpacked model, then pack "
