@@ -105,6 +105,35 @@ def test_every_compiled_kernel_matches_reference(kernel, dtype):
         assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype]
 
 
+# (B, h, h_kv, Tq, Tk, d_k, d_v, key_lengths): causal shapes whose 48-row query blocks cross the
+# diagonal inside a 128-key block, at its edge and across two blocks, with Tq != Tk
+# (bottom-right: offsets Tk - Tq of 0, 203, -170, 37), lengths off every tile size, GQA, and
+# key_lengths cutting the diagonal
+DIAGONAL_SHAPES = [(1, 2, 2, 200, 200, 64, 64, None), (2, 4, 2, 97, 300, 64, 48, None),
+                   (1, 2, 1, 300, 130, 17, 80, None), (2, 6, 3, 211, 248, 80, 64, [248, 101]),
+                   (1, 1, 1, 385, 385, 32, 16, None)]
+
+
+@pytest.mark.parametrize("kernel,dtype", _kernel_cases())
+@pytest.mark.parametrize("shape", DIAGONAL_SHAPES)
+def test_causal_diagonal_blocks(kernel, dtype, shape):
+    """Key blocks the first row of a query block does not see to their end (the causal
+    diagonal, per-row key limits) over several query and key blocks: every compiled kernel
+    against the fp64 oracle; rows that see no key give zeros and lse = -inf."""
+    B, h, h_kv, Tq, Tk, d_k, d_v, kl = shape
+    q, k, v = _inputs(B, h, h_kv, Tq, Tk, d_k, d_v, dtype, seed=Tq)
+    kl = None if kl is None else torch.tensor(kl)
+    out, lse = torch.ops.mha._flash_attention_fwd_kernel(q, k, v, kl, None, True, 0.3, kernel)
+    exact = _ref(q, k, v, causal=True, key_lengths=kl, scale=0.3)
+    naive = _ref(q, k, v, causal=True, key_lengths=kl, scale=0.3, upcast=False)
+    err = (out.double() - exact.double()).abs().max().item()
+    assert err <= 2 * (naive.double() - exact.double()).abs().max().item() + EPS[dtype], err
+    # rows that see no key (Tq > Tk, or key_lengths): zeros and lse -inf, nothing else
+    seen = MaskSpec(True, kl, None).dense(B, h, Tq, Tk).any(-1)  # (B, h, Tq)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert not out[~seen].any()
+
+
 def _fp32_kernel_cases():
     """(kernel, Tk) for every fp32 score path of the forward op: the tile kernels compiled in at
     Tk = 33 (one key block) and 150 (several), the small path (AVX-512 only) at Tk = 33."""
