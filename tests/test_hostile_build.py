@@ -387,3 +387,64 @@ def test_cache_key_covers_headers_in_subfolders(tmp_path):
     header.rename(tmp_path / "other" / "x.h")
     moved = build._key("probe", [src], tmp_path)
     assert len({before, edited, moved}) == 3
+
+
+# --- several extensions built at once (mha build) ----------------------------------------
+
+def _overlap_toolchain(toolchain: Path, tmp: Path) -> Path:
+    """A compiler wrapper whose compiles each wait (up to 60 s) until another compile has
+    started, and log "together" or "alone": compiles that run one after the other say alone."""
+    wrapper = tmp / "bin" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case " $* " in *" -c "*)
+          touch "$MHA_TEST_BARRIER/started-$$"
+          n=0; seen=alone
+          while [ $n -lt 600 ]; do
+            if [ $(ls "$MHA_TEST_BARRIER" | wc -l) -ge 2 ]; then seen=together; break; fi
+            sleep 0.1; n=$((n + 1))
+          done
+          echo "$seen" >> "$MHA_TEST_BARRIER.seen";;
+        esac
+        echo "$*" >> "$MHA_TEST_CXX_LOG"
+        exec {build.compiler()} "$@"
+    """))
+    wrapper.chmod(0o755)
+    csrc = tmp / "csrc"
+    csrc.mkdir()
+    (csrc / "probe.cpp").write_text(PROBE_CPP)
+    (csrc / "probe2.cpp").write_text(PROBE_CPP.replace("mha_probe_dot", "mha_probe2_dot"))
+    (csrc / "broken.cpp").write_text("this is not C++\n")
+    return csrc
+
+
+def test_prebuild_builds_missing_extensions_at_once(toolchain, tmp_path, monkeypatch):
+    csrc = _overlap_toolchain(toolchain, tmp_path)
+    cache, barrier, log = tmp_path / "cache", tmp_path / "barrier", tmp_path / "cxx.log"
+    barrier.mkdir()
+    for k, v in _env(MHA_CXX=str(tmp_path / "bin" / "g++"), MHA_TEST_CXX_LOG=str(log),
+                     MHA_TEST_BARRIER=str(barrier), MHA_BUILD_DIR=str(cache)).items():
+        monkeypatch.setenv(k, v)
+    items = [(NAME, ("probe.cpp",)), ("mha_probe2", ("probe2.cpp",)),
+             ("mha_broken", ("broken.cpp",))]
+    built = build.prebuild(items, jobs=3, csrc=csrc)
+    assert sorted(built) == [NAME, "mha_probe2"]  # the broken one is left to load()
+    assert all(secs > 0 for secs in built.values())
+    assert (tmp_path / "barrier.seen").read_text().split() == ["together"] * 3
+    assert _compiles(log) == 3
+    entries = sorted(d.name.split("-")[0] for d in cache.iterdir() if d.is_dir()
+                     and not d.name.startswith("."))
+    assert entries == [NAME, "mha_probe2"]
+    assert not [d for d in cache.iterdir() if d.name.startswith(".build-")]
+    for name, sources in items[:2]:  # complete: load() takes them without compiling
+        entry = cache / build._key(name, [csrc / s for s in sources], csrc)
+        manifest = json.loads((entry / f"{name}.manifest.json").read_text())
+        assert build._digest(entry / f"{name}.so") == (manifest["size"], manifest["sha256"])
+    # built already: nothing to do; one missing or one CPU: nothing to overlap (load() builds)
+    assert build.prebuild(items[:2], jobs=3, csrc=csrc) == {}
+    assert build.prebuild(items, jobs=3, csrc=csrc) == {}  # only the broken one is missing
+    assert build.prebuild([("mha_probe3", ("probe.cpp",)), *items], jobs=1, csrc=csrc) == {}
+    assert _compiles(log) == 3
+    with pytest.raises(build.BuildError, match="building mha_broken failed"):
+        build.load("mha_broken", ("broken.cpp",), csrc=csrc)

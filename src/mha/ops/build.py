@@ -229,6 +229,55 @@ def load(name: str, sources: tuple[str, ...], verbose: bool = False, *,
 
 
 
+def prebuild(items, *, jobs: int | None = None, csrc: Path = CSRC) -> dict[str, float]:
+    """Build the extensions ``items`` (``(name, sources)`` pairs, as :func:`load` takes them)
+    that the cache lacks, several at a time: each in a child process of its own (the cache's
+    lock keeps them apart from any other build), at most ``jobs`` at once (default: the CPUs
+    this process may use). A build is one compiler process per source, so building one
+    extension uses one CPU however many there are; ``mha build`` and the tests that need a
+    build of their own start them together. Nothing is loaded here: :func:`load` then finds
+    them built. Best effort: an extension whose child failed is left to :func:`load`, which
+    builds it again and says why it fails. ``csrc`` as for :func:`load`. Returns each
+    extension built here -> its seconds."""
+    import subprocess
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        root = cache_root()
+    except BuildError:
+        return {}  # load() says why
+    missing = []
+    for name, sources in items:
+        paths = [csrc / s for s in sources]
+        if not all(p.exists() for p in paths):
+            continue  # load() says which are missing
+        entry = root / _key(name, paths, csrc)
+        if not _matches_manifest(entry / f"{name}.so", entry / f"{name}.manifest.json"):
+            missing.append((name, tuple(sources)))
+    if jobs is None:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+    if len(missing) < 2 or jobs < 2:
+        return {}  # nothing to overlap: load() builds it in this process
+    package = str(Path(__file__).resolve().parent.parent.parent)  # the folder holding mha/
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))}
+    child = ("import sys; from pathlib import Path; from mha.ops import build; "
+             "build.load(sys.argv[1], tuple(sys.argv[3:]), csrc=Path(sys.argv[2]))")
+
+    def run(item: tuple[str, tuple[str, ...]]) -> tuple[str, float | None]:
+        name, sources = item
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", child, name, str(csrc), *sources], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, check=False)
+        return name, (time.perf_counter() - start if done.returncode == 0 else None)
+
+    with ThreadPoolExecutor(max_workers=min(jobs, len(missing))) as pool:
+        return {name: secs for name, secs in pool.map(run, missing) if secs is not None}
+
+
 _ready: dict[str, str | None] = {}  # extension name -> None (loaded, registered) or the reason
 _registered: set[str] = set()  # extensions whose Python side is registered (once per process)
 
