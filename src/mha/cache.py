@@ -30,6 +30,7 @@ import contextlib
 
 import torch
 
+from mha import hugepages
 from mha.checks import (
     check_float_dtype,
     check_int,
@@ -124,8 +125,9 @@ class KVCache:
         store = dict(kw, dtype=torch.int8) if self.kv_dtype == "int8" else kw
         # zeros, not empty: positions past a row's end are inside the (B, h_kv, Tk, d) views
         # that masked backends multiply by zero weights, and 0 * NaN garbage would be NaN.
-        self.k = torch.zeros(B, h_kv, T_max, d_k, **store)  # (B, h_kv, T_max, d_k)
-        self.v = torch.zeros(B, h_kv, T_max, d_v, **store)  # (B, h_kv, T_max, d_v)
+        # On huge pages where the OS allows (mha.hugepages): every decoding step streams them.
+        self.k = hugepages.zeros(B, h_kv, T_max, d_k, **store)  # (B, h_kv, T_max, d_k)
+        self.v = hugepages.zeros(B, h_kv, T_max, d_v, **store)  # (B, h_kv, T_max, d_v)
         self._dtype = torch.zeros(0, **kw).dtype  # what is appended and attended (not stored)
         self.k_scale = self.v_scale = None
         if self.kv_dtype == "int8":

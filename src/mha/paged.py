@@ -38,6 +38,7 @@ import warnings
 
 import torch
 
+from mha import hugepages
 from mha.checks import (
     check_float_dtype,
     check_int,
@@ -186,8 +187,9 @@ class PagedKVCache:
         self.kv_dtype = store
         M = -(-T // p)  # ceil(max_len / page_size)
         kw = dict(dtype=store, device=device)
-        self.k = torch.zeros(L, P, h_kv, p, d_k, **kw)  # (L, P, h_kv, p, d_k)
-        self.v = torch.zeros(L, P, h_kv, p, d_v, **kw)  # (L, P, h_kv, p, d_v)
+        # the page pools on huge pages where the OS allows (mha.hugepages): steps stream them
+        self.k = hugepages.zeros(L, P, h_kv, p, d_k, **kw)  # (L, P, h_kv, p, d_k)
+        self.v = hugepages.zeros(L, P, h_kv, p, d_v, **kw)  # (L, P, h_kv, p, d_v)
         dev = self.k.device
         self.k_scale = self.v_scale = None
         if store == torch.int8:
