@@ -162,7 +162,7 @@ def ort_gqa(q, k, v, causal: bool):
     return fn
 
 
-def ort_gqa_decode(q, k, v):
+def ort_gqa_decode(q, k, v, *, huge_pages: bool = True):
     """One decoding step through ONNX Runtime ``com.microsoft.GroupQueryAttention`` with a past
     K/V cache, the way ORT's generation loop runs it.
 
@@ -172,6 +172,12 @@ def ort_gqa_decode(q, k, v):
     outputs are bound (IOBinding) to the same buffers as the past inputs, so ORT appends in
     place instead of copying the history (its CPU kernel checks for the shared buffer). Every
     call rewrites position Tk - 1 with the same values, so repeated calls are identical.
+
+    The past buffers are torch tensors handed to ORT without a copy, in the pages ``huge_pages``
+    says (:func:`mha.hugepages.empty`, as :class:`mha.KVCache` allocates; False: ``torch.empty``'s
+    4 KiB pages), so that ORT and the cache it is compared with read the same kind of memory.
+    (A numpy copy would not: numpy advises huge pages on its large arrays by itself, which made
+    ORT's step read faster than a plain read of the cache's bytes.)
 
     Returns the timed callable; ``fn.result()`` gives the last output as ``(B, h, 1, d)``.
     """
@@ -196,9 +202,14 @@ def ort_gqa_decode(q, k, v):
                             ["o", "present_key", "present_value"], domain="com.microsoft",
                             num_heads=h, kv_num_heads=h_kv)
     sess = _ort_session([node], io_info, out_info, helper, onnx, ort)
-    # the cache in ORT's layout and dtype, converted once (untimed); (B, h_kv, Tk, d) each
-    past_k = ort.OrtValue.ortvalue_from_numpy(k.float().numpy().astype(np_dtype))
-    past_v = ort.OrtValue.ortvalue_from_numpy(v.float().numpy().astype(np_dtype))
+    # the cache in ORT's layout and dtype, converted once (untimed); (B, h_kv, Tk, d) each.
+    # ortvalue_from_numpy wraps a CPU array without copying: the tensors are the buffers.
+    from mha import hugepages
+
+    t_dtype = torch.float32 if np_dtype == "float32" else torch.float16
+    alloc = hugepages.empty if huge_pages else (lambda *s, dtype: torch.empty(s, dtype=dtype))
+    held = [alloc(*x.shape, dtype=t_dtype).copy_(x) for x in (k, v)]  # (B, h_kv, Tk, d)
+    past_k, past_v = (ort.OrtValue.ortvalue_from_numpy(t.numpy()) for t in held)
     binding = sess.io_binding()
     binding.bind_cpu_input("q", _bsd(q, np_dtype))  # (B, 1, h * d)
     binding.bind_cpu_input("k", _bsd(k[:, :, Tk - 1:], np_dtype))  # (B, 1, h_kv * d)
@@ -221,6 +232,7 @@ def ort_gqa_decode(q, k, v):
 
     fn = lambda: sess.run_with_iobinding(binding)  # noqa: E731
     fn.result = result
+    fn.buffers = held  # ORT reads and writes them: they live as long as the callable
     fn.note = note
     return fn
 
