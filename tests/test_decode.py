@@ -26,10 +26,12 @@ NEEDS_KERNEL = pytest.mark.skipif(decode.unavailable() is not None,
 # blocks), Tq = 16, d_k = 256 (fp32: each of a score's 16 lanes sums 16 of its products). bf16
 # with d_k % 32 == 0, d_k <= 128 and G = h / h_kv * Tq <= 16 scores on AMX tiles (32 keys at a
 # time, the rest of a split on AVX-512): G = 1, 4, 6, 8, 16 below; G = 24 and 32, and d_k = 40,
-# 200 or 256, take the vdpbf16ps path.
+# 200 or 256, take the vdpbf16ps path. G = 1 with d_k a whole number of vectors reads each
+# block's K rows one after the other (qk_rows' one-row order), the blocks' tails masked.
 SHAPES = [
     (1, 4, 4, 1, 1, 16, 16),
     (1, 4, 4, 1, 1000, 128, 128),
+    (1, 3, 3, 1, 530, 64, 48),
     (1, 16, 1, 1, 333, 32, 32),
     (1, 8, 1, 3, 300, 64, 40),
     (2, 8, 2, 1, 300, 64, 64),

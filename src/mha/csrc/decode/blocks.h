@@ -234,7 +234,16 @@ void qk_rows(const QT* q, int64_t dk, const KT* k, int64_t kst, int64_t n, float
     const int64_t nt = std::min<int64_t>(KB, n - j);
     __m512 acc[16];
     MHA_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    if (nt == KB && dk % S::W == 0) {
+    if (R == 1 && nt == KB && dk % S::W == 0) {
+      // one query row, a whole block: each K row read whole, in memory order, so that K is
+      // one sequential stream which the hardware prefetchers follow by themselves (no
+      // software prefetch: it only competed with them). Each accumulator takes its products
+      // in the same order as below, so the sums are the same bits.
+      const KT* kt = k + j * kst;
+      MHA_UNROLL for (int t = 0; t < KB; ++t, kt += kst)
+        for (int64_t c = 0; c < dk; c += S::W)
+          acc[4 * (t % 4) + t / 4] = S::madd(acc[4 * (t % 4) + t / 4], S::q(q + c), S::k(kt + c));
+    } else if (nt == KB && dk % S::W == 0) {
       // a whole block, whole vectors: one pointer walks the KB rows (no per-row pointers to
       // keep in registers), unmasked loads (int8: the widening load takes its memory operand)
       const KT* kb = k + j * kst;
