@@ -3,7 +3,9 @@ that allocate their storage with it.
 
 Whether the kernel then backs them with 2 MiB pages depends on the OS (THP mode, free memory),
 so the tests check the advice itself: the mapping that holds the buffer carries the ``hg`` flag
-(``VM_HUGEPAGE``) in ``/proc/self/smaps``, which only ``madvise(MADV_HUGEPAGE)`` sets.
+(``VM_HUGEPAGE``) in ``/proc/self/smaps``, which only ``madvise(MADV_HUGEPAGE)`` sets. The caches
+hold 32 MiB blocks: glibc maps those fresh every time (its mmap threshold grows to 32 MiB at
+most), so no mapping advised by an earlier test can hold them.
 """
 
 from __future__ import annotations
@@ -70,14 +72,15 @@ def test_empty_and_zeros_give_advised_tensors_of_the_shape_and_dtype():
 @LINUX
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_kv_cache_storage_is_advised(kv_dtype):
-    cache = mha.KVCache(1, 8, 4096, 128, dtype=torch.float32, kv_dtype=kv_dtype)  # >= 4 MiB
+    T_max = 8192 if kv_dtype is None else 32768  # 32 MiB of K (and of V) either way
+    cache = mha.KVCache(1, 8, T_max, 128, dtype=torch.float32, kv_dtype=kv_dtype)
     assert _advised(cache.k) and _advised(cache.v)
     assert not cache.k.any() and not cache.v.any()  # zeroed, as before
 
 
 @LINUX
 def test_paged_pools_are_advised():
-    cache = PagedKVCache(256, 16, 8, 128, max_seqs=2, max_len=1024, dtype=torch.float32)
+    cache = PagedKVCache(512, 16, 8, 128, max_seqs=2, max_len=1024, dtype=torch.float32)
     assert _advised(cache.k) and _advised(cache.v)
     assert not cache.k.any()
 
