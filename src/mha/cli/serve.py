@@ -161,13 +161,13 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # the port was taken while the model loaded
         raise UsageError(f"--host {args.host} --port {args.port} cannot be listened on: "
                          f"{e.strerror or e}") from e
-    print(f"mha serve: {MODEL_NAME} ({_IMPLS[args.impl]}) on {server.url} (Ctrl-C stops)",
-          flush=True)
-    print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
-          "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
-          "\"max_tokens\": 32}'", flush=True)
-    server.engine.start()
-    try:
+    try:  # (from here on, Ctrl-C stops the threads the server began: Server.server_close)
+        print(f"mha serve: {MODEL_NAME} ({_IMPLS[args.impl]}) on {server.url} (Ctrl-C stops)",
+              flush=True)
+        print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
+              "\"max_tokens\": 32}'", flush=True)
+        server.engine.start()
         with _terminate_as_interrupt():
             server.serve_forever()
     except KeyboardInterrupt:

@@ -438,7 +438,11 @@ class Server(http.server.ThreadingHTTPServer):
         self._reading_lock = threading.Lock()
         self._closing = threading.Event()
         self._serving = False  #: serve_forever began, or start() will begin it
-        threading.Thread(target=self._reap, name="mha-serve-deadlines", daemon=True).start()
+        self._http: threading.Thread | None = None  #: start()'s serve_forever thread
+        #: drops requests past their deadline; joined by server_close()
+        self._reaper = threading.Thread(target=self._reap, name="mha-serve-deadlines",
+                                        daemon=True)
+        self._reaper.start()
 
     @property
     def url(self) -> str:
@@ -449,9 +453,10 @@ class Server(http.server.ThreadingHTTPServer):
         """Start the engine and serve in a background thread (returned)."""
         self.engine.start()
         self._serving = True
-        t = threading.Thread(target=self.serve_forever, name="mha-serve-http", daemon=True)
-        t.start()
-        return t
+        self._http = threading.Thread(target=self.serve_forever, name="mha-serve-http",
+                                      daemon=True)
+        self._http.start()
+        return self._http
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._serving = True
@@ -459,15 +464,28 @@ class Server(http.server.ThreadingHTTPServer):
 
     def close(self) -> None:
         """Stop serving, stop the engine, close the socket (also for a server never started:
-        socketserver's shutdown() would wait for a serve_forever that never runs)."""
+        socketserver's shutdown() would wait for a serve_forever that never runs). The
+        threads :meth:`start` began have ended when it returns (see :meth:`server_close`)."""
         if self._serving:
             self.shutdown()
+        if self._http is not None and self._http is not threading.current_thread():
+            self._http.join()  # (shutdown() returns before the thread lets go of the server)
         self.engine.stop(timeout=30)
         self.server_close()
 
     def server_close(self) -> None:
+        """Close the listening socket and end the deadline thread, waiting for it.
+
+        A server thread must not outlive this: its target is a bound method, so the thread
+        holds the server, hence the engine and the model's tensors, until it ends. Left
+        running, it can drop the last reference while the interpreter finalizes; freeing a
+        tensor there releases and re-takes the GIL inside torch's C++ destructors, where
+        CPython ends the thread (pthread_exit), and the unwind through a noexcept frame
+        aborts the process ("terminate called without an active exception", exit 134)."""
         self._closing.set()
         super().server_close()
+        if self._reaper is not threading.current_thread():
+            self._reaper.join()
 
     def process_request(self, request, client_address) -> None:
         """A thread for the connection, or, with ``max_connections`` served already, a 503
