@@ -417,7 +417,6 @@ class Server(http.server.ThreadingHTTPServer):
             otherwise each hold a thread up to ``request_timeout``).
     """
 
-    daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128  #: connections the kernel holds before accept (the base: 5)
 
@@ -427,12 +426,13 @@ class Server(http.server.ThreadingHTTPServer):
         self.request_timeout = _check_timeout(request_timeout)
         self.max_connections = _check_connections(max_connections)
         self._connections = 0  #: connections with a thread now
+        #: the connections' threads (ended ones dropped as new ones come); joined by close
+        self._connection_threads: list[threading.Thread] = []
         self._connections_lock = threading.Lock()
         self._refused: collections.deque = collections.deque()  #: (close at, socket) past the cap
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.log, self.debug = log, debug
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not for concurrent use
-        super().__init__(address, Handler)
         #: handlers reading a request -> the time its bytes must have come by
         self._reading: dict[Handler, float] = {}
         self._reading_lock = threading.Lock()
@@ -440,6 +440,8 @@ class Server(http.server.ThreadingHTTPServer):
         self._serving = False  #: serve_forever began, or start() will begin it
         self._http: threading.Thread | None = None  #: start()'s serve_forever thread
         #: drops requests past their deadline; joined by server_close()
+        self._reaper: threading.Thread | None = None
+        super().__init__(address, Handler)  # (a failed bind calls server_close)
         self._reaper = threading.Thread(target=self._reap, name="mha-serve-deadlines",
                                         daemon=True)
         self._reaper.start()
@@ -465,7 +467,8 @@ class Server(http.server.ThreadingHTTPServer):
     def close(self) -> None:
         """Stop serving, stop the engine, close the socket (also for a server never started:
         socketserver's shutdown() would wait for a serve_forever that never runs). The
-        threads :meth:`start` began have ended when it returns (see :meth:`server_close`)."""
+        server's threads have ended when it returns (see :meth:`server_close`), the engine's
+        unless its step outlasts the 30 s it is given."""
         if self._serving:
             self.shutdown()
         if self._http is not None and self._http is not threading.current_thread():
@@ -474,18 +477,33 @@ class Server(http.server.ThreadingHTTPServer):
         self.server_close()
 
     def server_close(self) -> None:
-        """Close the listening socket and end the deadline thread, waiting for it.
+        """Close the listening socket, end the deadline thread and the connections' threads,
+        waiting for them (connections waiting for a request are shut for reading, so kept-alive
+        idle ones end at once; one still answering ends when its answer is written or its
+        socket times out, waited for up to ``request_timeout``). Stop the engine first
+        (:meth:`close` does): its open requests then get their 503.
 
-        A server thread must not outlive this: its target is a bound method, so the thread
-        holds the server, hence the engine and the model's tensors, until it ends. Left
-        running, it can drop the last reference while the interpreter finalizes; freeing a
-        tensor there releases and re-takes the GIL inside torch's C++ destructors, where
-        CPython ends the thread (pthread_exit), and the unwind through a noexcept frame
-        aborts the process ("terminate called without an active exception", exit 134)."""
-        self._closing.set()
+        A server thread must not outlive this: the thread holds the server (its target is a
+        bound method, a handler holds ``server``), hence the engine and the model's tensors,
+        until it ends. Left running, it can drop the last reference while the interpreter
+        finalizes; freeing a tensor there releases and re-takes the GIL inside torch's C++
+        destructors, where CPython ends the thread (pthread_exit), and the unwind through a
+        noexcept frame aborts the process ("terminate called without an active exception",
+        exit 134)."""
+        with self._reading_lock:  # (a handler that starts reading later is shut at once)
+            self._closing.set()
+            for h in self._reading:
+                with contextlib.suppress(OSError):
+                    h.connection.shutdown(socket.SHUT_RD)
         super().server_close()
-        if self._reaper is not threading.current_thread():
+        if self._reaper is not None:  # (None: the bind failed)
             self._reaper.join()
+        with self._connections_lock:
+            threads = list(self._connection_threads)
+        end = time.monotonic() + self.request_timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
 
     def process_request(self, request, client_address) -> None:
         """A thread for the connection, or, with ``max_connections`` served already, a 503
@@ -494,7 +512,14 @@ class Server(http.server.ThreadingHTTPServer):
             full = self._connections >= self.max_connections
             self._connections += not full
         if not full:
-            super().process_request(request, client_address)
+            # (daemon: a server never closed does not hold the interpreter's exit)
+            t = threading.Thread(target=self.process_request_thread,
+                                 args=(request, client_address), name="mha-serve-connection",
+                                 daemon=True)
+            with self._connections_lock:  # (started here: server_close joins started ones)
+                self._connection_threads = [*filter(threading.Thread.is_alive,
+                                                    self._connection_threads), t]
+                t.start()
             return
         try:
             request.settimeout(1.0)
@@ -520,7 +545,10 @@ class Server(http.server.ThreadingHTTPServer):
     def reading(self, handler: Handler, started: bool) -> None:
         """``handler`` starts (``request_timeout`` from now) or ends reading a request."""
         with self._reading_lock:
-            if started:
+            if started and self._closing.is_set():  # (server_close shut the others)
+                with contextlib.suppress(OSError):
+                    handler.connection.shutdown(socket.SHUT_RD)
+            elif started:
                 self._reading[handler] = time.monotonic() + self.request_timeout
             else:
                 self._reading.pop(handler, None)
