@@ -572,6 +572,7 @@ def test_serve_prints_its_url_answers_and_stops_at_ctrl_c(models, tok, capsys, m
                                           dtype=torch.float32, attn="mha"))
     seen = {}
     serve_forever = Server.serve_forever
+    before = server_threads()
 
     def serve_then_interrupt(self, *a, **kw):
         t = threading.Thread(target=serve_forever, args=(self,), daemon=True)
@@ -594,6 +595,106 @@ def test_serve_prints_its_url_answers_and_stops_at_ctrl_c(models, tok, capsys, m
         want, skip_special_tokens=True)
     assert not seen["engine"]._thread.is_alive()
     assert "stopped" in err and "Traceback" not in err
+    assert not server_threads() - before, "mha serve returned with its server's threads running"
+
+
+def server_threads() -> set[threading.Thread]:
+    """The servers' threads (engine, deadlines, serve_forever, connections) running now (the
+    module's ``server`` fixture's among them)."""
+    return {t for t in threading.enumerate() if t.name.startswith("mha-serve")}
+
+
+def test_serve_stopped_by_ctrl_c_as_the_engine_starts_exits_0_with_its_threads_ended(
+        models, tok, capsys, monkeypatch):
+    """Ctrl-C just after the URL line, as the engine thread starts (before serving), stops the
+    server as Ctrl-C while serving does: exit 0, no thread of the server left running (one
+    left would free the model's tensors while the interpreter finalizes: an abort)."""
+    import mha.cli.serve
+    from mha.cli import main
+    from mha.llm.model import Loaded
+    from mha.llm.server import Engine
+
+    monkeypatch.setattr(mha.cli.serve, "load_or_hint",
+                        lambda *a: Loaded(model=models["mha"], tokenizer=tok,
+                                          dtype=torch.float32, attn="mha"))
+    start = Engine.start
+
+    def start_then_interrupt(self):
+        start(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "start", start_then_interrupt)
+    before = server_threads()
+    code = main(["serve", "--port", "0", "--num-pages", "16", "--page-size", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "stopped" in err, (code, err)
+    assert not server_threads() - before
+
+
+def test_close_ends_the_server_threads_and_lets_go_of_the_server(models, tok, monkeypatch):
+    """When close() returns, the threads the server began (engine, deadlines, serve_forever)
+    have ended and none holds the server: its last reference here frees it, with the engine
+    and the page pool, on this thread. (A thread that ends later frees them itself; during
+    the interpreter's finalization that aborts the process: Server.server_close.) The
+    deadline and serve_forever threads linger a moment after their loops end, as a thread
+    scheduled late does: close() must wait for them, not only for their loops."""
+    import weakref
+
+    from mha.llm.server import Server
+
+    def lingering(method):
+        def run(self, *a, **kw):
+            method(self, *a, **kw)
+            time.sleep(0.2)
+        return run
+
+    monkeypatch.setattr(Server, "_reap", lingering(Server._reap))
+    monkeypatch.setattr(Server, "serve_forever", lingering(Server.serve_forever))
+    before = server_threads()
+    srv = make_server(models["mha"], tok, port=0, num_pages=4, page_size=4)
+    srv.start()
+    srv.close()
+    assert not server_threads() - before
+    freed = weakref.ref(srv)
+    del srv
+    assert freed() is None, "a thread of the server still holds it after close()"
+
+
+def test_close_ends_the_threads_of_kept_alive_connections(models, tok):
+    """A client that keeps its connection open after an answer (HTTP/1.1 keep-alive) holds a
+    thread waiting for its next request: close() ends that thread too before returning (its
+    wait is cut, not sat out for ``request_timeout``), so no thread holds the server after.
+    The join's bound only detects a hang."""
+    import weakref
+
+    before = server_threads()
+    srv = make_server(models["mha"], tok, port=0, num_pages=4, page_size=4,
+                      request_timeout=3600)
+    srv.start()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read()
+        t = threading.Thread(target=srv.close, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "close() waited for the kept-alive connection's next request"
+        assert not server_threads() - before
+        freed = weakref.ref(srv)
+        del srv
+        assert freed() is None, "the kept-alive connection's thread still holds the server"
+    finally:
+        conn.close()
+
+
+def test_a_port_in_use_is_an_os_error(models, tok):
+    """A port another socket listens on: make_server raises the bind's OSError (mha serve
+    prints it as one line), not an error of the half-built server closing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="in use"):
+            make_server(models["mha"], tok, port=s.getsockname()[1], num_pages=4, page_size=4)
 
 
 def test_a_bug_in_the_engine_is_a_500_and_the_engine_goes_on(server, models, tok, monkeypatch):
