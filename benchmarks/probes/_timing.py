@@ -1,5 +1,6 @@
 """What the scripts in ``benchmarks/probes/`` share: the one timer (round-robin medians in one
-process) and the A/B probes' ``--variant`` option (flash_ab.py, fused_ab.py).
+process) and the A/B probes' ``--variant`` option and builds (flash_ab.py, fused_ab.py,
+decode_ab.py).
 
 Each round calls every function once (or a batch of calls sized to ``min_time``), so a noisy
 neighbour on a shared machine slows all of them alike; the result is the median seconds per
@@ -54,3 +55,32 @@ def variants(specs: list[str]) -> list[tuple[str, Path, list[str]]]:
         csrc, *defines = rest.split(":")
         out.append((name, Path(csrc).resolve(), defines))
     return out
+
+
+def build_variant(name: str, csrc: Path, defines: list[str], source: str, folder: str) -> None:
+    """Compile ``source`` (e.g. flash/flash_attn.cpp) of the tree ``csrc`` with its ops under
+    ``mha_ab_<name>`` and ``defines``, and load it; kept in ``<build cache>/<folder>``, keyed by
+    the flags, the source and every header of the tree."""
+    import hashlib
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from mha.ops import build
+
+    flags = [*build.FLAGS, f"-Dmha=mha_ab_{name}", *defines]
+    h = hashlib.sha256(" ".join(flags).encode())
+    for f in sorted(csrc.rglob("*.h")) + [csrc / source]:
+        h.update(str(f.relative_to(csrc)).encode())
+        h.update(f.read_bytes())
+    tag = f"mha_ab_{name}_{h.hexdigest()[:12]}"
+    out = build.cache_root() / folder / tag
+    lib = out / f"{tag}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"building {name} ({csrc}, {' '.join(defines) or 'no extra flags'}) ...", flush=True)
+    cpp_extension.load(name=tag, sources=[str(csrc / source)], extra_cflags=flags,
+                       extra_ldflags=list(build.LDFLAGS), extra_include_paths=[str(csrc)],
+                       build_directory=str(out), is_python_module=False)

@@ -28,7 +28,6 @@ threads' wall clock there follows the scheduler more than the kernels (docs/deco
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -38,32 +37,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import add_variant_argument, interleaved, variants  # noqa: E402
+from _timing import add_variant_argument, build_variant, interleaved, variants  # noqa: E402
 
 
 def _build(name: str, csrc: Path, defines: list[str]) -> None:
     """Compile decode/flash_decode.cpp of ``csrc`` with its ops under mha_ab_<name>; load it."""
-    from torch.utils import cpp_extension
-
-    from mha.ops import build
-
-    source = "decode/flash_decode.cpp"
-    flags = [*build.FLAGS, f"-Dmha=mha_ab_{name}", *defines]
-    h = hashlib.sha256(" ".join(flags).encode())
-    for f in sorted(csrc.rglob("*.h")) + [csrc / source]:
-        h.update(str(f.relative_to(csrc)).encode())
-        h.update(f.read_bytes())
-    tag = f"mha_ab_{name}_{h.hexdigest()[:12]}"
-    out = build.cache_root() / "decode_ab" / tag
-    lib = out / f"{tag}.so"
-    if not lib.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"building {name} ({csrc}, {' '.join(defines) or 'no extra flags'}) ...", flush=True)
-        cpp_extension.load(name=tag, sources=[str(csrc / source)], extra_cflags=flags,
-                           extra_ldflags=list(build.LDFLAGS), extra_include_paths=[str(csrc)],
-                           build_directory=str(out), is_python_module=False)
-    else:
-        torch.ops.load_library(str(lib))
+    build_variant(name, csrc, defines, "decode/flash_decode.cpp", "decode_ab")
 
 
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, pages: str) -> torch.Tensor:

@@ -27,7 +27,6 @@ variant's time over the first variant's (< 1: faster). Builds are cached under
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import add_variant_argument, variants  # noqa: E402
+from _timing import add_variant_argument, build_variant, variants  # noqa: E402
 from bench_path import touched  # noqa: E402
 
 
@@ -71,27 +70,7 @@ def _interleaved(fns: dict, rounds: int, min_time: float, clock, idle: float = 0
 def _build(name: str, csrc: Path, defines: list[str], source: str) -> None:
     """Compile ``source`` (flash/flash_attn.cpp or flash/flash_attn_bwd.cpp) of ``csrc`` with
     ops under mha_ab_<name>, and load it."""
-    from torch.utils import cpp_extension
-
-    from mha.ops import build
-
-    flags = [*build.FLAGS, f"-Dmha=mha_ab_{name}", *defines]
-    h = hashlib.sha256(" ".join(flags).encode())
-    for f in sorted(csrc.rglob("*.h")) + [csrc / source]:
-        h.update(str(f.relative_to(csrc)).encode())
-        h.update(f.read_bytes())
-    tag = f"mha_ab_{name}_{h.hexdigest()[:12]}"
-    out = build.cache_root() / "flash_ab" / tag
-    lib = out / f"{tag}.so"
-    if not lib.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"building {name} ({csrc}, {' '.join(defines) or 'no extra flags'}) ...", flush=True)
-        cpp_extension.load(name=tag, sources=[str(csrc / source)],
-                           extra_cflags=flags, extra_ldflags=list(build.LDFLAGS),
-                           extra_include_paths=[str(csrc)], build_directory=str(out),
-                           is_python_module=False)
-    else:
-        torch.ops.load_library(str(lib))
+    build_variant(name, csrc, defines, source, "flash_ab")
 
 
 def build_variants(specs: list[str], source: str) -> list[str]:
